@@ -1,11 +1,255 @@
-"""nanoareal: a minimal GRPO trainer (work in progress; the loop lands with the next commits)."""
+"""
+nanoareal: a minimal, hackable GRPO trainer. This one file is the whole reinforcement-learning loop:
+generate -> reward -> advantages -> loss -> optimizer step -> weight sync -> log -> checkpoint.
+
+Run it:
+    python nanoareal.py                                          # built-in tiny arithmetic task on a CPU
+    torchrun --nproc_per_node 2 nanoareal.py --loss-aggregation prompt_mean
+    python nanoareal.py --config configs/qwen2.5-0.5b-gsm8k.toml  # one GPU, SGLang colocated
+    python nanoareal.py --help                                   # every flag, documented
+
+What it leaves out on purpose: a critic (GRPO needs none), multi-turn tools, pipeline/tensor parallel in the
+trainer (FSDP2 + optional context parallel cover one node up to a few billion parameters), and any class
+hierarchy. Every number that reaches the gradient is computed in `loss.py`, whose LossReduction makes the
+gradient independent of micro-batching and world size (see ../shared/SPEC.md, mirrored in the README).
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import random
+import re
+import sys
+import time
+import types
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+import loss as L
+from rollout import Completion, SamplingParams, mix_seed
 
 # -----------------------------------------------------------------------------
-# data: the built-in arithmetic task (generated, never downloaded)
+# config: one flat dataclass; `--help` is the documentation and each field is a `--flag-name`
+
+
+@dataclass
+class Config:
+    # run
+    model: str = "assets/tiny-arith"
+    """HF causal-LM directory (weights + tokenizer). The default is the shipped 1.6M-parameter arithmetic model."""
+    run_dir: str = "runs/default"
+    """Where metrics.jsonl, checkpoints and the final export go."""
+    seed: int = 0
+    steps: int = 40
+    """Optimizer steps (one rollout batch each)."""
+    config: str | None = None
+    """TOML file of defaults for these flags (flags on the command line win)."""
+
+    # data
+    dataset: str = "arithmetic"
+    """'arithmetic' (built-in, generated) or a JSONL file of {"prompt"|"messages", "answer"}."""
+    eval_dataset: str | None = None
+    """JSONL for held-out eval; the built-in task has its own held-out split."""
+    chat_template: bool = False
+    """Wrap prompts with the tokenizer's chat template ("messages" rows always use it)."""
+    reward: Literal["exact_match", "gsm8k"] = "exact_match"
+    """exact_match: the stripped completion equals the answer; gsm8k: the last number (or '#### x') equals it."""
+    prompts_per_step: int = 64
+    """Prompts per rollout batch (all ranks together); each gets `group_size` samples."""
+    group_size: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    # advantages
+    adv_estimator: Literal["grpo", "rloo"] = "grpo"
+    """grpo: baseline = group mean; rloo: baseline = mean of the *other* responses of the group."""
+    adv_std: bool = True
+    """Divide by the group's reward std (--no-adv-std gives Dr. GRPO)."""
+    adv_eps: float = 1e-6
+    filter_zero_variance: bool = False
+    """Drop groups whose rewards are all equal (they carry no gradient under GRPO, only normalizer mass)."""
+    mask_truncated: bool = False
+    """Exclude responses cut by max_new_tokens from the loss (and from its denominators)."""
+
+    # loss (see loss.py)
+    loss_aggregation: Literal["token_mean", "seq_mean", "prompt_mean", "constant"] = "token_mean"
+    loss_aggregation_divisor: float | None = None
+    """C of the 'constant' mode; defaults to max_new_tokens."""
+    policy_loss: Literal["ppo", "gspo", "cispo", "sapo"] = "ppo"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    """Upper clip; > eps_low is DAPO's clip-higher."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 (caps the loss of A < 0 tokens at -c A)."""
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    behaviour_cap: float | None = None
+    """Decoupled PPO: weight tokens by pi_prox/pi_behave, capped at this value."""
+    behaviour_cap_mode: Literal["truncate", "mask"] = "truncate"
+    m2po_threshold: float | None = None
+    """M2PO: mask tokens until the mean squared log(pi_prox/pi_behave) is below this."""
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    """KL penalty to the initial policy (loads a frozen reference copy)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+
+    # optimization
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    warmup_steps: int = 2
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    grad_clip: float = 1.0
+    num_minibatches: int = 1
+    """Optimizer steps per rollout batch. >1 needs recomputed proximal log-probs (one extra forward)."""
+    reuse_train_logprobs: bool = True
+    """With one mini-batch, pi_prox = the training forward's detached log-probs (saves a forward pass)."""
+    micro_batch_tokens: int = 512
+    """Token budget of one packed micro-batch (sequences are never cut). sdpa on CPU attends over the whole packed
+    row (cost ~ budget^2), so CPU wants small budgets; flash-attn varlen on GPU is linear: use 8k-32k there."""
+    logprob_chunk_tokens: int = 1024
+    """Tokens per chunk when turning hidden states into log-probs (never materialises all fp32 logits)."""
+
+    # rollout
+    rollout_backend: Literal["hf", "sglang"] = "hf"
+    rollout_url: list[str] = field(default_factory=list)
+    """SGLang server URLs; empty with --rollout-backend sglang means an in-process engine on this GPU."""
+    sglang_mem_fraction: float = 0.5
+    """In-process SGLang: mem_fraction_static, the GPU share for its weights + KV cache (sized at start)."""
+    rollout_timeout: float = 600.0
+    """Seconds one HTTP request to a rollout server may take before it is retried."""
+    rollout_retries: int = 3
+    """Retries (exponential backoff) on timeouts, connection errors and 5xx before failing with the URL."""
+    rollout_abort_retries: int = 3
+    """Resubmissions of prompt + tokens so far when a server aborts a request; then the sample is dropped."""
+    rollout_health_timeout: float = 600.0
+    """Seconds to wait at start for every server's /health_generate."""
+    weight_sync: Literal["auto", "tensor", "disk", "nccl"] = "auto"
+    """auto: tensor (CUDA IPC) in-process, disk for --rollout-url; nccl: broadcast to servers on other GPUs."""
+    weight_sync_bucket_mb: int = 512
+    """Bucket size of the tensor/nccl weight push (MiB)."""
+    weight_sync_addr: str = ""
+    """nccl: host:port trainer rank 0 listens on for the weight group (empty: this host, a free port)."""
+
+    # eval and logging
+    eval_every: int = 10
+    eval_size: int = 256
+    log_every: int = 1
+    wandb_project: str | None = None
+    wandb_run_name: str | None = None
+
+    # system
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
+    """auto: bf16 mixed precision on GPU, fp32 on CPU. float64 is for exactness tests."""
+    threads: int = 1
+    """torch CPU threads per rank (1 is the stable choice on small machines)."""
+    cp_size: int = 1
+    """Context parallel (Ulysses): ranks that split every packed micro-batch's tokens; must divide the world."""
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    import tyro
+
+    argv = sys.argv[1:] if argv is None else argv
+    defaults = Config()
+    if "--config" in argv:  # a TOML file supplies defaults, the command line overrides them
+        path = argv[argv.index("--config") + 1]
+        import tomllib
+
+        try:
+            with open(path, "rb") as f:
+                values = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise SystemExit(f"--config {path}: {e}") from e
+        known = {f for f in Config.__dataclass_fields__}
+        unknown = sorted(k for k in values if k.replace("-", "_") not in known)
+        if unknown:
+            raise SystemExit(f"--config {path}: unknown keys {unknown}")
+        defaults = Config(**{k.replace("-", "_"): v for k, v in values.items()})
+    return tyro.cli(Config, args=argv, default=defaults)
+
+
+def validate_config(cfg: Config, world: int) -> Config:
+    """Fail fast, in one line naming the flags, on options that contradict each other."""
+    def bad(msg: str):
+        raise SystemExit(f"config error: {msg}")
+
+    if cfg.loss_aggregation == "constant":
+        cfg.loss_aggregation_divisor = cfg.loss_aggregation_divisor or float(cfg.max_new_tokens)
+        if cfg.loss_aggregation_divisor <= 0:
+            bad("--loss-aggregation constant needs a positive --loss-aggregation-divisor")
+    if cfg.group_size < 1 or cfg.prompts_per_step < 1 or cfg.max_new_tokens < 1:
+        bad("--group-size, --prompts-per-step and --max-new-tokens must be positive")
+    if cfg.group_size == 1 and cfg.adv_std and cfg.adv_estimator == "grpo":
+        bad("--group-size 1 with std normalization gives zero advantages everywhere (use --no-adv-std or more samples)")
+    if cfg.num_minibatches < 1 or cfg.num_minibatches > cfg.prompts_per_step:
+        bad("--num-minibatches must be in [1, --prompts-per-step]")
+    if cfg.m2po_threshold is not None and cfg.reuse_train_logprobs:
+        # M2PO needs pi_prox of the whole mini-batch before the first micro-batch runs.
+        cfg.reuse_train_logprobs = False
+    if cfg.num_minibatches > 1 and cfg.reuse_train_logprobs:
+        print0("warning: --reuse-train-logprobs is only valid with one mini-batch; recomputing pi_prox instead")
+        cfg.reuse_train_logprobs = False
+    if cfg.temperature < 0:
+        bad("--temperature must be >= 0")
+    if cfg.rollout_backend == "hf" and cfg.rollout_url:
+        bad("--rollout-url needs --rollout-backend sglang")
+    if cfg.cp_size < 1 or world % cfg.cp_size:
+        bad(f"--cp-size {cfg.cp_size} must divide the number of ranks ({world})")
+    return cfg
+
+
+# -----------------------------------------------------------------------------
+# distributed setup from torchrun's environment (plain `python` = a world of one)
+
+RANK, WORLD = 0, 1
+
+
+def print0(*args, **kwargs):
+    if RANK == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def setup_distributed(cfg: Config) -> torch.device:
+    global RANK, WORLD
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    backend = "nccl" if use_cuda else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:  # a one-rank group keeps one code path (FSDP2 and collectives work the same)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    RANK, WORLD = dist.get_rank(), dist.get_world_size()
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def all_reduce_sum(values: dict[str, float]) -> dict[str, float]:
+    """One collective for a whole dict of per-rank sums."""
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    if WORLD > 1:
+        t = t.to(_COMM_DEVICE)
+        dist.all_reduce(t)
+    return dict(zip(keys, t.cpu().tolist()))
+
+
+_COMM_DEVICE = torch.device("cpu")
+
+# -----------------------------------------------------------------------------
+# data: the built-in arithmetic task (generated, never downloaded) or JSONL prompts
 
 
 def make_arithmetic_task(seed: int = 0, max_operand: int = 50, heldout_size: int = 256):
@@ -18,3 +262,749 @@ def make_arithmetic_task(seed: int = 0, max_operand: int = 50, heldout_size: int
     random.Random(seed).shuffle(pairs)
     items = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
     return items[heldout_size:], items[:heldout_size]
+
+
+def load_jsonl(path: str) -> list[dict]:
+    """Rows of {"prompt": str} or {"messages": [{"role", "content"}, ...]}, each with "answer"."""
+    items = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise SystemExit(f"{path}: cannot read ({e.strerror})") from e
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{path}:{n}: not valid JSON ({e.msg})") from e
+        if not isinstance(row, dict):
+            raise SystemExit(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+        has_prompt, has_messages = isinstance(row.get("prompt"), str), isinstance(row.get("messages"), list)
+        if has_prompt == has_messages:
+            raise SystemExit(f'{path}:{n}: needs exactly one of "prompt" (string) or "messages" (list)')
+        if has_messages and not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in row["messages"]):
+            raise SystemExit(f'{path}:{n}: every message needs "role" and "content"')
+        if "answer" not in row or not isinstance(row["answer"], (str, int, float)):
+            raise SystemExit(f'{path}:{n}: missing "answer" (string or number)')
+        items.append({k: row[k] for k in ("prompt", "messages") if k in row} | {"answer": str(row["answer"])})
+    if not items:
+        raise SystemExit(f"{path}: no rows")
+    return items
+
+
+def encode_prompt(item: dict, tokenizer, chat_template: bool) -> list[int]:
+    if "messages" in item or chat_template:
+        messages = item.get("messages") or [{"role": "user", "content": item["prompt"]}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    else:
+        text = item["prompt"]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def prompts_for_step(num_items: int, per_step: int, step: int, seed: int) -> list[int]:
+    """Global prompt indices of a step: consecutive slices of per-epoch seeded permutations.
+
+    Depends only on (seed, step), so resuming needs no data-loader state and every world size sees the same
+    prompts in the same order.
+    """
+    out, pos = [], step * per_step
+    while len(out) < per_step:
+        epoch, offset = divmod(pos, num_items)
+        perm = list(range(num_items))
+        random.Random(mix_seed(seed, 0xDA7A, epoch)).shuffle(perm)
+        take = perm[offset : offset + per_step - len(out)]
+        out += take
+        pos += len(take)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# rewards
+
+
+def _last_number(text: str) -> str | None:
+    m = re.search(r"####\s*(-?[\d,]*\.?\d+)", text)
+    nums = [m.group(1)] if m else re.findall(r"-?[\d,]*\.?\d+", text)
+    return nums[-1].replace(",", "").rstrip(".") if nums else None
+
+
+def reward_exact_match(completion: str, answer: str) -> float:
+    return float(completion.strip() == answer.strip())
+
+
+def reward_gsm8k(completion: str, answer: str) -> float:
+    """GSM8K style: the final number of the completion ('#### x' wins over the last number) equals the answer's."""
+    got, want = _last_number(completion), _last_number(answer)
+    if got is None or want is None:
+        return 0.0
+    try:
+        return float(abs(float(got) - float(want)) < 1e-6)
+    except ValueError:
+        return 0.0
+
+
+REWARDS = {"exact_match": reward_exact_match, "gsm8k": reward_gsm8k}
+
+# -----------------------------------------------------------------------------
+# advantages: per group, with groups sliced by their actual sizes
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo",
+                     use_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: A_i = (R_i - mean_g R) / (std_g R + eps); RLOO: A_i = R_i - mean_{j in g, j != i} R_j (then / std
+    when use_std). Groups are whatever `group_ids` says (any sizes, any order); a group of one gets A = 0.
+    std is the unbiased sample std, as in TRL and verl.
+    """
+    rewards = rewards.double()
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    n = torch.zeros(int(inv.max()) + 1 if len(inv) else 0, dtype=torch.float64).index_add_(0, inv, torch.ones_like(rewards))
+    total = torch.zeros_like(n).index_add_(0, inv, rewards)
+    mean = total / n
+    sq = torch.zeros_like(n).index_add_(0, inv, (rewards - mean[inv]) ** 2)
+    std = (sq / (n - 1).clamp(min=1)).sqrt()
+    if estimator == "rloo":
+        baseline = (total[inv] - rewards) / (n[inv] - 1).clamp(min=1)
+    else:
+        baseline = mean[inv]
+    adv = rewards - baseline
+    if use_std:
+        adv = adv / (std[inv] + eps)
+    return torch.where(n[inv] > 1, adv, torch.zeros_like(adv)).float()
+
+
+# -----------------------------------------------------------------------------
+# packing: whole sequences concatenated into 1-D micro-batches (no padding), weights fixed before splitting
+
+
+@dataclass
+class Sample:
+    group: int
+    """Global prompt index within the step: the group id."""
+    prompt_ids: list[int]
+    completion: Completion
+    reward: float = 0.0
+    advantage: float = 0.0
+
+
+def pack_microbatches(samples: list[Sample], cfg: Config, pad_id: int) -> list[dict]:
+    """Pack samples into micro-batches of at most `micro_batch_tokens` tokens.
+
+    Per-token tensors are aligned with the *predicted* token: position j of a sequence predicts token j+1, so
+    the last position of each sequence predicts nothing. Mode weights come from the whole mini-batch's
+    metadata (response lengths, groups) before any split: that is what makes any split exact (SPEC rule 2).
+    """
+    lengths = [len(s.completion.output_ids) for s in samples]
+    dropped = [cfg.mask_truncated and s.completion.finish_reason == "length" for s in samples]
+    denom = torch.tensor([0.0 if d else float(n) for n, d in zip(lengths, dropped)], dtype=torch.float64)
+    groups = torch.tensor([s.group for s in samples], dtype=torch.long)
+    w, nw = L.response_weights(cfg.loss_aggregation, denom, groups, cfg.loss_aggregation_divisor)
+
+    microbatches, current, used = [], [], 0
+    for i, s in enumerate(samples):
+        n = len(s.prompt_ids) + lengths[i]
+        if n > cfg.micro_batch_tokens:
+            raise SystemExit(f"config error: a sequence of {n} tokens exceeds --micro-batch-tokens "
+                             f"{cfg.micro_batch_tokens}")
+        if used + n > cfg.micro_batch_tokens:
+            microbatches.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        microbatches.append(current)
+
+    out = []
+    for idx in microbatches:
+        ids, pos, tgt, mask, adv, blp, lw, nwt, seq = [], [], [], [], [], [], [], [], []
+        for k, i in enumerate(idx):
+            s, p, r = samples[i], len(samples[i].prompt_ids), lengths[i]
+            full = s.prompt_ids + s.completion.output_ids
+            active = 0.0 if dropped[i] else 1.0
+            ids += full
+            pos += range(len(full))
+            tgt += full[1:] + [pad_id]
+            mask += [0.0] * (p - 1) + [active] * r + [0.0]
+            adv += [s.advantage] * len(full)
+            blp += [0.0] * (p - 1) + s.completion.logprobs + [0.0]
+            lw += [float(w[i])] * len(full)
+            nwt += [float(nw[i])] * len(full)
+            seq += [-1] * (p - 1) + [k] * r + [-1]
+        out.append(_microbatch(ids, pos, tgt, mask, adv, blp, lw, nwt, seq))
+    return out
+
+
+def _microbatch(ids, pos, tgt, mask, adv, blp, lw, nwt, seq) -> dict:
+    f = lambda x: torch.tensor(x, dtype=torch.float32)
+    m = f(mask)
+    return {"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([pos]), "targets": torch.tensor(tgt),
+            "loss_mask": m, "denom_mask": m.clone(), "advantages": f(adv), "behave_logprobs": f(blp),
+            "loss_weight": f(lw), "norm_weight": f(nwt), "seq_ids": torch.tensor(seq)}
+
+
+def empty_microbatch(pad_id: int) -> dict:
+    """One masked token: a rank with nothing to train on still runs forward/backward so FSDP's collectives match."""
+    return _microbatch([pad_id], [0], [pad_id], [0.0], [0.0], [0.0], [0.0], [0.0], [-1])
+
+
+# -----------------------------------------------------------------------------
+# context parallel (Ulysses): each CP rank runs the model on a contiguous 1/N of every packed micro-batch.
+# Only attention needs the whole row: it all-to-alls from "my tokens, all heads" to "all tokens, my heads",
+# attends, and all-to-alls back. Ranks form a (dp, cp) mesh; a CP group shares its samples, FSDP2 still
+# shards over all ranks, and every CP rank computes the loss of the gathered full micro-batch, so the loss
+# normalizer carries the factor N (LossReduction's cp_factor, SPEC rule 5) and CP=N equals CP=1.
+
+CP_GROUP, CP_SIZE, CP_RANK, DP_RANK, DP_SIZE = None, 1, 0, 0, 1
+_FLASH_VARLEN = None  # flash_attn_varlen_func when flash-attn is installed and we run on CUDA
+
+
+def setup_context_parallel(cfg: Config, device: torch.device) -> None:
+    """(dp, cp) mesh over the world: ranks [k*N, (k+1)*N) form CP group k (data-parallel rank k)."""
+    global CP_GROUP, CP_SIZE, CP_RANK, DP_RANK, DP_SIZE, _FLASH_VARLEN
+    CP_SIZE, DP_SIZE = cfg.cp_size, WORLD // cfg.cp_size
+    DP_RANK, CP_RANK = divmod(RANK, CP_SIZE)
+    if CP_SIZE == 1:
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AttentionInterface, AutoConfig
+
+    heads = AutoConfig.from_pretrained(cfg.model).get_text_config().num_attention_heads
+    if heads % CP_SIZE:  # each rank attends with H/N whole query heads
+        raise SystemExit(f"config error: --cp-size {CP_SIZE} must divide the model's {heads} attention heads")
+    CP_GROUP = init_device_mesh(device.type, (DP_SIZE, CP_SIZE), mesh_dim_names=("dp", "cp"))["cp"].get_group()
+    AttentionInterface.register("ulysses", ulysses_attention)
+    if device.type == "cuda":
+        try:
+            from flash_attn import flash_attn_varlen_func as _FLASH_VARLEN
+        except ImportError:
+            pass
+
+
+def cp_broadcast(obj):
+    """The CP group's first rank's object on every rank of the group (one rollout per CP group)."""
+    if CP_SIZE == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=RANK - CP_RANK, group=CP_GROUP)
+    return box[0]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Block i of dim 0 goes to CP rank i. Exchanging blocks twice is the identity, so backward is the same op."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.contiguous()  # before empty_like too: it copies a permuted view's strides, and the collective ignores them
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=CP_GROUP)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAll.forward(ctx, grad)
+
+
+class _GatherSeq(torch.autograd.Function):
+    """[..., T/N] per CP rank -> [..., T] on every CP rank. Every rank's loss reads all T values, so the gradient
+    of this rank's slice is the *sum* over the group of the incoming gradients, sliced."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(CP_SIZE)]
+        dist.all_gather(parts, x, group=CP_GROUP)
+        return torch.cat(parts, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=CP_GROUP)
+        return grad.chunk(CP_SIZE, -1)[CP_RANK]
+
+
+def _seq_to_heads(x):  # [B, H, S/N, D] -> [B, H/N, S, D]
+    x = _AllToAll.apply(x.unflatten(1, (CP_SIZE, -1)).movedim(1, 0))  # [N: head block, ...] -> [N: seq chunk, ...]
+    return x.movedim(0, 2).flatten(2, 3)
+
+
+def _heads_to_seq(x):  # [B, H/N, S, D] -> [B, H, S/N, D]
+    x = _AllToAll.apply(x.unflatten(2, (CP_SIZE, -1)).movedim(2, 0))  # [N: seq chunk, ...] -> [N: head block, ...]
+    return x.movedim(0, 1).flatten(1, 2)
+
+
+def packed_layout(position_ids: torch.Tensor) -> dict:
+    """Where the packed sequences of the full row start (position_ids restart at 0): cu_seqlens for flash-attn's
+    varlen kernel, else a block-diagonal causal mask for sdpa. Built once per micro-batch, used by every layer."""
+    pos = position_ids.flatten()
+    if _FLASH_VARLEN is not None and pos.is_cuda:
+        cu = torch.cat([torch.nonzero(pos == 0).flatten(), pos.new_tensor([len(pos)])]).to(torch.int32)
+        return {"cu_seqlens": cu, "max_seqlen": int((cu[1:] - cu[:-1]).max())}
+    seq = torch.cumsum(pos == 0, 0)
+    causal = torch.ones(len(pos), len(pos), dtype=torch.bool, device=pos.device).tril()
+    return {"mask": causal & (seq[:, None] == seq[None, :])}
+
+
+def ulysses_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0, ulysses=None, **kwargs):
+    """transformers attention (registered as "ulysses"): q [B, H, S/N, D], k/v [B, Hkv, S/N, D] -> ([B, S/N, H, D],
+    None). `ulysses` is packed_layout() of the full row; transformers' own attention_mask is None here."""
+    hkv = k.shape[1]
+    if hkv % CP_SIZE:  # too few KV heads to split: repeat each so every rank gets the KV heads its queries use
+        rep = CP_SIZE // math.gcd(hkv, CP_SIZE)
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    q, k, v = _seq_to_heads(q), _seq_to_heads(k), _seq_to_heads(v)
+    if "cu_seqlens" in ulysses:  # [S, heads, D] varlen layout, GQA handled by the kernel
+        cu, n = ulysses["cu_seqlens"], ulysses["max_seqlen"]
+        out = _FLASH_VARLEN(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, n, n,
+                            dropout_p=dropout, softmax_scale=scaling, causal=True).transpose(0, 1)[None]
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=ulysses["mask"], dropout_p=dropout,
+                                                               scale=scaling, enable_gqa=True)
+    return _heads_to_seq(out).transpose(1, 2), None
+
+
+def cp_policy_logprobs(model, mb: dict, cfg: Config, device: torch.device) -> tuple:
+    """policy_logprobs under CP: this rank's chunk through the model, then log-probs and entropy of the whole
+    micro-batch gathered on every CP rank. The row is padded to a multiple of N with a sequence of its own
+    (positions restart at 0), which no real token attends to; its outputs are cut off."""
+    ids, pos, tgt = mb["input_ids"][0], mb["position_ids"][0], mb["targets"]
+    T, pad = len(ids), -len(ids) % CP_SIZE
+    ids, tgt = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(tgt, (0, pad))
+    pos = torch.cat([pos, torch.arange(pad)])
+    mine = slice(CP_RANK * (T + pad) // CP_SIZE, (CP_RANK + 1) * (T + pad) // CP_SIZE)
+    logprobs, entropy = model.policy_logprobs(ids[mine][None].to(device), pos[mine][None].to(device),
+                                              tgt[mine].to(device), cfg.temperature or 1.0, cfg.logprob_chunk_tokens,
+                                              ulysses=packed_layout(pos.to(device)))
+    full = _GatherSeq.apply(torch.stack([logprobs, entropy]))[:, :T]
+    return full[0], full[1]
+
+
+# -----------------------------------------------------------------------------
+# model: per-token log-probs of a packed micro-batch, in vocabulary chunks
+
+
+def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = (hidden @ weight.T).float() / temperature
+    logz = torch.logsumexp(logits, -1)
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
+    entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1)
+    return logprobs, entropy
+
+
+def policy_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0, chunk: int = 1024,
+                    **attn_kwargs):
+    """log pi(target_t | prefix) and the entropy at every position of a packed row -> ([T], [T]).
+
+    Called as `model.policy_logprobs(...)` (registered with FSDP2 so the root's parameters are gathered).
+    Logits exist only `chunk` tokens at a time and are recomputed in backward (activation checkpointing),
+    so a 150k vocabulary never holds fp32 logits for a whole micro-batch. `use_cache=False` matters: with a
+    cache, transformers does not detect packed sequences and they would attend to each other. `attn_kwargs`
+    reach the attention function of every layer (context parallel passes its packed layout this way).
+    """
+    hidden = model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                         **attn_kwargs).last_hidden_state[0]
+    weight = model.lm_head.weight
+    out = [torch.utils.checkpoint.checkpoint(_chunk_logprobs, hidden[i : i + chunk], weight,
+                                             targets[i : i + chunk], temperature, use_reentrant=False)
+           for i in range(0, hidden.shape[0], chunk)]
+    return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
+
+
+def load_model(path: str, device: torch.device, dtype: torch.dtype, mixed_precision: bool, trainable: bool = True):
+    """Load an HF causal LM and shard it with FSDP2: one unit per decoder layer, plus the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from transformers import AutoModelForCausalLM
+
+    attn = "sdpa"
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            attn = "flash_attention_2"  # varlen kernel, driven by the packed position_ids
+        except ImportError:
+            pass
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(device)
+    model.config.use_cache = False
+    if CP_SIZE > 1:
+        model.set_attn_implementation("ulysses")  # registered by setup_context_parallel
+    mesh = init_device_mesh(device.type, (WORLD,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
+    kw = {"mesh": mesh} | ({"mp_policy": mp} if mp else {})
+    for layer in model.model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    model.policy_logprobs = types.MethodType(policy_logprobs, model)
+    register_fsdp_forward_method(model, "policy_logprobs")
+    # LossReduction already divides by the *global* normalizer, so ranks' gradients must be summed, not averaged.
+    L.fsdp_sum_gradients(model)
+    model.train(trainable)
+    model.requires_grad_(trainable)
+    return model
+
+
+# -----------------------------------------------------------------------------
+# the training step: LossReduction over micro-batches, clip, AdamW
+
+
+def microbatch_forward(model, mb: dict, cfg: Config, device: torch.device, grad: bool) -> tuple:
+    with torch.set_grad_enabled(grad):
+        if CP_SIZE > 1:
+            return cp_policy_logprobs(model, mb, cfg, device)
+        return model.policy_logprobs(mb["input_ids"].to(device), mb["position_ids"].to(device),
+                                     mb["targets"].to(device), cfg.temperature or 1.0, cfg.logprob_chunk_tokens)
+
+
+def even_out_microbatches(mbs: list[dict], pad_id: int) -> list[dict]:
+    """Every rank must run the same number of forward/backward passes (FSDP2 all-gathers per pass)."""
+    n = torch.tensor([len(mbs)], device=_COMM_DEVICE)
+    if WORLD > 1:
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return mbs + [empty_microbatch(pad_id) for _ in range(int(n) - len(mbs))]
+
+
+def train_minibatch(model, optimizer, reduction: L.LossReduction, mbs: list[dict], cfg: Config,
+                    device: torch.device) -> dict[str, float]:
+    # every token's normalizer counted once globally: a CP group's ranks all hold the same micro-batches, so only
+    # its first rank counts them (every CP rank then computes the full loss: cp_factor puts the N back into Z)
+    reduction.begin_step(mbs if CP_RANK == 0 else [])
+    entropy_sum = 0.0
+    for mb in mbs:
+        logprobs, entropy = microbatch_forward(model, mb, cfg, device, grad=True)
+        batch = {k: v.to(device) for k, v in mb.items() if k not in ("input_ids", "position_ids", "targets")}
+        batch["logprobs"], batch["entropy"] = logprobs, entropy
+        if "prox_logprobs" not in batch:  # one mini-batch: pi_prox is this very forward, detached
+            batch["prox_logprobs"] = logprobs.detach()
+        reduction(batch).backward()
+        entropy_sum += float((entropy.detach() * batch["denom_mask"]).sum())
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    skipped = not math.isfinite(grad_norm)
+    if not skipped:  # a non-finite norm is identical on every rank (it is global), so all ranks skip together
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"grad_norm": grad_norm, "skipped_step": float(skipped), "entropy_sum": entropy_sum}
+
+
+# -----------------------------------------------------------------------------
+# rollout + eval helpers
+
+
+def rollout(engine, items: list[dict], indices: list[int], step: int, cfg: Config, tokenizer,
+            encoded: dict) -> list[Sample]:
+    """Sample `group_size` completions for each of this rank's prompts; failed (aborted) samples are dropped."""
+    sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, [tokenizer.eos_token_id])
+    prompts, seeds, groups = [], [], []
+    for g in indices:
+        ids = encoded[g]
+        for k in range(cfg.group_size):
+            prompts.append(ids)
+            seeds.append(mix_seed(cfg.seed, step, g, k))  # independent of rank, batch and world size
+            groups.append(g)
+    completions = engine.generate(prompts, sampling, seeds)
+    return [Sample(g, p, c) for g, p, c in zip(groups, prompts, completions) if c.finish_reason != "abort"]
+
+
+def evaluate(engine, items: list[dict], cfg: Config, tokenizer, reward_fn) -> float:
+    """Greedy held-out accuracy (reward > 0.5), prompts split across ranks, one all-reduce."""
+    mine = items[RANK::WORLD]
+    sampling = SamplingParams(cfg.max_new_tokens, 0.0, stop_token_ids=[tokenizer.eos_token_id])
+    prompts = [encode_prompt(it, tokenizer, cfg.chat_template) for it in mine]
+    outs = engine.generate(prompts, sampling, [0] * len(prompts)) if prompts else []
+    correct = sum(reward_fn(tokenizer.decode(o.output_ids, skip_special_tokens=True), it["answer"]) > 0.5
+                  for o, it in zip(outs, mine))
+    s = all_reduce_sum({"correct": correct, "n": len(mine)})
+    return s["correct"] / max(s["n"], 1)
+
+
+def make_engine(cfg: Config, device: torch.device):
+    if cfg.rollout_backend == "hf":
+        from rollout import HFEngine
+
+        return HFEngine(cfg.model, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    import rollout
+
+    return rollout.make_sglang_engine(cfg, device)
+
+
+def export_hf(model, tokenizer, src: str, out_dir: Path) -> None:
+    """Write a `from_pretrained`-loadable safetensors copy (and so SGLang-loadable). Collective: all ranks call it;
+    rank 0 writes into a temporary directory that is renamed when complete, so a crash never leaves half a model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoConfig
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if RANK != 0:
+        return
+    import shutil
+
+    from safetensors.torch import save_file
+
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # tied embeddings share storage; safetensors refuses shared tensors, and from_pretrained re-ties them
+    if getattr(AutoConfig.from_pretrained(src), "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    AutoConfig.from_pretrained(src).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    for extra in ("generation_config.json",):
+        if (Path(src) / extra).exists():
+            shutil.copy(Path(src) / extra, tmp / extra)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+
+
+# -----------------------------------------------------------------------------
+# logging
+
+
+class Logger:
+    """stdout line + metrics.jsonl (+ wandb when a project is given), rank 0 only."""
+
+    def __init__(self, cfg: Config):
+        self.path = Path(cfg.run_dir) / "metrics.jsonl"
+        self.wandb = None
+        if RANK == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if cfg.wandb_project:
+                import wandb
+
+                self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if RANK != 0:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step} | metrics) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def close(self):
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def format_line(step: int, m: dict[str, float]) -> str:
+    parts = [f"step {step:4d}", f"reward {m['reward']:.3f}", f"acc {m['accuracy']:.3f}"]
+    parts += [f"{k[5:]} {v:+.4f}" for k, v in m.items() if k.startswith("loss/")]
+    parts += [f"len {m['response_len']:.1f}", f"clip {m.get('policy/clip_frac', 0.0):.3f}",
+              f"zero_adv {m['zero_adv_frac']:.2f}", f"trunc {m['truncated_frac']:.2f}",
+              f"gnorm {m['grad_norm']:.3f}", f"tok/s {m['tokens_per_s']:.0f}",
+              f"t rollout/train/sync {m['time/rollout']:.2f}/{m['time/train']:.2f}/{m['time/sync']:.2f}s"]
+    if "eval/accuracy" in m:
+        parts.append(f"eval {m['eval/accuracy']:.3f}")
+    return " | ".join(parts)
+
+
+# -----------------------------------------------------------------------------
+# main
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(argv)
+    device = setup_distributed(cfg)
+    cfg = validate_config(cfg, WORLD)
+    setup_context_parallel(cfg, device)
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    global _COMM_DEVICE
+    _COMM_DEVICE = device
+    dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float64": torch.float64}[cfg.dtype]
+    mixed_precision = device.type == "cuda" and cfg.dtype == "auto"
+
+    # data
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    if cfg.dataset == "arithmetic":
+        train_items, eval_items = make_arithmetic_task(cfg.seed)
+    else:
+        train_items = load_jsonl(cfg.dataset)
+        eval_items = load_jsonl(cfg.eval_dataset) if cfg.eval_dataset else []
+    eval_items = eval_items[: cfg.eval_size]
+    reward_fn = REWARDS[cfg.reward]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    # model, optimizer, rollout engine (the engine first: SGLang sizes its KV cache from free GPU memory)
+    engine = make_engine(cfg, device)
+    model = load_model(cfg.model, device, dtype, mixed_precision)
+    ref_model = load_model(cfg.model, device, dtype, mixed_precision, trainable=False) if cfg.kl_coef > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                  weight_decay=cfg.weight_decay)
+
+    def lr_factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.lr_schedule == "cosine":
+            progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    reduction = L.build_loss(
+        mode=cfg.loss_aggregation, policy_loss=cfg.policy_loss, divisor=cfg.loss_aggregation_divisor,
+        eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, behaviour_cap=cfg.behaviour_cap,
+        behaviour_cap_mode=cfg.behaviour_cap_mode, tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg,
+        entropy_coef=cfg.entropy_coef, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
+        group=dist.group.WORLD if WORLD > 1 else None, cp_factor=cfg.cp_size)
+    logger = Logger(cfg)
+    encoded = {}
+    print0(f"nanoareal: {WORLD} rank(s) on {device.type}, model {cfg.model}, {len(train_items)} train prompts, "
+           f"{len(eval_items)} eval, loss {cfg.policy_loss}/{cfg.loss_aggregation}")
+
+    from tqdm import tqdm
+
+    progress = tqdm(total=cfg.steps, disable=RANK != 0, dynamic_ncols=True, file=sys.stdout)
+    start_step = 0
+    last_eval = None
+    if eval_items and cfg.eval_every > 0:
+        last_eval = evaluate(engine, eval_items, cfg, tokenizer, reward_fn)
+        logger.log(start_step, {"eval/accuracy": last_eval})
+        print0(f"step {start_step:4d} | eval {last_eval:.3f}")
+    for step in range(start_step, cfg.steps):
+        t0 = time.perf_counter()
+        # ALGO LOGIC: rollout -> reward -> advantages -> loss -> step -> sync. This rank's prompts: every
+        # DP_SIZE-th of the step's global list, so whole groups live on one data-parallel rank (one CP group).
+        indices = prompts_for_step(len(train_items), cfg.prompts_per_step, step, cfg.seed)[DP_RANK::DP_SIZE]
+        for g in indices:
+            if g not in encoded:
+                encoded[g] = encode_prompt(train_items[g], tokenizer, cfg.chat_template)
+        # a CP group must train on identical samples: its first rank samples, the others receive them
+        samples = cp_broadcast(rollout(engine, train_items, indices, step, cfg, tokenizer, encoded) if CP_RANK == 0
+                               else None)
+        t1 = time.perf_counter()
+
+        texts = tokenizer.batch_decode([s.completion.output_ids for s in samples], skip_special_tokens=True)
+        for s, text in zip(samples, texts):
+            s.reward = reward_fn(text, train_items[s.group]["answer"])
+
+        rewards = torch.tensor([s.reward for s in samples])
+        groups = torch.tensor([s.group for s in samples], dtype=torch.long)
+        adv = group_advantages(rewards, groups, cfg.adv_estimator, cfg.adv_std, cfg.adv_eps)
+        for s, a in zip(samples, adv.tolist()):
+            s.advantage = a
+        zero_var = group_is_constant(rewards, groups)
+        stats = rollout_stats(samples, zero_var, groups)
+        if cfg.filter_zero_variance:
+            samples = [s for s, z in zip(samples, zero_var.tolist()) if not z]
+
+        engine.release_memory()
+        train_stats = train_on_samples(model, ref_model, optimizer, reduction, samples, cfg, device, pad_id)
+        scheduler.step()
+        engine.resume_memory()
+        t2 = time.perf_counter()
+
+        engine.update_weights(model)
+        t3 = time.perf_counter()
+
+        # TRY NOT TO MODIFY: metrics, eval, logging
+        sums = stats | train_stats.pop("sums")  # a CP group holds one copy of its samples: count it once
+        m = all_reduce_sum(sums if CP_RANK == 0 else dict.fromkeys(sums, 0.0))
+        metrics = finalize_metrics(m, train_stats, cfg, t0, t1, t2, t3, optimizer)
+        if eval_items and cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            last_eval = metrics["eval/accuracy"] = evaluate(engine, eval_items, cfg, tokenizer, reward_fn)
+        logger.log(step + 1, metrics)
+        if (step + 1) % cfg.log_every == 0:
+            progress.write(format_line(step + 1, metrics)) if RANK == 0 else None
+        progress.update(1)
+    progress.close()
+    export_hf(model, tokenizer, cfg.model, Path(cfg.run_dir) / "final")
+    if last_eval is not None:
+        print0(f"final held-out accuracy {last_eval:.3f}")
+    logger.close()
+    engine.shutdown()
+    dist.destroy_process_group()
+
+
+def group_is_constant(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Per sample: its group's rewards are all equal (zero variance, zero GRPO advantage)."""
+    _, inv = torch.unique(groups, return_inverse=True)
+    k = int(inv.max()) + 1 if len(inv) else 0
+    lo = torch.full((k,), float("inf")).scatter_reduce(0, inv, rewards.float(), "amin")
+    hi = torch.full((k,), float("-inf")).scatter_reduce(0, inv, rewards.float(), "amax")
+    return (hi - lo <= 0)[inv]
+
+
+def rollout_stats(samples: list[Sample], zero_var: torch.Tensor, groups: torch.Tensor) -> dict[str, float]:
+    """Per-rank sums; all-reduced with the training sums in one collective."""
+    n_groups = len(set(groups.tolist()))
+    zero_groups = len({g for g, z in zip(groups.tolist(), zero_var.tolist()) if z})
+    return {
+        "n_samples": len(samples),
+        "reward_sum": sum(s.reward for s in samples),
+        "correct_sum": sum(s.reward > 0.5 for s in samples),
+        "response_len_sum": sum(len(s.completion.output_ids) for s in samples),
+        "prompt_len_sum": sum(len(s.prompt_ids) for s in samples),
+        "truncated_sum": sum(s.completion.finish_reason == "length" for s in samples),
+        "zero_adv_sum": sum(abs(s.advantage) < 1e-12 for s in samples),
+        "n_groups": n_groups,
+        "zero_var_groups": zero_groups,
+    }
+
+
+def train_on_samples(model, ref_model, optimizer, reduction, samples, cfg, device, pad_id) -> dict:
+    """One rollout batch -> `num_minibatches` optimizer steps. Returns stats and per-rank sums."""
+    order = sorted(set(s.group for s in samples))
+    chunks = [set(order[i :: cfg.num_minibatches]) for i in range(cfg.num_minibatches)]
+    minibatches = [[s for s in samples if s.group in c] for c in chunks]
+    packed = [even_out_microbatches(pack_microbatches(mb, cfg, pad_id) if mb else [], pad_id) for mb in minibatches]
+    # pi_prox (and the reference policy) must be the weights *before* the first update of this batch.
+    extra_forwards = (not cfg.reuse_train_logprobs) or ref_model is not None
+    if extra_forwards:
+        with torch.no_grad():
+            for mbs in packed:
+                for mb in mbs:
+                    if not cfg.reuse_train_logprobs:
+                        mb["prox_logprobs"] = microbatch_forward(model, mb, cfg, device, False)[0].float().cpu()
+                    if ref_model is not None:
+                        mb["ref_logprobs"] = microbatch_forward(ref_model, mb, cfg, device, False)[0].float().cpu()
+    if cfg.m2po_threshold is not None:
+        for mbs in packed:
+            masks = L.m2po_mask(torch.cat([mb["prox_logprobs"] for mb in mbs]),
+                                torch.cat([mb["behave_logprobs"] for mb in mbs]),
+                                torch.cat([mb["loss_mask"] for mb in mbs]), threshold=cfg.m2po_threshold,
+                                group=dist.group.WORLD if WORLD > 1 else None)
+            for mb, m in zip(mbs, masks.split([len(mb["loss_mask"]) for mb in mbs])):
+                mb["loss_mask"] = m
+    out = {"grad_norm": 0.0, "skipped_steps": 0.0}
+    sums: dict[str, float] = {"entropy_sum": 0.0, "trained_tokens": 0.0, "denom_tokens": 0.0}
+    reported: dict[str, float] = {}
+    for mbs in packed:
+        s = train_minibatch(model, optimizer, reduction, mbs, cfg, device)
+        out["grad_norm"] = s["grad_norm"]
+        out["skipped_steps"] += s["skipped_step"]
+        sums["entropy_sum"] += s["entropy_sum"]
+        sums["trained_tokens"] += sum(mb["input_ids"].numel() for mb in mbs)
+        sums["denom_tokens"] += sum(float(mb["denom_mask"].sum()) for mb in mbs)
+        for k, v in reduction.reported().items():
+            reported[k] = reported.get(k, 0.0) + v / len(packed)
+    out["reported"] = reported
+    out["sums"] = sums
+    return out
+
+
+def finalize_metrics(m: dict, train_stats: dict, cfg: Config, t0, t1, t2, t3, optimizer) -> dict[str, float]:
+    n = max(m["n_samples"], 1)
+    metrics = {
+        "reward": m["reward_sum"] / n,
+        "accuracy": m["correct_sum"] / n,
+        "response_len": m["response_len_sum"] / n,
+        "truncated_frac": m["truncated_sum"] / n,
+        "zero_adv_frac": m["zero_adv_sum"] / n,
+        "zero_var_groups": m["zero_var_groups"],
+        "entropy": m["entropy_sum"] / max(m["denom_tokens"], 1),
+        "grad_norm": train_stats["grad_norm"],
+        "skipped_steps": train_stats["skipped_steps"],
+        "lr": optimizer.param_groups[0]["lr"],
+        "tokens_per_s": (m["response_len_sum"] + m["trained_tokens"]) / max(t3 - t0, 1e-9),
+        "time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
+    }
+    for k, v in train_stats["reported"].items():  # loss terms by name, "loss" = their weighted total, "x/y" stats
+        metrics["loss/total" if k == "loss" else k if "/" in k else f"loss/{k}"] = v
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
