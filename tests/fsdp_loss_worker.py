@@ -1,0 +1,317 @@
+"""torchrun worker for tests/test_loss_fsdp.py: LossReduction under FSDP2 (2 ranks, gloo) vs one process.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp_loss_worker.py OUT.pt
+
+Every case runs a full optimizer-step's backward (no optimizer) and rank 0 saves, per case, the gradients
+of all parameters (full tensors), the reported values, and a reference computed in one process on one
+micro-batch holding the whole mini-batch with `aggregate` (SPEC's formulas; no LossReduction involved).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import loss as L  # noqa: E402
+
+torch.set_num_threads(1)
+
+VOCAB, DIVISOR, ENTROPY_COEF, KL_COEF = 32, 8.0, 0.01, 0.05
+SURROGATE_OF_MODE = {  # every mode with a different surrogate, decoupled PPO in both cap modes
+    "token_mean": dict(policy_loss="ppo", eps_high=0.28, dual_clip=1.5, behaviour_cap=1.1, behaviour_cap_mode="mask"),
+    "seq_mean": dict(policy_loss="gspo", eps_low=0.02, eps_high=0.03),
+    "prompt_mean": dict(policy_loss="cispo", behaviour_cap=1.1, behaviour_cap_mode="truncate"),
+    "constant": dict(policy_loss="sapo"),
+}
+# name -> (data variant, mode, layout, gradient scaling)
+CASES = {
+    **{
+        f"fsdp_{mode}_{scaling}": ("base", mode, "uneven_microbatches", scaling)
+        for mode in L.MODES
+        for scaling in ("divide_factor_1", "loss_times_world")
+    },
+    "fsdp_token_mean_one_microbatch_per_rank": ("base", "token_mean", "one_microbatch", "divide_factor_1"),
+    "fsdp_prompt_mean_rank1_without_active_token": ("rank1_inactive", "prompt_mean", "uneven_microbatches",
+                                                    "divide_factor_1"),
+    **{f"cp2_full_sequence_{mode}": ("base", mode, "cp_full_sequence", "manual_sum") for mode in L.MODES},
+}
+ZERO_CASE = "fsdp_seq_mean_zero_global_normalizer"
+TOKEN_KEYS = ("loss_mask", "denom_mask", "advantages", "prox_logprobs", "behave_logprobs", "ref_logprobs",
+              "loss_weight", "norm_weight", "seq_ids")
+
+
+def make_sequences(variant: str) -> tuple[list[dict], int]:
+    """The mini-batch (identical on every rank) and how many sequences rank 0 holds (the cut is mid-group)."""
+    rng = random.Random(0)
+    seqs = []
+    for group, size in enumerate([3, 1, 2, 4, 2, 3]):
+        for _ in range(size):
+            n = rng.randint(1, 6)
+            d = [0.0] * n if rng.random() < 0.12 else [1.0] * n
+            seqs.append({
+                "group": group, "prompt": [rng.randint(1, VOCAB - 1) for _ in range(rng.randint(2, 4))],
+                "response": [rng.randint(1, VOCAB - 1) for _ in range(n)], "d": d,
+                "m": [0.0 if (x > 0 and rng.random() < 0.15) else x for x in d],
+                "advantage": rng.gauss(0.0, 1.0),
+            })
+    rank0_count = 7  # groups 0..2 (6 sequences) + the first response of group 3: group 3 spans both ranks
+    if variant == "rank1_inactive":
+        for s in seqs[rank0_count:]:
+            s["d"], s["m"] = [0.0] * len(s["d"]), [0.0] * len(s["m"])
+    if variant == "all_inactive":
+        for s in seqs:
+            s["d"], s["m"] = [0.0] * len(s["d"]), [0.0] * len(s["m"])
+    return seqs, rank0_count
+
+
+def add_policy_logprobs(model, seqs: list[dict]) -> None:
+    """pi_prox, pi_behave, pi_ref near the model's own logprobs (one sequence per forward, no packing)."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for s in seqs:
+            ids = torch.tensor(s["prompt"] + s["response"])
+            logits = model(input_ids=ids[None], use_cache=False).logits[0].float()
+            logp = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[1:, None]).squeeze(-1)
+            logp = logp[len(s["prompt"]) - 1 :]  # the response tokens
+            n = len(s["response"])
+            s["prox"] = logp + 0.15 * torch.randn(n, generator=gen)
+            s["behave"] = s["prox"] + 0.15 * torch.randn(n, generator=gen)
+            s["ref"] = logp + 0.2 * torch.randn(n, generator=gen)
+
+
+def pack(seqs: list[dict], w: torch.Tensor, nw: torch.Tensor, index: list[int]) -> dict:
+    """Pack whole sequences into one row; per-token tensors are aligned with the predicted token."""
+    cols = {k: [] for k in ("input_ids", "position_ids", "targets", *TOKEN_KEYS)}
+    for local, i in enumerate(index):
+        s = seqs[i]
+        ids, p, n = s["prompt"] + s["response"], len(s["prompt"]), len(s["response"])
+        cols["input_ids"] += ids
+        cols["position_ids"] += range(len(ids))
+        cols["targets"] += ids[1:] + [0]
+        before, after = [0.0] * (p - 1), [0.0]
+        cols["loss_mask"] += before + s["m"] + after
+        cols["denom_mask"] += before + s["d"] + after
+        cols["advantages"] += [s["advantage"]] * len(ids)
+        for key, src in (("prox_logprobs", "prox"), ("behave_logprobs", "behave"), ("ref_logprobs", "ref")):
+            cols[key] += before + s[src].tolist() + after
+        cols["loss_weight"] += [float(w[i])] * len(ids)
+        cols["norm_weight"] += [float(nw[i])] * len(ids)
+        cols["seq_ids"] += [-1] * (p - 1) + [local] * n + [-1]
+    long_keys = ("input_ids", "position_ids", "targets", "seq_ids")
+    return {k: torch.tensor(v, dtype=torch.long if k in long_keys else torch.float32) for k, v in cols.items()}
+
+
+def empty_microbatch() -> dict:
+    mb = pack([{"prompt": [0], "response": [], "m": [], "d": [], "advantage": 0.0, "prox": torch.zeros(0),
+                "behave": torch.zeros(0), "ref": torch.zeros(0)}], torch.zeros(1), torch.zeros(1), [0])
+    return mb
+
+
+def microbatches(seqs, w, nw, index: list[int], budget: int) -> list[dict]:
+    """Token-budget micro-batches of whole sequences."""
+    out, current, used = [], [], 0
+    for i in index:
+        n = len(seqs[i]["prompt"]) + len(seqs[i]["response"])
+        if current and used + n > budget:
+            out.append(pack(seqs, w, nw, current))
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        out.append(pack(seqs, w, nw, current))
+    return out
+
+
+def forward(model, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    # packed rows: position_ids restart per sequence; use_cache=False so transformers detects the packing
+    logits = model(input_ids=mb["input_ids"][None], position_ids=mb["position_ids"][None],
+                   attention_mask=None, use_cache=False).logits[0].float()
+    logp_all = torch.log_softmax(logits, -1)
+    logp = logp_all.gather(-1, mb["targets"][:, None]).squeeze(-1)
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def loss_inputs(mb: dict, logp: torch.Tensor, entropy: torch.Tensor) -> dict:
+    return {**{k: mb[k] for k in TOKEN_KEYS}, "logprobs": logp, "entropy": entropy}
+
+
+def padded(mb: dict, values: torch.Tensor) -> torch.Tensor:
+    seq = mb["seq_ids"]
+    rows = [values[seq == i] for i in range(int(seq.max()) + 1)]
+    width = max(len(r) for r in rows)
+    return torch.stack([torch.cat([r, r.new_zeros(width - len(r))]) for r in rows])
+
+
+def reference(model, seqs, mode: str, cfg: dict) -> tuple[dict, dict]:
+    """One process, one micro-batch, straight from SPEC: surrogate token loss -> `aggregate`."""
+    model.zero_grad(set_to_none=True)
+    mb = pack(seqs, torch.ones(len(seqs)), torch.ones(len(seqs)), list(range(len(seqs))))
+    logp, entropy = forward(model, mb)
+    prox, adv, m = mb["prox_logprobs"], mb["advantages"], mb["loss_mask"]
+    kw = {"eps_low": cfg.get("eps_low", 0.2), "eps_high": cfg.get("eps_high", 0.2)}
+    if cfg["policy_loss"] == "ppo":
+        token_loss, _ = L.ppo_surrogate(logp, prox, adv, dual_clip=cfg.get("dual_clip"), **kw)
+    elif cfg["policy_loss"] == "gspo":
+        token_loss, _ = L.gspo_surrogate(logp, prox, adv, mb["seq_ids"], m, **kw)
+    elif cfg["policy_loss"] == "cispo":
+        token_loss, _ = L.cispo_surrogate(logp, prox, adv, eps_high=kw["eps_high"])
+    else:
+        token_loss, _ = L.sapo_surrogate(logp, prox, adv)
+    if cfg.get("behaviour_cap") is not None:
+        w_beh = torch.exp(prox - mb["behave_logprobs"])
+        if cfg["behaviour_cap_mode"] == "truncate":
+            w_beh = w_beh.clamp(max=cfg["behaviour_cap"])
+        else:
+            m = m * (w_beh <= cfg["behaviour_cap"]).float()
+        token_loss = token_loss * w_beh
+    groups = torch.tensor([s["group"] for s in seqs])
+    d = padded(mb, mb["denom_mask"])
+    policy = L.aggregate(padded(mb, token_loss), padded(mb, m), mode=mode, group_ids=groups, denom_mask=d,
+                         divisor=DIVISOR)
+    kl_token = L.kl_penalty(logp, mb["ref_logprobs"], "k3")
+    ent = L.aggregate(padded(mb, entropy), padded(mb, mb["loss_mask"]), mode="token_mean", group_ids=groups,
+                      denom_mask=d)
+    kl = L.aggregate(padded(mb, kl_token), padded(mb, mb["loss_mask"]), mode="token_mean", group_ids=groups,
+                     denom_mask=d)
+    total = policy - ENTROPY_COEF * ent + KL_COEF * kl
+    total.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    values = {"policy": policy.item(), "entropy": ent.item(), "kl": kl.item(), "loss": total.item()}
+    return grads, values
+
+
+class AllReduceCounter:
+    """Counts dist.all_reduce calls (loss.py looks it up at call time, so patching the module works)."""
+
+    def __init__(self):
+        self.count, self._orig = 0, dist.all_reduce
+
+    def __enter__(self):
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self._orig(*args, **kwargs)
+
+        dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self._orig
+
+
+def run_case(models: dict, seqs, rank0_count: int, mode: str, layout: str, scaling: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = SURROGATE_OF_MODE[mode]
+    # mode weights from the WHOLE mini-batch's metadata, before any split (SPEC rule 2)
+    denom = torch.tensor([sum(s["d"]) for s in seqs], dtype=torch.float64)
+    w, nw = L.response_weights(mode, denom, torch.tensor([s["group"] for s in seqs]), DIVISOR)
+    if layout == "cp_full_sequence":  # CP=2: every CP rank computes the loss of the gathered full sequences
+        model, mine, cp_factor = models["plain"], list(range(len(seqs))), world
+    else:
+        model, cp_factor = models[scaling], 1
+        mine = list(range(rank0_count)) if rank == 0 else list(range(rank0_count, len(seqs)))
+    budget = 10_000 if layout == "one_microbatch" else 14
+    mbs = microbatches(seqs, w, nw, mine, budget)
+    n = torch.tensor([len(mbs)])
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)  # FSDP2 all-gathers per forward: equal counts on every rank
+    n_real = len(mbs)
+    mbs += [empty_microbatch() for _ in range(int(n) - len(mbs))]
+
+    red = L.build_loss(mode=mode, divisor=DIVISOR, entropy_coef=ENTROPY_COEF, kl_coef=KL_COEF,
+                       group=dist.group.WORLD, cp_factor=cp_factor, **({"eps_low": 0.2, "eps_high": 0.2} | cfg))
+    model.zero_grad(set_to_none=True)
+    normalizer_mbs = mbs
+    if layout == "cp_full_sequence":  # begin_step sees this CP rank's own token shard: each token once
+        half = lambda mb: slice(0, len(mb["loss_mask"]) // 2) if rank == 0 else slice(len(mb["loss_mask"]) // 2, None)
+        normalizer_mbs = [{k: mb[k][half(mb)] for k in TOKEN_KEYS} for mb in mbs]
+    with AllReduceCounter() as begin_calls:
+        red.begin_step(normalizer_mbs)
+    for mb in mbs:
+        logp, entropy = forward(model, mb)
+        loss = red(loss_inputs(mb, logp, entropy))
+        if scaling == "loss_times_world":
+            loss = loss * world  # FSDP2 averages gradients over the group: undo it
+        loss.backward()
+    with AllReduceCounter() as report_calls:
+        reported = red.reported()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = torch.zeros_like(p) if p.grad is None else p.grad
+        g = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
+        if layout == "cp_full_sequence":
+            dist.all_reduce(g)  # the CP group's gradient reduction is a sum
+        grads[name] = g.detach()
+    counts = [None] * world
+    dist.all_gather_object(counts, (n_real, len(mbs)))
+    return {"grads": grads, "reported": reported, "begin_step_all_reduces": begin_calls.count,
+            "reported_all_reduces": report_calls.count, "microbatches": counts}
+
+
+def m2po_case() -> dict:
+    """Each rank holds a different number of tokens; the mask must be the one of the concatenation."""
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(100 + rank)
+    T = 211 if rank == 0 else 137
+    prox = -torch.rand(T, generator=gen, dtype=torch.float64)
+    behave = prox + 0.3 * torch.randn(T, generator=gen, dtype=torch.float64)
+    loss_mask = (torch.rand(T, generator=gen) > 0.2).double()
+    new = L.m2po_mask(prox, behave, loss_mask, threshold=0.03, group=dist.group.WORLD)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"prox": prox, "behave": behave, "loss_mask": loss_mask, "new": new})
+    return {k: torch.cat([g[k] for g in gathered]) for k in gathered[0]}
+
+
+def main(out_path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    base = LlamaForCausalLM(config).float()
+    mesh = init_device_mesh("cpu", (world,))
+    models = {"plain": copy.deepcopy(base)}
+    for scaling in ("divide_factor_1", "loss_times_world"):
+        model = copy.deepcopy(base)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if scaling == "divide_factor_1":
+            L.fsdp_sum_gradients(model)
+        models[scaling] = model
+
+    data = {}
+    for variant in ("base", "rank1_inactive", "all_inactive"):
+        seqs, rank0_count = make_sequences(variant)
+        add_policy_logprobs(base, seqs)
+        data[variant] = (seqs, rank0_count)
+
+    results = {"cases": {}}
+    for name, (variant, mode, layout, scaling) in CASES.items():
+        seqs, rank0_count = data[variant]
+        result = run_case(models, seqs, rank0_count, mode, layout, scaling)
+        if rank == 0:
+            result["ref_grads"], result["ref_reported"] = reference(base, seqs, mode, SURROGATE_OF_MODE[mode])
+        results["cases"][name] = result
+    seqs, rank0_count = data["all_inactive"]
+    results["cases"][ZERO_CASE] = run_case(models, seqs, rank0_count, "seq_mean", "uneven_microbatches",
+                                           "divide_factor_1")
+    results["m2po"] = m2po_case()
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

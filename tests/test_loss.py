@@ -1,0 +1,701 @@
+"""loss.py against SPEC.md: reference vectors, a naive loop, split invariance, empties, errors, surrogates.
+
+References here are computed independently of the code under test: SPEC's numbers, python loops over
+floats, or `aggregate` (straight from SPEC's table) on the full batch in one piece.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import loss as L
+
+torch.set_num_threads(1)
+F64 = torch.float64
+
+
+# -----------------------------------------------------------------------------
+# helpers: ragged batches, packing, splitting, running a LossReduction
+
+
+def ragged_batch(seed: int, n_groups: int = 7) -> list[dict]:
+    """Responses with variable lengths and group sizes (incl. 1), inactive responses, one inactive group,
+    rejected tokens (m=0, d=1), and a response whose denominator mask has holes."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [1] + [rng.choice([1, 2, 3, 4]) for _ in range(n_groups - 2)] + [2]
+    responses = []
+    for gid, size in enumerate(sizes):
+        for _ in range(size):
+            n = rng.randint(1, 9)
+            d = [1.0] * n
+            if gid == len(sizes) - 1 or (gid > 0 and rng.random() < 0.15):
+                d = [0.0] * n  # inactive response; the last group is entirely inactive
+            elif rng.random() < 0.2:
+                d = [0.0 if rng.random() < 0.3 else 1.0 for _ in range(n)]
+            m = [0.0 if (di > 0 and rng.random() < 0.15) else di for di in d]
+            logp = -2.0 * torch.rand(n, generator=gen, dtype=F64) - 0.05
+            prox = logp + 0.25 * torch.randn(n, generator=gen, dtype=F64)
+            responses.append({
+                "group": gid, "prompt_len": rng.randint(1, 3), "d": d, "m": m,
+                "token_loss": torch.randn(n, generator=gen, dtype=F64).tolist(),
+                "advantage": float(torch.randn(1, generator=gen, dtype=F64)),
+                "logprobs": logp, "prox_logprobs": prox,
+                "behave_logprobs": prox + 0.5 * torch.randn(n, generator=gen, dtype=F64),
+                "ref_logprobs": logp + 0.3 * torch.randn(n, generator=gen, dtype=F64),
+                "entropy": 2.0 * torch.rand(n, generator=gen, dtype=F64),
+            })
+    return responses
+
+
+def pack(responses: list[dict], mode: str, divisor: float | None = None, seed: int = 0) -> dict:
+    """One packed stream like the trainer's: per sequence, (prompt_len - 1) prompt positions, the response
+    positions, one trailing position; non-response positions carry junk values and m = d = 0."""
+    gen = torch.Generator().manual_seed(seed + 1000)
+    denom = torch.tensor([sum(r["d"]) for r in responses], dtype=F64)
+    groups = torch.tensor([r["group"] for r in responses])
+    w, nw = L.response_weights(mode, denom, groups, divisor)
+    cols = {k: [] for k in ("logprobs", "prox_logprobs", "behave_logprobs", "ref_logprobs", "entropy",
+                            "advantages", "token_loss", "loss_mask", "denom_mask", "seq_ids")}
+    starts = []
+    for i, r in enumerate(responses):
+        starts.append(len(cols["seq_ids"]))
+        n, pad_before = len(r["d"]), r["prompt_len"] - 1
+        for where, count in (("before", pad_before), ("resp", n), ("after", 1)):
+            if where == "resp":
+                for k in ("logprobs", "prox_logprobs", "behave_logprobs", "ref_logprobs", "entropy"):
+                    cols[k] += r[k].tolist()
+                cols["token_loss"] += r["token_loss"]
+                cols["loss_mask"] += r["m"]
+                cols["denom_mask"] += r["d"]
+                cols["seq_ids"] += [i] * n
+                cols["advantages"] += [r["advantage"]] * n
+                continue
+            junk = (3.0 * torch.randn(5, count, generator=gen, dtype=F64)).tolist()
+            cols["logprobs"] += [-abs(x) for x in junk[0]]
+            cols["prox_logprobs"] += [-abs(x) for x in junk[1]]
+            cols["behave_logprobs"] += [-abs(x) for x in junk[2]]
+            cols["ref_logprobs"] += [-abs(x) for x in junk[3]]
+            cols["entropy"] += [abs(x) for x in junk[4]]
+            cols["token_loss"] += junk[0]
+            cols["loss_mask"] += [0.0] * count
+            cols["denom_mask"] += [0.0] * count
+            cols["seq_ids"] += [-1] * count
+            cols["advantages"] += [r["advantage"]] * count
+    mb = {k: torch.tensor(v, dtype=torch.long if k == "seq_ids" else F64) for k, v in cols.items()}
+    mb["loss_weight"] = L.per_token(w, mb["seq_ids"])
+    mb["norm_weight"] = L.per_token(nw, mb["seq_ids"])
+    mb["_starts"] = starts
+    return mb
+
+
+def split(mb: dict, cuts: list[int]) -> list[dict]:
+    T = mb["loss_mask"].shape[0]
+    bounds = [0, *sorted(set(cuts)), T]
+    return [
+        {k: v[a:b] for k, v in mb.items() if isinstance(v, torch.Tensor)}
+        for a, b in zip(bounds, bounds[1:], strict=False)
+        if b > a
+    ]
+
+
+def budget_cuts(mb: dict, responses: list[dict], rng: random.Random) -> list[int]:
+    """Token-budget micro-batches of whole sequences; the budget is small enough to cut through groups."""
+    starts = mb["_starts"] + [mb["loss_mask"].shape[0]]
+    for _ in range(100):
+        budget, cuts, used = rng.randint(4, 14), [], 0
+        for i in range(len(responses)):
+            n = starts[i + 1] - starts[i]
+            if used and used + n > budget:
+                cuts.append(starts[i])
+                used = 0
+            used += n
+        cut_through_group = any(responses[i - 1]["group"] == responses[i]["group"]
+                                for i in range(1, len(responses)) if starts[i] in cuts)
+        if cut_through_group:
+            return cuts
+    raise AssertionError("could not find a split through a group")
+
+
+def anywhere_cuts(mb: dict, rng: random.Random) -> list[int]:
+    """Cuts at random token positions: through groups and through responses."""
+    T = mb["loss_mask"].shape[0]
+    return rng.sample(range(1, T), k=min(T - 1, rng.randint(3, 8)))
+
+
+def run(red: L.LossReduction, mbs: list[dict], params: list[torch.Tensor]) -> tuple[list, dict]:
+    """The trainer's loop: begin_step, one backward per micro-batch, reported. Returns (grads, reported)."""
+    for p in params:
+        p.grad = None
+    red.begin_step(mbs)
+    for mb in mbs:
+        red(mb).backward()
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params], red.reported()
+
+
+def with_leaf_logprobs(mb: dict) -> tuple[dict, torch.Tensor]:
+    leaf = mb["logprobs"].detach().clone().requires_grad_()
+    return {**mb, "logprobs": leaf}, leaf
+
+
+def to_padded(mb: dict, key: str, values: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed per-token values -> padded [B, T] over responses (rows in seq_id order)."""
+    values = mb[key] if values is None else values
+    seq = mb["seq_ids"]
+    n_resp = int(seq.max()) + 1
+    rows = [values[seq == i] for i in range(n_resp)]
+    width = max(len(r) for r in rows)
+    return torch.stack([torch.cat([r, r.new_zeros(width - len(r))]) for r in rows])
+
+
+def sum_term(name: str = "policy", key: str = "token_loss") -> L.LossTerm:
+    return L.LossTerm(
+        name,
+        lambda mb: L.masked_sum(mb[key], mb["loss_mask"], mb["loss_weight"]),
+        lambda mb: (mb["denom_mask"] * mb["norm_weight"]).sum(),
+        "sum",
+    )
+
+
+def as_mean_kind(red: L.LossReduction) -> L.LossReduction:
+    """The same terms re-declared as mean kind: loss_fn returns the micro-batch's local mean."""
+
+    def mean_of(term):
+        def fn(mb):
+            n = float(term.normalizer_fn(mb))
+            total = term.loss_fn(mb)
+            return total / n if n > 0 else total * 0.0
+
+        return fn
+
+    return L.LossReduction(
+        [L.LossTerm(t.name, mean_of(t), t.normalizer_fn, "mean", t.coef) for t in red.terms],
+        group=red.group,
+        cp_factor=red.cp_factor,
+    )
+
+
+# -----------------------------------------------------------------------------
+# SPEC reference vectors
+
+SPEC_VECTORS = [("token_mean", 13 / 3), ("seq_mean", 16 / 3), ("prompt_mean", 33 / 5), ("constant", 13 / 6)]
+SPEC_LOSSES = [[1.0, 3.0], [2.0, 4.0, 6.0], [10.0]]
+SPEC_GROUPS = [0, 0, 1]
+
+
+@pytest.mark.parametrize("mode,expected", SPEC_VECTORS)
+def test_aggregate_matches_spec_reference_vectors(mode, expected):
+    losses = torch.tensor([[1.0, 3.0, 0.0], [2.0, 4.0, 6.0], [10.0, 0.0, 0.0]], dtype=F64)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], dtype=F64)
+    got = L.aggregate(losses, mask, mode=mode, group_ids=torch.tensor(SPEC_GROUPS), divisor=4.0)
+    assert got.item() == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("mode,expected", SPEC_VECTORS)
+@pytest.mark.parametrize("cuts", [[], [4], [2, 7], [1, 2, 3, 4, 5, 6, 7, 8]], ids=["one", "mid_group",
+                                                                                   "two", "every_token"])
+def test_loss_reduction_reported_matches_spec_reference_vectors(mode, expected, cuts):
+    responses = [
+        {"group": g, "prompt_len": 2, "d": [1.0] * len(x), "m": [1.0] * len(x), "token_loss": x,
+         "advantage": 0.0, **{k: torch.zeros(len(x), dtype=F64) for k in
+                              ("logprobs", "prox_logprobs", "behave_logprobs", "ref_logprobs", "entropy")}}
+        for x, g in zip(SPEC_LOSSES, SPEC_GROUPS, strict=True)
+    ]
+    mb = pack(responses, mode, divisor=4.0)
+    red = L.LossReduction([sum_term()])
+    red.begin_step(split(mb, cuts))
+    for part in split(mb, cuts):
+        red(part)
+    assert red.reported()["policy"] == pytest.approx(expected, rel=1e-12)
+    assert red.reported()["loss"] == pytest.approx(expected, rel=1e-12)
+
+
+# -----------------------------------------------------------------------------
+# every mode against a naive loop over python floats
+
+
+def naive_objective(responses: list[dict], mode: str, divisor: float) -> float:
+    num = [sum(m * x for m, x in zip(r["m"], r["token_loss"], strict=True)) for r in responses]
+    M = [sum(r["d"]) for r in responses]
+    active = [i for i in range(len(responses)) if M[i] > 0]
+    if mode == "token_mean":
+        return sum(num) / sum(M) if sum(M) > 0 else 0.0
+    if mode == "seq_mean":
+        return sum(num[i] / M[i] for i in active) / len(active) if active else 0.0
+    if mode == "constant":
+        return sum(num) / (len(active) * divisor) if active else 0.0
+    per_group = {}
+    for i, r in enumerate(responses):
+        n, d = per_group.get(r["group"], (0.0, 0.0))
+        per_group[r["group"]] = (n + num[i], d + M[i])
+    values = [n / d for n, d in per_group.values() if d > 0]
+    return sum(values) / len(values) if values else 0.0
+
+
+@pytest.mark.parametrize("mode", L.MODES)
+@pytest.mark.parametrize("seed", range(4))
+def test_every_mode_matches_naive_loop_on_ragged_batches(mode, seed):
+    responses = ragged_batch(seed)
+    assert any(sum(r["m"]) < sum(r["d"]) for r in responses), "batch must contain rejected tokens (m < d)"
+    expected = naive_objective(responses, mode, divisor=7.0)
+    mb = pack(responses, mode, divisor=7.0, seed=seed)
+
+    got_ref = L.aggregate(to_padded(mb, "token_loss"), to_padded(mb, "loss_mask"), mode=mode,
+                          group_ids=torch.tensor([r["group"] for r in responses]),
+                          denom_mask=to_padded(mb, "denom_mask"), divisor=7.0)
+    assert got_ref.item() == pytest.approx(expected, rel=1e-12)
+
+    red = L.LossReduction([sum_term()])
+    parts = split(mb, anywhere_cuts(mb, random.Random(seed)))
+    red.begin_step(parts)
+    for part in parts:
+        red(part)
+    assert red.reported()["policy"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_inactive_responses_get_zero_weights_without_nan():
+    M = torch.tensor([0.0, 3.0, 0.0, 0.0, 2.0])
+    groups = torch.tensor([0, 0, 1, 1, 2])
+    for mode in L.MODES:
+        w, nw = L.response_weights(mode, M, groups, divisor=5.0)
+        assert torch.isfinite(w).all() and torch.isfinite(nw).all()
+        assert w[[0, 2, 3]].abs().sum() == 0 and nw[[0, 2, 3]].abs().sum() == 0
+    w, nw = L.response_weights("prompt_mean", M, groups)
+    assert w.tolist() == pytest.approx([0.0, 1 / 3, 0.0, 0.0, 1 / 2])
+    # the per-micro-batch normalizer sum_t d nw counts active groups: here 2 (group 1 is inactive)
+    assert float((M * nw).sum()) == pytest.approx(2.0)
+
+
+# -----------------------------------------------------------------------------
+# invariance: every mode x term kind x surrogate, one micro-batch vs splits
+
+SURROGATE_CONFIGS = {
+    "ppo": dict(policy_loss="ppo"),
+    "ppo_cliphigher_dualclip": dict(policy_loss="ppo", eps_high=0.28, dual_clip=1.4),
+    "ppo_decoupled_truncate": dict(policy_loss="ppo", behaviour_cap=1.3, behaviour_cap_mode="truncate"),
+    "ppo_decoupled_mask": dict(policy_loss="ppo", behaviour_cap=1.3, behaviour_cap_mode="mask"),
+    "gspo": dict(policy_loss="gspo", eps_low=0.02, eps_high=0.03),
+    "cispo": dict(policy_loss="cispo", eps_high=0.1),
+    "sapo": dict(policy_loss="sapo", tau_pos=1.0, tau_neg=1.05),
+}
+
+
+def reference_policy_objective(mb: dict, leaf: torch.Tensor, mode: str, groups: torch.Tensor, cfg: dict,
+                               divisor: float) -> torch.Tensor:
+    """The full-batch objective from the surrogate's token loss and `aggregate`, one piece, no weights."""
+    kw = {"eps_low": cfg.get("eps_low", 0.2), "eps_high": cfg.get("eps_high", 0.2)}
+    args = (leaf, mb["prox_logprobs"], mb["advantages"])
+    name = cfg["policy_loss"]
+    if name == "ppo":
+        token_loss, _ = L.ppo_surrogate(*args, dual_clip=cfg.get("dual_clip"), **kw)
+    elif name == "gspo":
+        token_loss, _ = L.gspo_surrogate(*args, mb["seq_ids"], mb["loss_mask"], **kw)
+    elif name == "cispo":
+        token_loss, _ = L.cispo_surrogate(*args, eps_high=kw["eps_high"])
+    else:
+        token_loss, _ = L.sapo_surrogate(*args, tau_pos=cfg["tau_pos"], tau_neg=cfg["tau_neg"])
+    m = mb["loss_mask"]
+    if cfg.get("behaviour_cap") is not None:
+        # independent re-statement of decoupled PPO: w = pi_prox / pi_behave, capped or rejected
+        w = torch.exp(mb["prox_logprobs"] - mb["behave_logprobs"])
+        if cfg["behaviour_cap_mode"] == "truncate":
+            token_loss = token_loss * torch.clamp(w, max=cfg["behaviour_cap"])
+        else:
+            token_loss = token_loss * w
+            m = m * (w <= cfg["behaviour_cap"]).to(m.dtype)
+    return L.aggregate(to_padded(mb, "", token_loss), to_padded(mb, "", m), mode=mode, group_ids=groups,
+                       denom_mask=to_padded(mb, "denom_mask"), divisor=divisor)
+
+
+@pytest.mark.parametrize("surrogate", list(SURROGATE_CONFIGS))
+@pytest.mark.parametrize("kind", ["sum", "mean"])
+@pytest.mark.parametrize("mode", L.MODES)
+def test_split_through_groups_equals_full_batch_gradient_and_reported(mode, kind, surrogate):
+    cfg = SURROGATE_CONFIGS[surrogate]
+    seed = 11 + L.MODES.index(mode)
+    responses = ragged_batch(seed, n_groups=9)
+    groups = torch.tensor([r["group"] for r in responses])
+    mb = pack(responses, mode, divisor=6.0, seed=seed)
+
+    full, leaf = with_leaf_logprobs(mb)
+    reference = reference_policy_objective(full, leaf, mode, groups, cfg, divisor=6.0)
+    (ref_grad,) = torch.autograd.grad(reference, leaf)
+    assert ref_grad.abs().sum() > 0
+
+    kwargs = {"eps_low": 0.2, "eps_high": 0.2} | cfg
+    rng = random.Random(seed)
+    splits = {"one": [], "budget_1": budget_cuts(mb, responses, rng), "budget_2": budget_cuts(mb, responses, rng)}
+    if surrogate != "gspo":  # GSPO's sequence ratio needs whole responses; the others are token-local
+        splits["anywhere"] = anywhere_cuts(mb, rng)
+    reports = {}
+    for split_name, cuts in splits.items():
+        red = L.build_loss(mode=mode, divisor=6.0, **kwargs)
+        if kind == "mean":
+            red = as_mean_kind(red)
+        full, leaf = with_leaf_logprobs(mb)
+        (grad,), reports[split_name] = run(red, split(full, cuts), [leaf])
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12, msg=f"split {split_name}")
+        assert reports[split_name]["policy"] == pytest.approx(reference.item(), rel=1e-9, abs=1e-12)
+    if kind == "sum":  # stats are global fractions: split-invariant too, and the data must exercise them
+        for split_name in splits:
+            assert reports[split_name] == pytest.approx(reports["one"], rel=1e-9, abs=1e-12)
+        if cfg["policy_loss"] in ("ppo", "gspo", "cispo"):
+            assert 0 < reports["one"]["policy/clip_frac"] < 1
+        if cfg.get("dual_clip"):
+            assert 0 < reports["one"]["policy/dual_clip_frac"] < 1
+        if cfg.get("behaviour_cap"):
+            assert 0 < reports["one"]["policy/behave_reject_frac"] < 1 or cfg["behaviour_cap_mode"] == "truncate"
+
+
+@pytest.mark.parametrize("kl_estimator", L.KL_ESTIMATORS)
+def test_multi_term_policy_entropy_kl_on_linear_model_split_invariant(kl_estimator):
+    """Policy (sum kind) + entropy (mean kind, negative coef) + KL (sum kind): gradients of a tiny linear
+    model and every reported term equal the full-batch objective for micro-batch splits through groups."""
+    mode, seed, vocab = "prompt_mean", 5, 6
+    responses = ragged_batch(seed, n_groups=8)
+    groups = torch.tensor([r["group"] for r in responses])
+    mb = pack(responses, mode, seed=seed)
+    T = mb["loss_mask"].shape[0]
+    gen = torch.Generator().manual_seed(0)
+    features = torch.randn(T, 4, generator=gen, dtype=F64)
+    targets = torch.randint(0, vocab, (T,), generator=gen)
+    model = torch.nn.Linear(4, vocab, dtype=F64)
+    with torch.no_grad():
+        model.weight.copy_(0.5 * torch.randn(vocab, 4, generator=gen, dtype=F64))
+        model.bias.zero_()
+        logp0 = torch.log_softmax(model(features), -1).gather(-1, targets[:, None]).squeeze(-1)
+    mb["prox_logprobs"] = logp0 + 0.2 * torch.randn(T, generator=gen, dtype=F64)
+    mb["ref_logprobs"] = logp0 + 0.3 * torch.randn(T, generator=gen, dtype=F64)
+    params = list(model.parameters())
+
+    def forward(part_features, part_targets):
+        logits = model(part_features)
+        logp_all = torch.log_softmax(logits, -1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp_all.gather(-1, part_targets[:, None]).squeeze(-1), entropy
+
+    logp, entropy = forward(features, targets)
+    pad = lambda x: to_padded(mb, "", x)
+    kl_token = {"k1": lambda lr: lr, "k2": lambda lr: 0.5 * lr**2, "k3": lambda lr: torch.exp(-lr) - 1 + lr}
+    policy = L.aggregate(pad(L.ppo_surrogate(logp, mb["prox_logprobs"], mb["advantages"])[0]),
+                         pad(mb["loss_mask"]), mode=mode, group_ids=groups, denom_mask=pad(mb["denom_mask"]))
+    ent = L.aggregate(pad(entropy), pad(mb["loss_mask"]), mode="token_mean", group_ids=groups,
+                      denom_mask=pad(mb["denom_mask"]))
+    kl = L.aggregate(pad(kl_token[kl_estimator](logp - mb["ref_logprobs"])), pad(mb["loss_mask"]),
+                     mode="token_mean", group_ids=groups, denom_mask=pad(mb["denom_mask"]))
+    reference = policy - 0.01 * ent + 0.1 * kl
+    ref_grads = torch.autograd.grad(reference, params)
+
+    mb["features"], mb["targets"] = features, targets  # sliced along tokens with everything else
+    rng = random.Random(seed)
+    for cuts in ([], budget_cuts(mb, responses, rng), anywhere_cuts(mb, rng)):
+        parts = split(mb, cuts)
+        red = L.build_loss(mode=mode, policy_loss="ppo", eps_low=0.2, eps_high=0.2, entropy_coef=0.01,
+                           kl_coef=0.1, kl_estimator=kl_estimator)
+        assert [t.kind for t in red.terms] == ["sum", "mean", "sum"]
+        for p in params:
+            p.grad = None
+        red.begin_step(parts)
+        for part in parts:
+            part["logprobs"], part["entropy"] = forward(part["features"], part["targets"])
+            red(part).backward()
+        for g, ref in zip((p.grad for p in params), ref_grads, strict=True):
+            torch.testing.assert_close(g, ref, rtol=1e-9, atol=1e-12)
+        rep = red.reported()
+        assert rep["policy"] == pytest.approx(policy.item(), rel=1e-9)
+        assert rep["entropy"] == pytest.approx(ent.item(), rel=1e-9)
+        assert rep["kl"] == pytest.approx(kl.item(), rel=1e-9)
+        assert rep["loss"] == pytest.approx(reference.item(), rel=1e-9)
+
+
+# -----------------------------------------------------------------------------
+# rule 3: empty is not an error
+
+
+@pytest.mark.parametrize("surrogate", list(SURROGATE_CONFIGS))
+@pytest.mark.parametrize("mode", L.MODES)
+def test_zero_global_normalizer_gives_zero_loss_and_finite_zero_grads(mode, surrogate):
+    responses = ragged_batch(3)
+    for r in responses:  # every response inactive: every denominator is 0
+        r["d"] = [0.0] * len(r["d"])
+        r["m"] = [0.0] * len(r["m"])
+    mb = pack(responses, mode, divisor=5.0)
+    # junk that would overflow exp() if it ever reached the surrogate unmasked
+    mb["prox_logprobs"] = mb["prox_logprobs"] - 800.0
+    mb["ref_logprobs"] = mb["ref_logprobs"] + 800.0
+    kwargs = {"eps_low": 0.2, "eps_high": 0.2} | SURROGATE_CONFIGS[surrogate]
+    red = L.build_loss(mode=mode, divisor=5.0, entropy_coef=0.01, kl_coef=0.1, **kwargs)
+    full, leaf = with_leaf_logprobs(mb)
+    full["entropy"] = full["entropy"].clone().requires_grad_()
+    parts = split(full, [5, 17])
+    red.begin_step(parts)
+    assert all(z == 0.0 for z in red.Z.values())
+    for part in parts:
+        loss = red(part)
+        assert loss.item() == 0.0
+        loss.backward()
+    for g in (leaf.grad, full["entropy"].grad):
+        assert g is not None and torch.isfinite(g).all() and g.abs().sum() == 0
+    rep = red.reported()
+    assert rep["loss"] == 0.0 and all(math.isfinite(v) for v in rep.values())
+
+
+@pytest.mark.parametrize("mode", L.MODES)
+def test_every_token_rejected_gives_zero_loss_and_finite_zero_grads(mode):
+    """All tokens rejected by the behaviour cap: numerator empty, denominator kept, loss exactly 0."""
+    mb = pack(ragged_batch(4), mode, divisor=5.0)
+    mb["behave_logprobs"] = mb["prox_logprobs"] - 50.0  # pi_prox / pi_behave = e^50 > cap everywhere
+    red = L.build_loss(mode=mode, policy_loss="ppo", divisor=5.0, eps_low=0.2, eps_high=0.2,
+                       behaviour_cap=2.0, behaviour_cap_mode="mask")
+    full, leaf = with_leaf_logprobs(mb)
+    (grad,), rep = run(red, split(full, [7]), [leaf])
+    assert red.Z["policy"] > 0
+    assert rep["policy"] == 0.0 and rep["policy/behave_reject_frac"] == 1.0
+    assert torch.isfinite(grad).all() and grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("surrogate", L.SURROGATES)
+def test_microbatch_without_active_token_runs_forward_backward(surrogate):
+    """A padding micro-batch (one masked token, seq_id -1) next to a real one: finite, contributes 0."""
+    mb = pack(ragged_batch(2), "seq_mean")
+    empty = {k: torch.zeros(1, dtype=v.dtype) for k, v in mb.items() if isinstance(v, torch.Tensor)}
+    empty["seq_ids"] = torch.tensor([-1])
+    red = L.build_loss(mode="seq_mean", policy_loss=surrogate, eps_low=0.2, eps_high=0.2, entropy_coef=0.1)
+    full, leaf = with_leaf_logprobs(mb)
+    empty_leaf = empty["logprobs"].clone().requires_grad_()
+    empty["logprobs"] = empty_leaf
+    red.begin_step([full, empty])
+    red(full).backward()
+    loss = red(empty)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert torch.isfinite(empty_leaf.grad).all() and empty_leaf.grad.abs().sum() == 0
+
+
+# -----------------------------------------------------------------------------
+# rule 4: bad normalizers and bad masks are errors
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), torch.tensor(-0.5)])
+def test_negative_or_non_finite_normalizer_raises_naming_the_term(bad):
+    mb = pack(ragged_batch(0), "token_mean")
+    red = L.LossReduction([sum_term("policy"), L.LossTerm("my_aux", lambda mb: mb["logprobs"].sum(),
+                                                          lambda mb: bad, "sum")])
+    with pytest.raises(ValueError, match="my_aux"):
+        red.begin_step([mb])
+
+
+@pytest.mark.parametrize("key", ["loss_mask", "denom_mask", "loss_weight", "norm_weight", "advantages"])
+def test_mask_shape_mismatch_raises_naming_the_tensor(key):
+    mb = pack(ragged_batch(0), "token_mean")
+    red = L.build_loss(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2)
+    bad = dict(mb)
+    bad[key] = mb[key][:-1]
+    with pytest.raises(ValueError, match=key):
+        red.begin_step([bad])
+    bad[key] = mb[key][:, None]  # [T, 1] would broadcast against [T] into [T, T]
+    with pytest.raises(ValueError, match=key):
+        L.validate_microbatch(bad)
+    red.begin_step([mb])
+    with pytest.raises(ValueError, match=key):
+        red(bad)
+
+
+def test_float_seq_ids_raise():
+    mb = pack(ragged_batch(0), "token_mean")
+    with pytest.raises(ValueError, match="seq_ids"):
+        L.validate_microbatch({**mb, "seq_ids": mb["seq_ids"].double()})
+
+
+def test_token_loss_shape_mismatch_in_masked_sum_raises():
+    with pytest.raises(ValueError, match="mask shape"):
+        L.masked_sum(torch.ones(4), torch.ones(4, 1))
+    with pytest.raises(ValueError, match="weight shape"):
+        L.masked_sum(torch.ones(4), torch.ones(4), torch.ones(1))
+    with pytest.raises(ValueError, match="token_loss"):
+        L.aggregate(torch.ones(2, 3), torch.ones(2, 1), mode="token_mean", group_ids=torch.tensor([0, 0]))
+
+
+def test_loss_mask_above_denom_mask_raises():
+    mb = pack(ragged_batch(0), "token_mean")
+    i = int(torch.nonzero(mb["denom_mask"] == 0)[0])
+    mb["loss_mask"] = mb["loss_mask"].clone()
+    mb["loss_mask"][i] = 1.0
+    red = L.build_loss(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2)
+    with pytest.raises(ValueError, match="m_t <= d_t"):
+        red.begin_step([mb])
+
+
+@pytest.mark.parametrize("divisor", [None, 0.0, -3.0, float("nan")])
+def test_constant_mode_without_positive_divisor_raises(divisor):
+    with pytest.raises(ValueError, match="--loss-aggregation-divisor"):
+        L.build_loss(mode="constant", policy_loss="ppo", divisor=divisor, eps_low=0.2, eps_high=0.2)
+    with pytest.raises(ValueError, match="--loss-aggregation-divisor"):
+        L.response_weights("constant", torch.ones(2), torch.tensor([0, 0]), divisor)
+    with pytest.raises(ValueError, match="--loss-aggregation-divisor"):
+        L.aggregate(torch.ones(1, 2), torch.ones(1, 2), mode="constant", group_ids=torch.tensor([0]),
+                    divisor=divisor)
+
+
+def test_unknown_mode_or_surrogate_raises_naming_the_flag():
+    with pytest.raises(ValueError, match="--loss-aggregation"):
+        L.build_loss(mode="sequence_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2)
+    with pytest.raises(ValueError, match="--loss-aggregation"):
+        L.response_weights("seq-mean-token-mean", torch.ones(2), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="--policy-loss"):
+        L.build_loss(mode="token_mean", policy_loss="grpo", eps_low=0.2, eps_high=0.2)
+    with pytest.raises(ValueError, match="--kl-estimator"):
+        L.build_loss(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2, kl_coef=0.1,
+                     kl_estimator="k4")
+    with pytest.raises(ValueError, match="--behaviour-cap-mode"):
+        L.build_loss(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2, behaviour_cap=2.0,
+                     behaviour_cap_mode="clip")
+
+
+def test_loss_before_begin_step_raises():
+    red = L.build_loss(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2)
+    with pytest.raises(RuntimeError, match="begin_step"):
+        red(pack(ragged_batch(0), "token_mean"))
+
+
+# -----------------------------------------------------------------------------
+# surrogates: each formula against a scalar re-statement
+
+
+def grad_of(fn, logp):
+    leaf = logp.clone().requires_grad_()
+    loss, stats = fn(leaf)
+    (g,) = torch.autograd.grad(loss.sum(), leaf)
+    return loss.detach(), g, stats
+
+
+RATIOS = [0.5, 0.79, 0.9, 1.0, 1.1, 1.25, 1.35, 3.0]
+
+
+@pytest.mark.parametrize("adv", [1.5, -1.5])
+def test_ppo_surrogate_clip_higher_and_dual_clip_match_formula(adv):
+    eps_low, eps_high, c = 0.2, 0.3, 2.0
+    logp = torch.log(torch.tensor(RATIOS, dtype=F64))
+    prox = torch.zeros_like(logp)
+    A = torch.full_like(logp, adv)
+    loss, grad, stats = grad_of(lambda x: L.ppo_surrogate(x, prox, A, eps_low=eps_low, eps_high=eps_high,
+                                                          dual_clip=c), logp)
+    for r, l_t, g_t, clipped, dual in zip(RATIOS, loss, grad, stats["clipped"], stats["dual_clipped"],
+                                          strict=True):
+        ppo = max(-adv * r, -adv * min(max(r, 1 - eps_low), 1 + eps_high))
+        expected = min(ppo, -c * adv) if adv < 0 else ppo
+        assert l_t.item() == pytest.approx(expected, rel=1e-12)
+        is_clipped = -adv * min(max(r, 1 - eps_low), 1 + eps_high) > -adv * r
+        is_dual = adv < 0 and ppo > -c * adv
+        assert bool(clipped) == is_clipped and bool(dual) == is_dual
+        # gradient of -A r w.r.t. logp is -A r, unless a clip holds the loss constant
+        assert g_t.item() == pytest.approx(0.0 if (is_clipped or is_dual) else -adv * r, abs=1e-12)
+
+
+def test_gspo_uses_masked_geometric_mean_ratio_per_sequence_with_per_token_gradient():
+    gen = torch.Generator().manual_seed(0)
+    seq = torch.tensor([-1, 0, 0, 0, -1, 1, 1, -1, 2, 2, 2, 2])
+    mask = torch.tensor([0, 1, 1, 0, 0, 1, 1, 0, 1, 1, 1, 1], dtype=F64)
+    logp = -torch.rand(12, generator=gen, dtype=F64)
+    prox = logp + torch.tensor([9, 0.01, -0.02, 5.0, 9, -0.3, -0.2, 9, -0.001, 0.002, 0.0, 0.001], dtype=F64)
+    adv = torch.tensor([0, 1.0, 1.0, 1.0, 0, 2.0, 2.0, 0, -1.0, -1.0, -1.0, -1.0], dtype=F64)
+    loss, grad, stats = grad_of(lambda x: L.gspo_surrogate(x, prox, adv, seq, mask, eps_low=0.05,
+                                                           eps_high=0.05), logp)
+    for i in range(3):
+        tokens = [t for t in range(12) if seq[t] == i and mask[t] > 0]
+        s = math.exp(sum(float(logp[t] - prox[t]) for t in tokens) / len(tokens))
+        A = float(adv[tokens[0]])
+        clipped = -A * min(max(s, 0.95), 1.05) > -A * s
+        for t in (t for t in range(12) if seq[t] == i):
+            assert loss[t].item() == pytest.approx(max(-A * s, -A * min(max(s, 0.95), 1.05)), rel=1e-12)
+            assert grad[t].item() == pytest.approx(0.0 if clipped else -A * s, abs=1e-12)
+            assert bool(stats["clipped"][t]) == clipped
+    assert stats["clipped"][5] == 1 and stats["clipped"][1] == 0  # sequence 1 (s = e^0.25, A > 0) is clipped
+
+
+def test_cispo_keeps_gradient_on_clipped_tokens_with_stopped_weight():
+    eps_high = 0.2
+    logp = torch.log(torch.tensor(RATIOS, dtype=F64))
+    prox = torch.zeros_like(logp)
+    A = torch.full_like(logp, -0.7)
+    loss, grad, stats = grad_of(lambda x: L.cispo_surrogate(x, prox, A, eps_high=eps_high), logp)
+    for r, lp, l_t, g_t, clipped in zip(RATIOS, logp.tolist(), loss, grad, stats["clipped"], strict=True):
+        weight = min(r, 1 + eps_high)
+        assert l_t.item() == pytest.approx(-weight * -0.7 * lp, rel=1e-12)
+        assert g_t.item() == pytest.approx(-weight * -0.7, rel=1e-12)  # never zero: clipping caps, not drops
+        assert bool(clipped) == (r > 1 + eps_high)
+
+
+def test_sapo_soft_gate_picks_tau_by_advantage_sign():
+    tau_pos, tau_neg = 1.0, 1.05
+    logp = torch.log(torch.tensor(RATIOS * 2, dtype=F64))
+    prox = torch.zeros_like(logp)
+    A = torch.tensor([0.8] * len(RATIOS) + [-0.8] * len(RATIOS), dtype=F64)
+    loss, grad, _ = grad_of(lambda x: L.sapo_surrogate(x, prox, A, tau_pos=tau_pos, tau_neg=tau_neg), logp)
+    sig = lambda z: 1 / (1 + math.exp(-z))
+    for r, a, l_t, g_t in zip(RATIOS * 2, A.tolist(), loss, grad, strict=True):
+        tau = tau_pos if a > 0 else tau_neg
+        assert l_t.item() == pytest.approx(-(4 / tau) * sig(tau * (r - 1)) * a, rel=1e-12)
+        # d/dlogp: -(4/tau) sig'(.) tau r A = -4 sig (1 - sig) r A; at r = 1 exactly PPO's -A
+        s = sig(tau * (r - 1))
+        assert g_t.item() == pytest.approx(-4 * s * (1 - s) * r * a, rel=1e-10)
+    assert loss[len(RATIOS) + 3].item() == pytest.approx(0.8 * 4 / tau_neg * 0.5)
+
+
+def test_behaviour_weights_truncate_and_mask_with_infinite_log_ratios():
+    prox = torch.tensor([-1.0, -1.0, -1.0, -1.0, float("-inf"), -2.0])
+    behave = torch.tensor([-1.0, -1.5, -0.5, float("-inf"), float("-inf"), -3.5])
+    w_true = [1.0, math.exp(0.5), math.exp(-0.5), math.inf, 1.0, math.exp(1.5)]  # -inf - -inf: NaN -> ratio 1
+    w, rej = L.behaviour_weights(prox, behave, cap=2.0, mode="truncate")
+    assert w.tolist() == pytest.approx([min(x, 2.0) for x in w_true]) and rej.sum() == 0
+    w, rej = L.behaviour_weights(prox, behave, cap=2.0, mode="mask")
+    assert rej.tolist() == [float(x > 2.0) for x in w_true]
+    assert w.tolist() == pytest.approx([0.0 if x > 2.0 else x for x in w_true])
+
+
+def test_sanitize_log_ratio_only_turns_nan_into_zero():
+    x = torch.tensor([float("nan"), float("inf"), float("-inf"), 1.5])
+    assert L.sanitize_log_ratio(x).tolist() == [0.0, math.inf, -math.inf, 1.5]
+    minus_inf = torch.tensor([float("-inf")])
+    assert L.sanitize_log_ratio(minus_inf - minus_inf).tolist() == [0.0]
+
+
+def test_kl_estimators_match_formulas():
+    logp = torch.tensor([-1.0, -0.2, -3.0], dtype=F64)
+    ref = torch.tensor([-1.5, -0.2, -1.0], dtype=F64)
+    lr = (logp - ref).tolist()
+    assert L.kl_penalty(logp, ref, "k1").tolist() == pytest.approx(lr)
+    assert L.kl_penalty(logp, ref, "k2").tolist() == pytest.approx([0.5 * x * x for x in lr])
+    assert L.kl_penalty(logp, ref, "k3").tolist() == pytest.approx([math.exp(-x) - 1 + x for x in lr])
+    with pytest.raises(ValueError, match="--kl-estimator"):
+        L.kl_penalty(logp, ref, "k5")
+
+
+def naive_m2po(x: list[float], valid: list[bool], threshold: float) -> list[bool]:
+    """Sort-and-drop: remove the largest (log ratio)^2 one at a time until the kept mean <= threshold."""
+    kept = sorted((v, i) for i, (v, ok) in enumerate(zip(x, valid, strict=True)) if ok)
+    while kept and sum(v for v, _ in kept) / len(kept) > threshold:
+        kept.pop()
+    keep = {i for _, i in kept}
+    return [i in keep for i in range(len(x))]
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.01, 0.04, 0.2, 10.0])
+def test_m2po_mask_drops_largest_second_moments_until_mean_below_threshold(threshold):
+    gen = torch.Generator().manual_seed(1)
+    prox = -torch.rand(300, generator=gen, dtype=F64)
+    behave = prox + 0.3 * torch.randn(300, generator=gen, dtype=F64)
+    behave[7] = float("-inf")  # an impossible token under pi_behave: infinite second moment, always dropped
+    prox[9] = behave[9] = float("-inf")  # NaN log ratio sanitised to 0: kept
+    loss_mask = (torch.rand(300, generator=gen) > 0.2).to(F64)
+    loss_mask[[7, 9]] = 1.0
+    new = L.m2po_mask(prox, behave, loss_mask, threshold=threshold)
+    x = L.sanitize_log_ratio(prox - behave).pow(2).tolist()
+    expected = naive_m2po(x, (loss_mask > 0).tolist(), threshold)
+    assert new.tolist() == [float(e) for e in expected]
+    assert new[7] == 0 and new[9] == 1
+    assert (new <= loss_mask).all()
