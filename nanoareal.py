@@ -46,7 +46,7 @@ class Config:
     run_dir: str = "runs/default"
     """Where metrics.jsonl, checkpoints and the final export go."""
     seed: int = 0
-    steps: int = 40
+    steps: int = 100
     """Optimizer steps (one rollout batch each)."""
     config: str | None = None
     """TOML file of defaults for these flags (flags on the command line win)."""
@@ -102,7 +102,7 @@ class Config:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
 
     # optimization
-    lr: float = 2e-4
+    lr: float = 1e-4
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.99
@@ -147,6 +147,20 @@ class Config:
     wandb_project: str | None = None
     wandb_run_name: str | None = None
 
+    # checkpointing and failures
+    ckpt_every: int = 0
+    """Save a checkpoint (DCP model + optimizer, scheduler, step, RNGs) every N steps and at the end; 0: never."""
+    keep_ckpts: int = 2
+    """Keep the newest N complete checkpoints in run_dir/checkpoints (0 keeps all)."""
+    resume: str = "auto"
+    """auto: the latest complete checkpoint in run_dir/checkpoints, if any; none: start fresh; or a checkpoint path."""
+    max_bad_steps: int = 3
+    """Stop with an error after this many steps in a row whose loss or grad norm was non-finite (each is skipped)."""
+    reward_timeout: float = 5.0
+    """Seconds one reward call may take; a reward that raises or times out gives 0 and counts in reward_errors."""
+    dist_timeout: float = 1800.0
+    """Seconds a collective waits for the other ranks before this rank gives up (a dead peer never hangs a run)."""
+
     # system
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
@@ -185,13 +199,17 @@ def validate_config(cfg: Config, world: int) -> Config:
         raise SystemExit(f"config error: {msg}")
 
     if cfg.loss_aggregation == "constant":
-        cfg.loss_aggregation_divisor = cfg.loss_aggregation_divisor or float(cfg.max_new_tokens)
-        if cfg.loss_aggregation_divisor <= 0:
+        if cfg.loss_aggregation_divisor is None:
+            cfg.loss_aggregation_divisor = float(cfg.max_new_tokens)
+        if not cfg.loss_aggregation_divisor > 0 or not math.isfinite(cfg.loss_aggregation_divisor):
             bad("--loss-aggregation constant needs a positive --loss-aggregation-divisor")
+    elif cfg.loss_aggregation_divisor is not None:
+        bad(f"--loss-aggregation-divisor is only used by --loss-aggregation constant (not {cfg.loss_aggregation})")
     if cfg.group_size < 1 or cfg.prompts_per_step < 1 or cfg.max_new_tokens < 1:
         bad("--group-size, --prompts-per-step and --max-new-tokens must be positive")
-    if cfg.group_size == 1 and cfg.adv_std and cfg.adv_estimator == "grpo":
-        bad("--group-size 1 with std normalization gives zero advantages everywhere (use --no-adv-std or more samples)")
+    if cfg.group_size == 1 and cfg.adv_std:
+        bad("--group-size 1 with --adv-std: a one-sample group has no std (every advantage would be 0); "
+            "use --group-size >= 2")
     if cfg.num_minibatches < 1 or cfg.num_minibatches > cfg.prompts_per_step:
         bad("--num-minibatches must be in [1, --prompts-per-step]")
     if cfg.m2po_threshold is not None and cfg.reuse_train_logprobs:
@@ -206,7 +224,26 @@ def validate_config(cfg: Config, world: int) -> Config:
         bad("--rollout-url needs --rollout-backend sglang")
     if cfg.cp_size < 1 or world % cfg.cp_size:
         bad(f"--cp-size {cfg.cp_size} must divide the number of ranks ({world})")
+    if cfg.micro_batch_tokens < 1 or cfg.logprob_chunk_tokens < 1:
+        bad("--micro-batch-tokens and --logprob-chunk-tokens must be positive")
+    if cfg.dual_clip is not None and cfg.dual_clip <= 1:
+        bad(f"--dual-clip must be > 1 (got {cfg.dual_clip})")
+    if min(cfg.ckpt_every, cfg.keep_ckpts, cfg.max_bad_steps) < 0 or not cfg.reward_timeout > 0:
+        bad("--ckpt-every, --keep-ckpts and --max-bad-steps must be >= 0 and --reward-timeout > 0")
+    if cfg.resume not in ("auto", "none") and not (Path(cfg.resume) / "meta.json").is_file():
+        bad(f"--resume {cfg.resume} is not a complete checkpoint (no such directory, or no meta.json: a save that "
+            f"never finished); use --resume auto or none")
     return cfg
+
+
+def validate_token_budget(encoded: list[list[int]], cfg: Config) -> None:
+    """After tokenizing the dataset: the longest possible sequence must fit one micro-batch (sequences are never
+    cut), so it fails now rather than at the step that first samples a long answer."""
+    longest = max(map(len, encoded), default=0) + cfg.max_new_tokens
+    if longest > cfg.micro_batch_tokens:
+        raise SystemExit(f"config error: --micro-batch-tokens {cfg.micro_batch_tokens} is smaller than the longest "
+                         f"possible sequence ({longest - cfg.max_new_tokens} prompt tokens + --max-new-tokens "
+                         f"{cfg.max_new_tokens})")
 
 
 # -----------------------------------------------------------------------------
@@ -224,8 +261,10 @@ def setup_distributed(cfg: Config) -> torch.device:
     global RANK, WORLD
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     backend = "nccl" if use_cuda else "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend)
+    if "RANK" in os.environ:  # a collective waits at most dist_timeout for a peer (torchrun usually ends it sooner)
+        from datetime import timedelta
+
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout))
     else:  # a one-rank group keeps one code path (FSDP2 and collectives work the same)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
@@ -346,6 +385,37 @@ def reward_gsm8k(completion: str, answer: str) -> float:
 
 REWARDS = {"exact_match": reward_exact_match, "gsm8k": reward_gsm8k}
 
+
+def compute_rewards(reward_fn, texts: list[str], answers: list[str], timeout: float) -> tuple[list[float], int]:
+    """reward_fn over the batch on a daemon worker thread -> (rewards, errors). A call that raises, returns a
+    non-finite value or takes longer than `timeout` seconds gives 0 and counts as an error; after a timeout the
+    rest of the batch continues on a fresh thread. A thread cannot be killed: a hung pure-Python reward keeps its
+    daemon thread busy (it never blocks exit), and one stuck in C code holding the GIL stalls us too. That is fine
+    for the built-in rewards (short strings, simple regexes); a reward that runs untrusted code wants a process."""
+    import queue
+    import threading
+
+    def work(start: int, out: queue.Queue):
+        for i in range(start, len(texts)):
+            try:
+                r = float(reward_fn(texts[i], answers[i]))
+                out.put((i, r if math.isfinite(r) else None))
+            except Exception:
+                out.put((i, None))
+
+    rewards, errors, i = [0.0] * len(texts), 0, 0
+    while i < len(texts):
+        results: queue.Queue = queue.Queue()
+        threading.Thread(target=work, args=(i, results), daemon=True).start()
+        while i < len(texts):
+            try:
+                j, r = results.get(timeout=timeout)
+            except queue.Empty:  # call i hangs: it scores 0, the next calls run on a new thread
+                errors, i = errors + 1, i + 1
+                break
+            rewards[j], errors, i = r or 0.0, errors + (r is None), j + 1
+    return rewards, errors
+
 # -----------------------------------------------------------------------------
 # advantages: per group, with groups sliced by their actual sizes
 
@@ -461,16 +531,20 @@ _FLASH_VARLEN = None  # flash_attn_varlen_func when flash-attn is installed and 
 def setup_context_parallel(cfg: Config, device: torch.device) -> None:
     """(dp, cp) mesh over the world: ranks [k*N, (k+1)*N) form CP group k (data-parallel rank k)."""
     global CP_GROUP, CP_SIZE, CP_RANK, DP_RANK, DP_SIZE, _FLASH_VARLEN
+    if cfg.cp_size > 1:
+        from transformers import AutoConfig
+
+        heads = AutoConfig.from_pretrained(cfg.model).get_text_config().num_attention_heads
+        if heads % cfg.cp_size:  # each rank attends with H/N whole query heads
+            raise SystemExit(f"config error: --cp-size {cfg.cp_size} must divide the model's {heads} attention heads")
     CP_SIZE, DP_SIZE = cfg.cp_size, WORLD // cfg.cp_size
     DP_RANK, CP_RANK = divmod(RANK, CP_SIZE)
+    CP_GROUP = None
     if CP_SIZE == 1:
         return
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AttentionInterface, AutoConfig
+    from transformers import AttentionInterface
 
-    heads = AutoConfig.from_pretrained(cfg.model).get_text_config().num_attention_heads
-    if heads % CP_SIZE:  # each rank attends with H/N whole query heads
-        raise SystemExit(f"config error: --cp-size {CP_SIZE} must divide the model's {heads} attention heads")
     CP_GROUP = init_device_mesh(device.type, (DP_SIZE, CP_SIZE), mesh_dim_names=("dp", "cp"))["cp"].get_group()
     AttentionInterface.register("ulysses", ulysses_attention)
     if device.type == "cuda":
@@ -494,7 +568,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        x = x.contiguous()  # before empty_like too: it copies a permuted view's strides, and the collective ignores them
+        x = x.contiguous()  # before empty_like: it copies a permuted view's strides, which the collective ignores
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x, group=CP_GROUP)
         return out
@@ -534,19 +608,19 @@ def _heads_to_seq(x):  # [B, H/N, S, D] -> [B, H, S/N, D]
 
 def packed_layout(position_ids: torch.Tensor) -> dict:
     """Where the packed sequences of the full row start (position_ids restart at 0): cu_seqlens for flash-attn's
-    varlen kernel, else a block-diagonal causal mask for sdpa. Built once per micro-batch, used by every layer."""
+    varlen kernel, else padded_layout() for packed_sdpa_attention. Built once per micro-batch, used by all layers."""
     pos = position_ids.flatten()
     if _FLASH_VARLEN is not None and pos.is_cuda:
         cu = torch.cat([torch.nonzero(pos == 0).flatten(), pos.new_tensor([len(pos)])]).to(torch.int32)
         return {"cu_seqlens": cu, "max_seqlen": int((cu[1:] - cu[:-1]).max())}
-    seq = torch.cumsum(pos == 0, 0)
-    causal = torch.ones(len(pos), len(pos), dtype=torch.bool, device=pos.device).tril()
-    return {"mask": causal & (seq[:, None] == seq[None, :])}
+    return {"packed": padded_layout(pos)}
 
 
 def ulysses_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0, ulysses=None, **kwargs):
     """transformers attention (registered as "ulysses"): q [B, H, S/N, D], k/v [B, Hkv, S/N, D] -> ([B, S/N, H, D],
     None). `ulysses` is packed_layout() of the full row; transformers' own attention_mask is None here."""
+    if ulysses is None:
+        raise RuntimeError("ulysses attention needs the packed layout of the whole row: use cp_policy_logprobs")
     hkv = k.shape[1]
     if hkv % CP_SIZE:  # too few KV heads to split: repeat each so every rank gets the KV heads its queries use
         rep = CP_SIZE // math.gcd(hkv, CP_SIZE)
@@ -556,9 +630,9 @@ def ulysses_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0
         cu, n = ulysses["cu_seqlens"], ulysses["max_seqlen"]
         out = _FLASH_VARLEN(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, n, n,
                             dropout_p=dropout, softmax_scale=scaling, causal=True).transpose(0, 1)[None]
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=ulysses["mask"], dropout_p=dropout,
-                                                               scale=scaling, enable_gqa=True)
+    else:  # per-sequence sdpa over the full row (defined in the model section below)
+        out = packed_sdpa_attention(module, q, k, v, None, scaling, dropout, packed=ulysses["packed"])[0]
+        out = out.transpose(1, 2)
     return _heads_to_seq(out).transpose(1, 2), None
 
 
@@ -600,6 +674,8 @@ def policy_logprobs(model, input_ids, position_ids, targets, temperature: float 
     cache, transformers does not detect packed sequences and they would attend to each other. `attn_kwargs`
     reach the attention function of every layer (context parallel passes its packed layout this way).
     """
+    if model.config._attn_implementation == "packed_sdpa" and "packed" not in attn_kwargs:
+        attn_kwargs["packed"] = padded_layout(position_ids)  # once per micro-batch, used by every layer
     hidden = model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                          **attn_kwargs).last_hidden_state[0]
     weight = model.lm_head.weight
@@ -607,6 +683,31 @@ def policy_logprobs(model, input_ids, position_ids, targets, temperature: float 
                                              targets[i : i + chunk], temperature, use_reentrant=False)
            for i in range(0, hidden.shape[0], chunk)]
     return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
+
+
+def padded_layout(position_ids: torch.Tensor) -> dict:
+    """Slot of each packed token in a [num_sequences, max_len] grid (sequence-major, positions restart at 0)."""
+    pos = position_ids.flatten()
+    start = pos == 0
+    max_len = int(pos.max()) + 1
+    return {"index": (torch.cumsum(start, 0) - 1) * max_len + pos, "num_seqs": int(start.sum()), "max_len": max_len}
+
+
+def packed_sdpa_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0, packed=None, **kwargs):
+    """transformers attention (registered as "packed_sdpa"), the sdpa stand-in for flash-attn's varlen kernel:
+    q [1, H, T, D], k/v [1, Hkv, T, D] of a packed row -> ([1, T, H, D], None). Each sequence attends only to
+    itself: the row is scattered into a zero-padded [num_seqs, H, max_len, D] batch, attended with a plain causal
+    mask and gathered back. Cost ~ num_seqs * max_len^2 instead of T^2 for a block-diagonal mask over the whole
+    row (padding slots sit after every real token, so the causal mask hides them from real queries)."""
+    index, n, length = packed["index"], packed["num_seqs"], packed["max_len"]
+
+    def to_grid(x):  # [1, h, T, D] -> [n, h, max_len, D]
+        grid = x.new_zeros(n * length, x.shape[1], x.shape[3]).index_copy(0, index, x[0].transpose(0, 1))
+        return grid.view(n, length, x.shape[1], x.shape[3]).transpose(1, 2)
+
+    out = torch.nn.functional.scaled_dot_product_attention(to_grid(q), to_grid(k), to_grid(v), is_causal=True,
+                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).reshape(n * length, q.shape[1], q.shape[3])[index][None], None
 
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype, mixed_precision: bool, trainable: bool = True):
@@ -627,6 +728,11 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, mixed_precis
     model.config.use_cache = False
     if CP_SIZE > 1:
         model.set_attn_implementation("ulysses")  # registered by setup_context_parallel
+    elif attn == "sdpa":  # per-sequence attention of packed rows (sdpa's block-diagonal mask costs T^2)
+        from transformers import AttentionInterface
+
+        AttentionInterface.register("packed_sdpa", packed_sdpa_attention)
+        model.set_attn_implementation("packed_sdpa")
     mesh = init_device_mesh(device.type, (WORLD,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
     kw = {"mesh": mesh} | ({"mp_policy": mp} if mp else {})
@@ -667,7 +773,7 @@ def train_minibatch(model, optimizer, reduction: L.LossReduction, mbs: list[dict
     # every token's normalizer counted once globally: a CP group's ranks all hold the same micro-batches, so only
     # its first rank counts them (every CP rank then computes the full loss: cp_factor puts the N back into Z)
     reduction.begin_step(mbs if CP_RANK == 0 else [])
-    entropy_sum = 0.0
+    entropy_sum = mismatch_sum = 0.0
     for mb in mbs:
         logprobs, entropy = microbatch_forward(model, mb, cfg, device, grad=True)
         batch = {k: v.to(device) for k, v in mb.items() if k not in ("input_ids", "position_ids", "targets")}
@@ -676,13 +782,17 @@ def train_minibatch(model, optimizer, reduction: L.LossReduction, mbs: list[dict
             batch["prox_logprobs"] = logprobs.detach()
         reduction(batch).backward()
         entropy_sum += float((entropy.detach() * batch["denom_mask"]).sum())
+        # train/inference mismatch: |log pi_theta - log pi_behave| before the update (0 up to numerics when the
+        # rollout engine holds the same weights; large values mean a stale or broken weight sync)
+        mismatch_sum += float(((logprobs.detach() - batch["behave_logprobs"]).abs() * batch["denom_mask"]).sum())
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     skipped = not math.isfinite(grad_norm)
     if not skipped:  # a non-finite norm is identical on every rank (it is global), so all ranks skip together
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"grad_norm": grad_norm, "skipped_step": float(skipped), "entropy_sum": entropy_sum}
+    return {"grad_norm": grad_norm, "skipped_step": float(skipped), "entropy_sum": entropy_sum,
+            "mismatch_sum": mismatch_sum}
 
 
 # -----------------------------------------------------------------------------
@@ -690,7 +800,7 @@ def train_minibatch(model, optimizer, reduction: L.LossReduction, mbs: list[dict
 
 
 def rollout(engine, items: list[dict], indices: list[int], step: int, cfg: Config, tokenizer,
-            encoded: dict) -> list[Sample]:
+            encoded: list[list[int]]) -> list[Sample]:
     """Sample `group_size` completions for each of this rank's prompts; failed (aborted) samples are dropped."""
     sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, [tokenizer.eos_token_id])
     prompts, seeds, groups = [], [], []
@@ -710,8 +820,9 @@ def evaluate(engine, items: list[dict], cfg: Config, tokenizer, reward_fn) -> fl
     sampling = SamplingParams(cfg.max_new_tokens, 0.0, stop_token_ids=[tokenizer.eos_token_id])
     prompts = [encode_prompt(it, tokenizer, cfg.chat_template) for it in mine]
     outs = engine.generate(prompts, sampling, [0] * len(prompts)) if prompts else []
-    correct = sum(reward_fn(tokenizer.decode(o.output_ids, skip_special_tokens=True), it["answer"]) > 0.5
-                  for o, it in zip(outs, mine))
+    texts = tokenizer.batch_decode([o.output_ids for o in outs], skip_special_tokens=True)
+    scores, _ = compute_rewards(reward_fn, texts, [it["answer"] for it in mine], cfg.reward_timeout)
+    correct = sum(r > 0.5 for r in scores)
     s = all_reduce_sum({"correct": correct, "n": len(mine)})
     return s["correct"] / max(s["n"], 1)
 
@@ -753,6 +864,211 @@ def export_hf(model, tokenizer, src: str, out_dir: Path) -> None:
             shutil.copy(Path(src) / extra, tmp / extra)
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
+
+
+# -----------------------------------------------------------------------------
+# checkpoint / resume. A checkpoint is run_dir/checkpoints/step_000010/: torch DCP shards of the model and the
+# optimizer (each rank writes its own), each rank's RNG states (rng_rank{r}.pt) and meta.json (step, scheduler,
+# last eval, config), which rank 0 writes last. Everything is written into step_000010.tmp/ and renamed when
+# complete, so a save killed at any moment is never picked up. The data position is the step itself:
+# prompts_for_step and the sampling noise are functions of (seed, step), so nothing else needs saving.
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's complete checkpoints, oldest first (a `.tmp` directory, or one without meta.json, is not one)."""
+    found = [p for p in (Path(run_dir) / "checkpoints").glob("step_*")
+             if not p.name.endswith(".tmp") and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step_")))
+
+
+def rng_states() -> dict:
+    """Every RNG this process has, as tensors and plain lists (loadable with weights_only=True)."""
+    import numpy as np
+
+    version, words, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(words), gauss], "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]}
+
+
+def set_rng_states(state: dict) -> None:
+    import numpy as np
+
+    version, words, gauss = state["python"]
+    random.setstate((version, tuple(words), gauss))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype("uint32"), *rest))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_meta(tmp: Path, meta: dict) -> None:
+    """The last file of a checkpoint; its presence (after the rename) marks the checkpoint complete."""
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    _fsync(tmp / "meta.json")
+
+
+def save_checkpoint(step: int, model, optimizer, scheduler, cfg: Config, last_eval: float | None) -> Path:
+    """Collective (every rank calls it): DCP shards + RNGs into step_N.tmp/, barrier, rank 0 writes meta.json,
+    renames the directory and deletes older checkpoints beyond --keep-ckpts."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final = Path(cfg.run_dir) / "checkpoints" / f"step_{step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if RANK == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)  # fsyncs its files
+    torch.save(rng_states(), tmp / f"rng_rank{RANK}.pt")
+    dist.barrier()  # every rank's files are written
+    if RANK == 0:
+        _write_meta(tmp, {"step": step, "world": WORLD, "last_eval": last_eval, "scheduler": scheduler.state_dict(),
+                          "config": asdict(cfg)})
+        shutil.rmtree(final, ignore_errors=True)  # only there when resumed from an older checkpoint
+        tmp.rename(final)
+        _fsync(final.parent)
+        older = [p for p in complete_checkpoints(cfg.run_dir) if int(p.name.removeprefix("step_")) < step]
+        for old in older[: max(len(older) - cfg.keep_ckpts + 1, 0)] if cfg.keep_ckpts > 0 else []:
+            shutil.rmtree(old)
+    dist.barrier()
+    return final
+
+
+def maybe_save_checkpoint(step: int, model, optimizer, scheduler, cfg: Config, last_eval: float | None) -> None:
+    """Every --ckpt-every steps and at the last step."""
+    if cfg.ckpt_every > 0 and (step % cfg.ckpt_every == 0 or step == cfg.steps):
+        t0 = time.perf_counter()
+        path = save_checkpoint(step, model, optimizer, scheduler, cfg, last_eval)
+        print0(f"saved {path} in {time.perf_counter() - t0:.2f}s")
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the metrics lines of steps <= `step` (a resumed run writes the rest again): a temporary file replaces
+    the old one in one rename, so a kill never leaves half a file."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # a line cut short by a kill
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+
+
+def _safe_dcp_reader(path: Path):
+    """DCP's FileSystemReader unpickles `.metadata` with plain pickle: check it first with an unpickler that only
+    knows DCP's metadata classes, torch sizes and dtypes (tensors themselves load with weights_only=True)."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    allowed = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("pathlib", "WindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+    class MetadataUnpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            ok = (module, name) in allowed or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                 torch.dtype))
+            ok |= module == "torch.distributed.checkpoint.metadata" and "." not in name and name[:1].isupper()
+            ok |= module == "torch.distributed.checkpoint.metadata" and name == "_MEM_FORMAT_ENCODING"
+            if not ok:
+                raise pickle.UnpicklingError(f"{path}/.metadata: refusing to unpickle {module}.{name}")
+            return super().find_class(module, name)
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(Path(path) / ".metadata", "rb") as f:
+                MetadataUnpickler(f).load()
+            return super().read_metadata(*args, **kwargs)
+
+    return Reader(path)
+
+
+def _safe_dcp_planner():
+    """DCP loads non-tensor values (the optimizer's param_groups) with torch.load(weights_only=False): check each with
+    weights_only=True first (plain numbers, strings, lists pass)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            torch.load(value, weights_only=True)
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return Planner()
+
+
+def resume(cfg: Config, model, optimizer, scheduler, engine) -> tuple[int, float | None]:
+    """Restore the checkpoint --resume names (auto: this run's latest complete one, if any) into model, optimizer,
+    scheduler, RNGs and the rollout engine, and cut metrics.jsonl back to it. Returns (step, last eval accuracy);
+    (0, None) for a fresh start, which also starts a fresh metrics.jsonl."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    found = complete_checkpoints(cfg.run_dir) if cfg.resume == "auto" else []
+    path = Path(cfg.resume) if cfg.resume not in ("auto", "none") else found[-1] if found else None
+    box = [str(path) if path else None]  # every rank resumes from rank 0's choice
+    dist.broadcast_object_list(box, src=0)
+    path = Path(box[0]) if box[0] else None
+    metrics_file = Path(cfg.run_dir) / "metrics.jsonl"
+    if RANK == 0:
+        for stale in (Path(cfg.run_dir) / "checkpoints").glob("*.tmp"):  # saves that were killed
+            shutil.rmtree(stale, ignore_errors=True)
+    if path is None:
+        if RANK == 0:
+            metrics_file.unlink(missing_ok=True)
+        return 0, None
+
+    meta = json.loads((path / "meta.json").read_text())
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, storage_reader=_safe_dcp_reader(path), planner=_safe_dcp_planner())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(meta["scheduler"])
+    rng = path / f"rng_rank{RANK}.pt"
+    set_rng_states(torch.load(rng if rng.exists() else path / "rng_rank0.pt", weights_only=True))
+    engine.update_weights(model)  # the engine started from --model's weights
+    if RANK == 0:
+        truncate_metrics(metrics_file, meta["step"])
+    same = {"run_dir", "resume", "steps", "ckpt_every", "keep_ckpts", "config", "eval_every", "log_every"}
+    changed = sorted(k for k, v in meta["config"].items() if k not in same and json.loads(json.dumps(
+        getattr(cfg, k, v))) != v)
+    if changed:
+        print0(f"warning: resuming {path} with changed options {changed}")
+    print0(f"resumed from {path} at step {meta['step']}")
+    return meta["step"], meta["last_eval"]
+
+
+def check_bad_steps(bad_steps: int, metrics: dict[str, float], cfg: Config) -> int:
+    """Count steps in a row whose optimizer step was skipped (non-finite loss or grad norm); stop after
+    --max-bad-steps of them, leaving the checkpoints (written only after healthy steps) as they are."""
+    bad_steps = bad_steps + 1 if metrics["skipped_steps"] else 0
+    if 0 < cfg.max_bad_steps <= bad_steps:
+        last = complete_checkpoints(cfg.run_dir)
+        raise SystemExit(f"error: {bad_steps} steps in a row had a non-finite loss or grad norm (--max-bad-steps "
+                         f"{cfg.max_bad_steps}); last good checkpoint: {last[-1] if last else 'none'}")
+    return bad_steps
 
 
 # -----------------------------------------------------------------------------
@@ -826,6 +1142,8 @@ def main(argv: list[str] | None = None) -> None:
     eval_items = eval_items[: cfg.eval_size]
     reward_fn = REWARDS[cfg.reward]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    encoded = [encode_prompt(it, tokenizer, cfg.chat_template) for it in train_items]
+    validate_token_budget(encoded, cfg)
 
     # model, optimizer, rollout engine (the engine first: SGLang sizes its KV cache from free GPU memory)
     engine = make_engine(cfg, device)
@@ -850,16 +1168,15 @@ def main(argv: list[str] | None = None) -> None:
         entropy_coef=cfg.entropy_coef, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
         group=dist.group.WORLD if WORLD > 1 else None, cp_factor=cfg.cp_size)
     logger = Logger(cfg)
-    encoded = {}
     print0(f"nanoareal: {WORLD} rank(s) on {device.type}, model {cfg.model}, {len(train_items)} train prompts, "
            f"{len(eval_items)} eval, loss {cfg.policy_loss}/{cfg.loss_aggregation}")
 
     from tqdm import tqdm
 
-    progress = tqdm(total=cfg.steps, disable=RANK != 0, dynamic_ncols=True, file=sys.stdout)
-    start_step = 0
-    last_eval = None
-    if eval_items and cfg.eval_every > 0:
+    start_step, last_eval = resume(cfg, model, optimizer, scheduler, engine)  # (0, None) for a fresh run
+    bad_steps = 0
+    progress = tqdm(total=cfg.steps, initial=start_step, disable=RANK != 0, dynamic_ncols=True, file=sys.stdout)
+    if eval_items and cfg.eval_every > 0 and start_step == 0:
         last_eval = evaluate(engine, eval_items, cfg, tokenizer, reward_fn)
         logger.log(start_step, {"eval/accuracy": last_eval})
         print0(f"step {start_step:4d} | eval {last_eval:.3f}")
@@ -868,17 +1185,16 @@ def main(argv: list[str] | None = None) -> None:
         # ALGO LOGIC: rollout -> reward -> advantages -> loss -> step -> sync. This rank's prompts: every
         # DP_SIZE-th of the step's global list, so whole groups live on one data-parallel rank (one CP group).
         indices = prompts_for_step(len(train_items), cfg.prompts_per_step, step, cfg.seed)[DP_RANK::DP_SIZE]
-        for g in indices:
-            if g not in encoded:
-                encoded[g] = encode_prompt(train_items[g], tokenizer, cfg.chat_template)
         # a CP group must train on identical samples: its first rank samples, the others receive them
         samples = cp_broadcast(rollout(engine, train_items, indices, step, cfg, tokenizer, encoded) if CP_RANK == 0
                                else None)
         t1 = time.perf_counter()
 
         texts = tokenizer.batch_decode([s.completion.output_ids for s in samples], skip_special_tokens=True)
-        for s, text in zip(samples, texts):
-            s.reward = reward_fn(text, train_items[s.group]["answer"])
+        scores, reward_errors = compute_rewards(reward_fn, texts, [train_items[s.group]["answer"] for s in samples],
+                                                cfg.reward_timeout)  # a reward that raises or hangs scores 0
+        for s, r in zip(samples, scores):
+            s.reward = r
 
         rewards = torch.tensor([s.reward for s in samples])
         groups = torch.tensor([s.group for s in samples], dtype=torch.long)
@@ -886,7 +1202,7 @@ def main(argv: list[str] | None = None) -> None:
         for s, a in zip(samples, adv.tolist()):
             s.advantage = a
         zero_var = group_is_constant(rewards, groups)
-        stats = rollout_stats(samples, zero_var, groups)
+        stats = rollout_stats(samples, zero_var, groups) | {"reward_errors": reward_errors}
         if cfg.filter_zero_variance:
             samples = [s for s, z in zip(samples, zero_var.tolist()) if not z]
 
@@ -909,6 +1225,9 @@ def main(argv: list[str] | None = None) -> None:
         if (step + 1) % cfg.log_every == 0:
             progress.write(format_line(step + 1, metrics)) if RANK == 0 else None
         progress.update(1)
+        bad_steps = check_bad_steps(bad_steps, metrics, cfg)  # stops the run after --max-bad-steps in a row
+        if bad_steps == 0:  # checkpoints only after healthy steps
+            maybe_save_checkpoint(step + 1, model, optimizer, scheduler, cfg, last_eval)
     progress.close()
     export_hf(model, tokenizer, cfg.model, Path(cfg.run_dir) / "final")
     if last_eval is not None:
@@ -962,6 +1281,8 @@ def train_on_samples(model, ref_model, optimizer, reduction, samples, cfg, devic
                         mb["ref_logprobs"] = microbatch_forward(ref_model, mb, cfg, device, False)[0].float().cpu()
     if cfg.m2po_threshold is not None:
         for mbs in packed:
+            if not mbs:  # empty on every rank (even_out_microbatches padded any rank that alone had none)
+                continue
             masks = L.m2po_mask(torch.cat([mb["prox_logprobs"] for mb in mbs]),
                                 torch.cat([mb["behave_logprobs"] for mb in mbs]),
                                 torch.cat([mb["loss_mask"] for mb in mbs]), threshold=cfg.m2po_threshold,
@@ -969,13 +1290,14 @@ def train_on_samples(model, ref_model, optimizer, reduction, samples, cfg, devic
             for mb, m in zip(mbs, masks.split([len(mb["loss_mask"]) for mb in mbs])):
                 mb["loss_mask"] = m
     out = {"grad_norm": 0.0, "skipped_steps": 0.0}
-    sums: dict[str, float] = {"entropy_sum": 0.0, "trained_tokens": 0.0, "denom_tokens": 0.0}
+    sums: dict[str, float] = {"entropy_sum": 0.0, "mismatch_sum": 0.0, "trained_tokens": 0.0, "denom_tokens": 0.0}
     reported: dict[str, float] = {}
     for mbs in packed:
         s = train_minibatch(model, optimizer, reduction, mbs, cfg, device)
         out["grad_norm"] = s["grad_norm"]
         out["skipped_steps"] += s["skipped_step"]
         sums["entropy_sum"] += s["entropy_sum"]
+        sums["mismatch_sum"] += s["mismatch_sum"]
         sums["trained_tokens"] += sum(mb["input_ids"].numel() for mb in mbs)
         sums["denom_tokens"] += sum(float(mb["denom_mask"].sum()) for mb in mbs)
         for k, v in reduction.reported().items():
@@ -995,8 +1317,10 @@ def finalize_metrics(m: dict, train_stats: dict, cfg: Config, t0, t1, t2, t3, op
         "zero_adv_frac": m["zero_adv_sum"] / n,
         "zero_var_groups": m["zero_var_groups"],
         "entropy": m["entropy_sum"] / max(m["denom_tokens"], 1),
+        "logprob_mismatch": m["mismatch_sum"] / max(m["denom_tokens"], 1),
         "grad_norm": train_stats["grad_norm"],
         "skipped_steps": train_stats["skipped_steps"],
+        "reward_errors": m["reward_errors"],
         "lr": optimizer.param_groups[0]["lr"],
         "tokens_per_s": (m["response_len_sum"] + m["trained_tokens"]) / max(t3 - t0, 1e-9),
         "time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,

@@ -89,10 +89,12 @@ def test_two_ranks_match_one_process_on_step_one_metrics_and_parameters(tmp_path
     p1, p2 = load_file(tmp_path / "one/final/model.safetensors"), load_file(tmp_path / "two/final/model.safetensors")
     base = load_file(Path(TINY) / "model.safetensors")
     for name in p1:
+        assert (p1[name] - p2[name]).norm() <= 1e-5 * p1[name].norm(), name
+        # the update itself (~lr, far below fp32 resolution of the parameters at 1e-5) must agree too, so that
+        # this test fails if one run did not step or stepped with another scale
         delta1, delta2 = p1[name] - base[name], p2[name] - base[name]
-        # compare the *updates*: an equal-parameters check would pass even if one run never stepped
         assert delta1.norm() > 0
-        assert (delta1 - delta2).norm() <= 1e-5 * delta1.norm() + 1e-7, name
+        assert (delta1 - delta2).norm() <= 1e-3 * delta1.norm(), name
 
 
 # -----------------------------------------------------------------------------
@@ -174,10 +176,10 @@ def test_group_advantages_match_a_naive_loop_for_ragged_interleaved_groups(estim
 
 
 def test_group_advantage_edge_cases():
-    # a group of one gets 0, an all-equal group gets 0 (not NaN), a 2-sample group gets +-1/sqrt(2)*...
+    # a group of one gets 0, an all-equal group gets 0 (not NaN); rewards (1, 0): mean 0.5, unbiased std sqrt(0.5)
     adv = N.group_advantages(torch.tensor([1.0, 0.5, 0.5, 1.0, 0.0]), torch.tensor([0, 1, 1, 2, 2]))
     assert adv[0] == 0 and adv[1] == 0 and adv[2] == 0
-    assert adv[3] == pytest.approx(1 / math.sqrt(0.5), rel=1e-5) and adv[4] == pytest.approx(-adv[3])
+    assert adv[3] == pytest.approx(0.5 / math.sqrt(0.5), rel=1e-5) and adv[4] == pytest.approx(-adv[3])
     assert torch.isfinite(N.group_advantages(torch.tensor([]), torch.tensor([], dtype=torch.long))).all()
 
 
