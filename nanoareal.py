@@ -113,9 +113,9 @@ class Config:
     """Optimizer steps per rollout batch. >1 needs recomputed proximal log-probs (one extra forward)."""
     reuse_train_logprobs: bool = True
     """With one mini-batch, pi_prox = the training forward's detached log-probs (saves a forward pass)."""
-    micro_batch_tokens: int = 512
-    """Token budget of one packed micro-batch (sequences are never cut). sdpa on CPU attends over the whole packed
-    row (cost ~ budget^2), so CPU wants small budgets; flash-attn varlen on GPU is linear: use 8k-32k there."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one packed micro-batch (sequences are never cut). Attention is per sequence (flash-attn
+    varlen on GPU, packed sdpa otherwise), so cost is linear in the budget: bigger means fewer passes, more memory."""
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk when turning hidden states into log-probs (never materialises all fp32 logits)."""
 
@@ -428,7 +428,8 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: 
     """
     rewards = rewards.double()
     _, inv = torch.unique(group_ids, return_inverse=True)
-    n = torch.zeros(int(inv.max()) + 1 if len(inv) else 0, dtype=torch.float64).index_add_(0, inv, torch.ones_like(rewards))
+    num_groups = int(inv.max()) + 1 if len(inv) else 0
+    n = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inv, torch.ones_like(rewards))
     total = torch.zeros_like(n).index_add_(0, inv, rewards)
     mean = total / n
     sq = torch.zeros_like(n).index_add_(0, inv, (rewards - mean[inv]) ** 2)
@@ -455,6 +456,8 @@ class Sample:
     completion: Completion
     reward: float = 0.0
     advantage: float = 0.0
+    zero_variance: bool = False
+    """All rewards of its group are equal (no GRPO signal)."""
 
 
 def pack_microbatches(samples: list[Sample], cfg: Config, pad_id: int) -> list[dict]:
@@ -1190,21 +1193,9 @@ def main(argv: list[str] | None = None) -> None:
                                else None)
         t1 = time.perf_counter()
 
-        texts = tokenizer.batch_decode([s.completion.output_ids for s in samples], skip_special_tokens=True)
-        scores, reward_errors = compute_rewards(reward_fn, texts, [train_items[s.group]["answer"] for s in samples],
-                                                cfg.reward_timeout)  # a reward that raises or hangs scores 0
-        for s, r in zip(samples, scores):
-            s.reward = r
-
-        rewards = torch.tensor([s.reward for s in samples])
-        groups = torch.tensor([s.group for s in samples], dtype=torch.long)
-        adv = group_advantages(rewards, groups, cfg.adv_estimator, cfg.adv_std, cfg.adv_eps)
-        for s, a in zip(samples, adv.tolist()):
-            s.advantage = a
-        zero_var = group_is_constant(rewards, groups)
-        stats = rollout_stats(samples, zero_var, groups) | {"reward_errors": reward_errors}
+        stats = score_samples(samples, train_items, reward_fn, tokenizer, cfg)  # sets .reward and .advantage
         if cfg.filter_zero_variance:
-            samples = [s for s, z in zip(samples, zero_var.tolist()) if not z]
+            samples = [s for s in samples if not s.zero_variance]
 
         engine.release_memory()
         train_stats = train_on_samples(model, ref_model, optimizer, reduction, samples, cfg, device, pad_id)
@@ -1235,6 +1226,20 @@ def main(argv: list[str] | None = None) -> None:
     logger.close()
     engine.shutdown()
     dist.destroy_process_group()
+
+
+def score_samples(samples: list[Sample], items: list[dict], reward_fn, tokenizer, cfg: Config) -> dict[str, float]:
+    """Rewards, then group advantages, written into the samples. Returns this rank's rollout metric sums."""
+    texts = tokenizer.batch_decode([s.completion.output_ids for s in samples], skip_special_tokens=True)
+    scores, reward_errors = compute_rewards(reward_fn, texts, [items[s.group]["answer"] for s in samples],
+                                            cfg.reward_timeout)  # a reward that raises or hangs scores 0
+    rewards = torch.tensor(scores, dtype=torch.float32)
+    groups = torch.tensor([s.group for s in samples], dtype=torch.long)
+    adv = group_advantages(rewards, groups, cfg.adv_estimator, cfg.adv_std, cfg.adv_eps)
+    zero_var = group_is_constant(rewards, groups)
+    for s, r, a, z in zip(samples, scores, adv.tolist(), zero_var.tolist()):
+        s.reward, s.advantage, s.zero_variance = r, a, z
+    return rollout_stats(samples, zero_var, groups) | {"reward_errors": reward_errors}
 
 
 def group_is_constant(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:

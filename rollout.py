@@ -78,7 +78,7 @@ _MASK32 = 0xFFFFFFFF
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser on int64 tensors holding values in [0, 2^32).
+    """MurmurHash3's 32-bit finaliser on int64 tensors (or Python ints) holding values in [0, 2^32).
 
     Products may overflow int64, but only the low 32 bits are kept and those wrap correctly.
     """
@@ -91,10 +91,10 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
 
 def mix_seed(*parts: int) -> int:
     """Combine integers (seed, step, prompt index, sample index, ...) into one 32-bit seed."""
-    h = torch.tensor(0x9E3779B9, dtype=torch.int64)
+    h = 0x9E3779B9  # plain Python ints: bit-identical to the tensor version, ~100x faster per call
     for p in parts:
-        h = _fmix32(h ^ (torch.tensor(p & _MASK32, dtype=torch.int64) * 0x27D4EB2F & _MASK32))
-    return int(h)
+        h = _fmix32(h ^ ((p & _MASK32) * 0x27D4EB2F & _MASK32))
+    return h
 
 
 def gumbel_noise(seeds: torch.Tensor, position: int, vocab_size: int) -> torch.Tensor:
@@ -180,11 +180,16 @@ class HFEngine:
     def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int]):
         from transformers import DynamicCache
 
+        # Each distinct prompt is prefilled once and its KV cache copied to its rows (a GRPO group shares one
+        # prompt), and rows that sampled a stop token leave the batch, so decoding costs ~ the tokens generated.
+        # The noise is keyed by (seed, position), so neither changes which token a row samples from its logits.
+        unique: dict[tuple[int, ...], int] = {}
+        row_prompt = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
         B, L = len(prompts), max(len(p) for p in prompts)
         pad = 0
-        input_ids = torch.full((B, L), pad, dtype=torch.long)
-        attention = torch.zeros((B, L), dtype=torch.long)
-        for b, p in enumerate(prompts):  # left padding: every row's next token sits at the same column
+        input_ids = torch.full((len(unique), L), pad, dtype=torch.long)
+        attention = torch.zeros((len(unique), L), dtype=torch.long)
+        for b, p in enumerate(unique):  # left padding: every row's next token sits at the same column
             input_ids[b, L - len(p):] = torch.tensor(p)
             attention[b, L - len(p):] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
@@ -194,23 +199,29 @@ class HFEngine:
         cache = DynamicCache()
         # transformers renamed `past_key_values` to `cache` (5.2x); accept both so older versions work too.
         cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        tokens = torch.empty((B, 0), dtype=torch.long, device=self.device)
-        logps = torch.empty((B, 0), dtype=torch.float32, device=self.device)
-        done = torch.zeros(B, dtype=torch.bool, device=self.device)
-        step_ids, step_pos = input_ids, position_ids
+        logits = self.model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                            use_cache=True, **{cache_kw: cache}).logits[:, -1]
+        rows = torch.tensor(row_prompt, device=self.device)
+        cache.reorder_cache(rows)  # [unique prompts] -> [rows]
+        logits, attention, step_pos = logits[rows], attention[rows], position_ids[rows, -1:]
+        live = torch.arange(B)  # the original row of every row still in the batch
+        tokens = torch.full((B, sampling.max_new_tokens), pad, dtype=torch.long)
+        logps = torch.zeros((B, sampling.max_new_tokens), dtype=torch.float32)
         for t in range(sampling.max_new_tokens):
-            logits = self.model(input_ids=step_ids, attention_mask=attention, position_ids=step_pos,
-                                use_cache=True, **{cache_kw: cache}).logits[:, -1]
-            tok, lp = sample_tokens(logits, sampling, seed_t, t)
-            tok = torch.where(done, pad, tok)
-            tokens = torch.cat([tokens, tok[:, None]], 1)
-            logps = torch.cat([logps, lp[:, None].float()], 1)
-            done = done | torch.isin(tok, stop)
-            if bool(done.all()):
+            tok, lp = sample_tokens(logits, sampling, seed_t[live], t)
+            tokens[live, t], logps[live, t] = tok.cpu(), lp.float().cpu()
+            running = ~torch.isin(tok, stop)
+            if t + 1 == sampling.max_new_tokens or not bool(running.any()):
+                tokens, logps = tokens[:, : t + 1], logps[:, : t + 1]
                 break
-            step_ids = tok[:, None]
-            step_pos = step_pos[:, -1:] + 1
+            if not bool(running.all()):  # finished rows leave the batch and the cache
+                keep = running.nonzero().flatten()
+                cache.reorder_cache(keep)
+                live, tok, attention, step_pos = live[keep.cpu()], tok[keep], attention[keep], step_pos[keep]
+            step_pos = step_pos + 1
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
+            logits = self.model(input_ids=tok[:, None], attention_mask=attention, position_ids=step_pos,
+                                use_cache=True, **{cache_kw: cache}).logits[:, -1]
         results = []
         tokens, logps = tokens.cpu(), logps.cpu()
         for b in range(B):
