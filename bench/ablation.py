@@ -56,7 +56,9 @@ def run_all(out: Path, modes: list[str], seeds: list[int], parallel: int, extra:
                 walls[p.key] = time.time() - p.started
                 status = "ok" if p.returncode == 0 else f"FAILED (exit {p.returncode}, see stdout.log)"
                 print(f"{p.key[0]:12s} seed {p.key[1]}: {walls[p.key]:6.1f} s {status}", flush=True)
-    (out / "walls.json").write_text(json.dumps({f"{m}-s{s}": w for (m, s), w in walls.items()}))
+    path = out / "walls.json"  # merged, so seeds can be (re)run separately
+    known = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps(known | {f"{m}-s{s}": w for (m, s), w in walls.items()}))
     return walls
 
 

@@ -49,7 +49,7 @@ class NanoRun:
         N._COMM_DEVICE = self.device
         torch.manual_seed(cfg.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        self.train_items, _ = N.make_arithmetic_task(cfg.seed)
+        self.train_items, _ = N.make_arithmetic_task()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
             else self.tokenizer.eos_token_id
         self.engine = N.make_engine(cfg, self.device)

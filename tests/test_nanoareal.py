@@ -68,10 +68,13 @@ def test_same_seed_gives_identical_metrics_and_another_seed_does_not(tmp_path):
     args = [*FAST, "--steps", "2", "--eval-every", "0"]
     run_cli([*args, "--run-dir", str(tmp_path / "a")])
     run_cli([*args, "--run-dir", str(tmp_path / "b")])
-    run_cli([*args, "--run-dir", str(tmp_path / "c"), "--seed", "1"])
+    run_cli([*args, "--run-dir", str(tmp_path / "c"), "--seed", "1", "--eval-every", "2", "--eval-size", "256"])
     a, b, c = (_comparable(read_metrics(tmp_path / x)) for x in "abc")
     assert a == b
-    assert a != c
+    assert a[0] != c[1]
+    # --seed changes the run, never the task: the held-out split stays the one the warm start was measured on
+    shipped = json.loads((Path(TINY) / "build_info.json").read_text())["heldout_acc"]
+    assert c[0] == {"step": 0, "eval/accuracy": pytest.approx(shipped)}
 
 
 def test_two_ranks_match_one_process_on_step_one_metrics_and_parameters(tmp_path):
