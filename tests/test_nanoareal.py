@@ -20,8 +20,8 @@ FAST = ["--prompts-per-step", "8", "--group-size", "4", "--eval-size", "32", "--
 NOISE = ("time/", "tokens_per_s")  # wall-clock metrics legitimately differ between runs
 
 
-def run_cli(args: list[str], nproc: int = 1, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def run_cli(args: list[str], nproc: int = 1, timeout: int = 240, **env_extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env_extra)
     if nproc == 1:
         cmd = [sys.executable, str(ROOT / "nanoareal.py"), *args]
     else:
@@ -39,8 +39,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_cli_run_writes_metrics_console_and_a_loadable_export(tmp_path):
-    proc = run_cli([*FAST, "--steps", "2", "--run-dir", str(tmp_path)])
+def test_cli_run_writes_metrics_console_wandb_and_a_loadable_export(tmp_path):
+    proc = run_cli([*FAST, "--steps", "2", "--run-dir", str(tmp_path), "--wandb-project", "nanoareal-test"],
+                   WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")
+    offline_runs = list((tmp_path / "wandb").glob("offline-run-*/*.wandb"))
+    assert len(offline_runs) == 1 and offline_runs[0].stat().st_size > 0
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert set(rows[0]) == {"step", "eval/accuracy"}
