@@ -1,6 +1,6 @@
 """nanoareal losses: aggregation modes, policy surrogates, and the LossReduction contract.
 
-The contract (../shared/SPEC.md). A loss is a `LossReduction` of `LossTerm`s. Each term declares
+The contract. A loss is a `LossReduction` of `LossTerm`s. Each term declares
 `loss_fn(mb)` (kind "sum": the micro-batch's local numerator; kind "mean": a local mean over the
 micro-batch's own normalizer), `normalizer_fn(mb)` (the micro-batch's share of the term's
 denominator, from masks and weights only), and a coefficient. For one optimizer step the trainer:

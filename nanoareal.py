@@ -6,12 +6,14 @@ Run it:
     python nanoareal.py                                          # built-in tiny arithmetic task on a CPU
     torchrun --nproc_per_node 2 nanoareal.py --loss-aggregation prompt_mean
     python nanoareal.py --config configs/qwen2.5-0.5b-gsm8k.toml  # one GPU, SGLang colocated
+    torchrun --nproc_per_node 4 nanoareal.py --cp-size 2         # 2 data-parallel x 2 context-parallel
+    python nanoareal.py --ckpt-every 10                          # rerun the same command to resume
     python nanoareal.py --help                                   # every flag, documented
 
 What it leaves out on purpose: a critic (GRPO needs none), multi-turn tools, pipeline/tensor parallel in the
 trainer (FSDP2 + optional context parallel cover one node up to a few billion parameters), and any class
 hierarchy. Every number that reaches the gradient is computed in `loss.py`, whose LossReduction makes the
-gradient independent of micro-batching and world size (see ../shared/SPEC.md, mirrored in the README).
+gradient independent of micro-batching and world size (the contract is written out at the top of loss.py).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from rollout import Completion, SamplingParams, mix_seed
 class Config:
     # run
     model: str = "assets/tiny-arith"
-    """HF causal-LM directory (weights + tokenizer). The default is the shipped 1.6M-parameter arithmetic model."""
+    """HF causal-LM directory (weights + tokenizer). The default is the shipped 1M-parameter arithmetic model."""
     run_dir: str = "runs/default"
     """Where metrics.jsonl, checkpoints and the final export go."""
     seed: int = 0

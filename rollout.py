@@ -239,7 +239,7 @@ class HFEngine:
 # -----------------------------------------------------------------------------
 # SGLang: in-process engine colocated on the trainer's GPU, or remote servers over HTTP.
 #
-# SGLang facts that bite (read from SGLang's source, 0.5.x; see ../shared/NOTES.md):
+# SGLang facts that bite (read from SGLang's source, 0.5.x):
 # - Behaviour log-probs (`meta_info["output_token_logprobs"]`, a list of (logprob, token_id, text_or_None)) are
 #   log_softmax(logits / temperature) of the sampled token, taken before top-p/top-k truncation. Setting the
 #   environment variable SGLANG_RETURN_ORIGINAL_LOGPROB makes them temperature-1 log-probs instead, which breaks
