@@ -780,7 +780,8 @@ def train_minibatch(model, optimizer, reduction: L.LossReduction, mbs: list[dict
     # every token's normalizer counted once globally: a CP group's ranks all hold the same micro-batches, so only
     # its first rank counts them (every CP rank then computes the full loss: cp_factor puts the N back into Z)
     reduction.begin_step(mbs if CP_RANK == 0 else [])
-    entropy_sum = mismatch_sum = 0.0
+    # metric sums stay on the device until the end of the step: a float() per micro-batch would sync the GPU
+    entropy_sum = mismatch_sum = torch.zeros((), dtype=torch.float64, device=device)
     for mb in mbs:
         logprobs, entropy = microbatch_forward(model, mb, cfg, device, grad=True)
         batch = {k: v.to(device) for k, v in mb.items() if k not in ("input_ids", "position_ids", "targets")}
@@ -788,18 +789,18 @@ def train_minibatch(model, optimizer, reduction: L.LossReduction, mbs: list[dict
         if "prox_logprobs" not in batch:  # one mini-batch: pi_prox is this very forward, detached
             batch["prox_logprobs"] = logprobs.detach()
         reduction(batch).backward()
-        entropy_sum += float((entropy.detach() * batch["denom_mask"]).sum())
+        entropy_sum = entropy_sum + (entropy.detach() * batch["denom_mask"]).sum()
         # train/inference mismatch: |log pi_theta - log pi_behave| before the update (0 up to numerics when the
         # rollout engine holds the same weights; large values mean a stale or broken weight sync)
-        mismatch_sum += float(((logprobs.detach() - batch["behave_logprobs"]).abs() * batch["denom_mask"]).sum())
+        mismatch_sum = mismatch_sum + ((logprobs.detach() - batch["behave_logprobs"]).abs() * batch["denom_mask"]).sum()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     skipped = not math.isfinite(grad_norm)
     if not skipped:  # a non-finite norm is identical on every rank (it is global), so all ranks skip together
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"grad_norm": grad_norm, "skipped_step": float(skipped), "entropy_sum": entropy_sum,
-            "mismatch_sum": mismatch_sum}
+    return {"grad_norm": grad_norm, "skipped_step": float(skipped), "entropy_sum": float(entropy_sum),
+            "mismatch_sum": float(mismatch_sum)}
 
 
 # -----------------------------------------------------------------------------
