@@ -236,8 +236,8 @@ class LossReduction:
             raise ValueError(f"cp_factor must be >= 1, got {cp_factor}")
         self.terms, self.group, self.cp_factor = terms, group, cp_factor
         self.Z: dict[str, float] = {}
-        self._numerators: dict[str, float] = {}
-        self._stats: dict[str, list[float]] = {}
+        self._numerators: dict[str, float | Tensor] = {}  # device tensors until reported(): no per-call sync
+        self._stats: dict[str, list[float | Tensor]] = {}
 
     def _normalizer(self, term: LossTerm, mb: dict) -> float:
         n = _as_float(term.normalizer_fn(mb))
@@ -265,9 +265,9 @@ class LossReduction:
         total = None
         for term in self.terms:
             value = term.loss_fn(mb)
-            if term.kind == "mean":
-                value = value * self._normalizer(term, mb)
-            self._numerators[term.name] += _as_float(value)
+            if term.kind == "mean":  # n_mb was validated in begin_step; no float() here: it would sync the GPU
+                value = value * term.normalizer_fn(mb)
+            self._numerators[term.name] = self._numerators[term.name] + value.detach().to(torch.float64)
             Z = self.Z[term.name]
             # Z == 0: multiply (a finite loss) by 0, never divide, so gradients stay finite zeros
             scaled = value * (term.coef / Z) if Z > 0 else value * 0.0
@@ -278,16 +278,16 @@ class LossReduction:
         """Accumulate a global fraction total/count (e.g. clipped tokens / tokens) for `reported`.
         Every rank must record the same names (they ride in one collective)."""
         acc = self._stats.setdefault(name, [0.0, 0.0])
-        acc[0] += _as_float(total)
-        acc[1] += _as_float(count)
+        acc[0] = acc[0] + (total.detach() if isinstance(total, Tensor) else total)
+        acc[1] = acc[1] + (count.detach() if isinstance(count, Tensor) else count)
 
     def reported(self) -> dict[str, float]:
         """Global value of every term (sum_mb numerator / Z_k), 'loss' = sum_k coef_k value_k, and the
         recorded stats as global fractions; one all_reduce."""
         stat_names = sorted(self._stats)
         vec = torch.tensor(
-            [self._numerators.get(t.name, 0.0) for t in self.terms]
-            + [self._stats[s][i] for s in stat_names for i in (0, 1)],
+            [_as_float(self._numerators.get(t.name, 0.0)) for t in self.terms]
+            + [_as_float(self._stats[s][i]) for s in stat_names for i in (0, 1)],
             dtype=torch.float64,
         )
         vec = _all_reduce(vec, self.group).tolist()
