@@ -202,7 +202,8 @@ def _group_size(group) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def _all_reduce(vec: Tensor, group, op=None) -> Tensor:
+def all_reduce_vector(vec: Tensor, group=None, op=None) -> Tensor:
+    """All-reduce a small host vector (sum by default) over `group`; a no-op in a world of one."""
     if _group_size(group) > 1:
         # NCCL reduces only CUDA tensors, gloo only CPU ones: move the (tiny) vector to the backend's device
         nccl = dist.get_backend(group) == "nccl"
@@ -252,7 +253,7 @@ class LossReduction:
             validate_microbatch(mb)
             for k, term in enumerate(self.terms):
                 local[k] += self._normalizer(term, mb)
-        Z = _all_reduce(local, self.group) * self.cp_factor
+        Z = all_reduce_vector(local, self.group) * self.cp_factor
         self.Z = {t.name: float(z) for t, z in zip(self.terms, Z.tolist(), strict=True)}
         self._numerators = {t.name: 0.0 for t in self.terms}
         self._stats = {}
@@ -290,7 +291,7 @@ class LossReduction:
             + [_as_float(self._stats[s][i]) for s in stat_names for i in (0, 1)],
             dtype=torch.float64,
         )
-        vec = _all_reduce(vec, self.group).tolist()
+        vec = all_reduce_vector(vec, self.group).tolist()
         out, loss = {}, 0.0
         for k, term in enumerate(self.terms):
             Z = self.Z.get(term.name, 0.0)
@@ -448,10 +449,10 @@ def m2po_mask(
 
     def kept_mean_ok(cut: float) -> bool:
         keep = valid & (x <= cut)
-        s = _all_reduce(torch.stack([torch.where(keep, x, 0.0).sum(), keep.sum().to(torch.float64)]), group)
+        s = all_reduce_vector(torch.stack([torch.where(keep, x, 0.0).sum(), keep.sum().to(torch.float64)]), group)
         return bool(s[0] <= threshold * s[1])
 
-    x_max = _all_reduce(
+    x_max = all_reduce_vector(
         torch.where(valid, x, 0.0).max(0, keepdim=True).values
         if x.numel()
         else torch.zeros(1, dtype=torch.float64),

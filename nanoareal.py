@@ -280,14 +280,8 @@ def setup_distributed(cfg: Config) -> torch.device:
 def all_reduce_sum(values: dict[str, float]) -> dict[str, float]:
     """One collective for a whole dict of per-rank sums."""
     keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    if WORLD > 1:
-        t = t.to(_COMM_DEVICE)
-        dist.all_reduce(t)
-    return dict(zip(keys, t.cpu().tolist()))
-
-
-_COMM_DEVICE = torch.device("cpu")
+    t = L.all_reduce_vector(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64))
+    return dict(zip(keys, t.tolist()))
 
 # -----------------------------------------------------------------------------
 # data: the built-in arithmetic task (generated, never downloaded) or JSONL prompts
@@ -769,9 +763,7 @@ def microbatch_forward(model, mb: dict, cfg: Config, device: torch.device, grad:
 
 def even_out_microbatches(mbs: list[dict], pad_id: int) -> list[dict]:
     """Every rank must run the same number of forward/backward passes (FSDP2 all-gathers per pass)."""
-    n = torch.tensor([len(mbs)], device=_COMM_DEVICE)
-    if WORLD > 1:
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    n = L.all_reduce_vector(torch.tensor([len(mbs)]), op=dist.ReduceOp.MAX)
     return mbs + [empty_microbatch(pad_id) for _ in range(int(n) - len(mbs))]
 
 
@@ -1132,8 +1124,6 @@ def main(argv: list[str] | None = None) -> None:
     setup_context_parallel(cfg, device)
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    global _COMM_DEVICE
-    _COMM_DEVICE = device
     dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
              "float64": torch.float64}[cfg.dtype]
     mixed_precision = device.type == "cuda" and cfg.dtype == "auto"
@@ -1219,7 +1209,7 @@ def main(argv: list[str] | None = None) -> None:
             last_eval = metrics["eval/accuracy"] = evaluate(engine, eval_items, cfg, tokenizer, reward_fn)
         logger.log(step + 1, metrics)
         if (step + 1) % cfg.log_every == 0:
-            progress.write(format_line(step + 1, metrics)) if RANK == 0 else None
+            progress.write(format_line(step + 1, metrics))  # a no-op off rank 0: the bar is disabled there
         progress.update(1)
         bad_steps = check_bad_steps(bad_steps, metrics, cfg)  # stops the run after --max-bad-steps in a row
         if bad_steps == 0:  # checkpoints only after healthy steps

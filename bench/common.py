@@ -46,7 +46,6 @@ class NanoRun:
         else:
             self.device = N.setup_distributed(cfg)
         N.setup_context_parallel(cfg, self.device)
-        N._COMM_DEVICE = self.device
         torch.manual_seed(cfg.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.train_items, _ = N.make_arithmetic_task()

@@ -59,36 +59,21 @@ def test_model_config(model, tok):
     assert 5e5 <= n_params <= 3e6
 
 
-@torch.no_grad()
-def greedy(model, tok, prompts: list[str], max_new_tokens: int = 8) -> list[str]:
-    """Greedy decode, prompts grouped by token length so no padding is needed; stop at eos."""
-    eos = tok.eos_token_id
-    enc = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    out = [""] * len(prompts)
-    for n in sorted({len(e) for e in enc}):
-        idx = [i for i, e in enumerate(enc) if len(e) == n]
-        seq = torch.tensor([enc[i] for i in idx])
-        done = torch.zeros(len(idx), dtype=torch.bool)
-        new = []
-        for _ in range(max_new_tokens):
-            nxt = model(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1)
-            nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
-            new.append(nxt)
-            done |= nxt == eos
-            if done.all():
-                break
-            seq = torch.cat([seq, nxt[:, None]], 1)
-        for row, i in zip(torch.stack(new, 1).tolist(), idx, strict=True):
-            out[i] = tok.decode(
-                row[: row.index(eos)] if eos in row else row, skip_special_tokens=True
-            ).strip()
-    return out
+def _build_script():
+    """scripts/make_tiny_model.py as a module: its greedy decoder is what measured build_info's accuracy."""
+    import importlib.util
+
+    path = MODEL_DIR.parents[1] / "scripts" / "make_tiny_model.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_heldout_accuracy_in_band(model, tok):
     _, heldout = make_arithmetic_task()
     assert len(heldout) == 256
-    completions = greedy(model, tok, [it["prompt"] for it in heldout])
+    completions = _build_script().greedy_complete(model, tok, [it["prompt"] for it in heldout])
     acc = sum(c == it["answer"] for c, it in zip(completions, heldout, strict=True)) / len(heldout)
     assert 0.20 <= acc <= 0.50, acc  # warm, but leaves GRPO room to add 25+ points
     info = json.loads((MODEL_DIR / "build_info.json").read_text())
