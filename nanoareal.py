@@ -118,6 +118,9 @@ class Config:
     micro_batch_tokens: int = 4096
     """Token budget of one packed micro-batch (sequences are never cut). Attention is per sequence (flash-attn
     varlen on GPU, packed sdpa otherwise), so cost is linear in the budget: bigger means fewer passes, more memory."""
+    share_prompts: bool = True
+    """Feed each prompt once per micro-batch: a group's samples attend to one copy of it (exact; halves the positions
+    of the default task). --no-share-prompts feeds every sequence whole."""
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk when turning hidden states into log-probs (never materialises all fp32 logits)."""
 
@@ -457,65 +460,99 @@ class Sample:
 
 
 def pack_microbatches(samples: list[Sample], cfg: Config, pad_id: int) -> list[dict]:
-    """Pack samples into micro-batches of at most `micro_batch_tokens` tokens.
+    """Pack samples into micro-batches of at most `micro_batch_tokens` fed positions.
 
     Per-token tensors are aligned with the *predicted* token: position j of a sequence predicts token j+1. The
-    last token of a sequence is never fed in: it predicts nothing and, being last, nothing attends to it (11%
-    fewer positions on the default task). Mode weights come from the whole mini-batch's metadata (response
-    lengths, groups) before any split: that is what makes any split exact (SPEC rule 2).
+    last token of a sequence is never fed in: it predicts nothing and, being last, nothing attends to it. Mode
+    weights come from the whole mini-batch's metadata (response lengths, groups) before any split: that is what
+    makes any split exact (SPEC rule 2).
+
+    With `share_prompts`, a micro-batch feeds each distinct prompt prefix (prompt minus its last token) once; each
+    sample then feeds only its tail (last prompt token + completion minus its last token) at positions p-1.. and
+    attends to the shared prefix. Exact, not an approximation: under causal attention the prefix's hidden states
+    depend on the prefix alone, and backward sums every sample's gradient into the one copy. A GRPO group of G
+    samples feeds its prompt once instead of G times (on the default task 3.9k -> 2.0k positions per step).
+
+    `segments` [R, 4] says who attends to what: rows (q_start, q_len, ctx_start, ctx_len) in token order; the
+    q_len tokens from q_start attend causally to tokens [ctx_start, ctx_start + ctx_len) and then to themselves.
     """
     lengths = [len(s.completion.output_ids) for s in samples]
     dropped = [cfg.mask_truncated and s.completion.finish_reason == "length" for s in samples]
     denom = torch.tensor([0.0 if d else float(n) for n, d in zip(lengths, dropped)], dtype=torch.float64)
     groups = torch.tensor([s.group for s in samples], dtype=torch.long)
     w, nw = L.response_weights(cfg.loss_aggregation, denom, groups, cfg.loss_aggregation_divisor)
+    share = cfg.share_prompts
 
-    microbatches, current, used = [], [], 0
+    microbatches, current, used, prefixes = [], [], 0, set()
     for i, s in enumerate(samples):
         n = len(s.prompt_ids) + lengths[i] - 1
         if n > cfg.micro_batch_tokens:
             raise SystemExit(f"config error: a sequence of {n} tokens exceeds --micro-batch-tokens "
                              f"{cfg.micro_batch_tokens}")
-        if used + n > cfg.micro_batch_tokens:
+        key = tuple(s.prompt_ids[:-1])
+        cost = lengths[i] if share and key in prefixes else n
+        if used + cost > cfg.micro_batch_tokens:
             microbatches.append(current)
-            current, used = [], 0
+            current, used, prefixes, cost = [], 0, set(), n
         current.append(i)
-        used += n
+        used += cost
+        prefixes.add(key)
     if current:
         microbatches.append(current)
 
     out = []
     for idx in microbatches:
-        ids, pos, tgt, mask, adv, blp, lw, nwt, seq = [], [], [], [], [], [], [], [], []
+        ids, pos, tgt, mask, adv, blp, lw, nwt, seq, segments = [], [], [], [], [], [], [], [], [], []
+        prefix_at: dict[tuple, tuple[int, int]] = {}
         for k, i in enumerate(idx):
             s, p, r = samples[i], len(samples[i].prompt_ids), lengths[i]
             full = s.prompt_ids + s.completion.output_ids
             active = 0.0 if dropped[i] else 1.0
-            n = len(full) - 1
-            ids += full[:-1]
-            pos += range(n)
-            tgt += full[1:]
-            mask += [0.0] * (p - 1) + [active] * r
+            key = tuple(s.prompt_ids[:-1])
+            if not share:  # the whole sequence, alone
+                head, ctx = 0, (0, 0)
+            elif key in prefix_at:
+                head, ctx = p - 1, prefix_at[key]
+            else:  # first sample of this prompt here: its prefix goes in as a segment of its own, predicting nothing
+                head, ctx = p - 1, (len(ids), p - 1)
+                prefix_at[key] = ctx
+                if p > 1:
+                    segments.append((len(ids), p - 1, 0, 0))
+                    ids += full[: p - 1]
+                    pos += range(p - 1)
+                    tgt += full[1:p]
+                    for col in (mask, adv, blp, lw, nwt):
+                        col += [0.0] * (p - 1)
+                    seq += [-1] * (p - 1)
+            n = p + r - 1 - head  # positions head .. p+r-2 of this sample
+            if n == 0:
+                continue
+            segments.append((len(ids), n, *ctx))
+            ids += full[head:-1]
+            pos += range(head, p + r - 1)
+            tgt += full[head + 1 :]
+            mask += [0.0] * (p - 1 - head) + [active] * r
             adv += [s.advantage] * n
-            blp += [0.0] * (p - 1) + s.completion.logprobs
+            blp += [0.0] * (p - 1 - head) + s.completion.logprobs
             lw += [float(w[i])] * n
             nwt += [float(nw[i])] * n
-            seq += [-1] * (p - 1) + [k] * r
-        out.append(_microbatch(ids, pos, tgt, mask, adv, blp, lw, nwt, seq))
+            seq += [-1] * (p - 1 - head) + [k] * r
+        out.append(_microbatch(ids, pos, tgt, mask, adv, blp, lw, nwt, seq, segments))
     return out
 
 
-def _microbatch(ids, pos, tgt, mask, adv, blp, lw, nwt, seq) -> dict:
+def _microbatch(ids, pos, tgt, mask, adv, blp, lw, nwt, seq, segments) -> dict:
     f = lambda x: torch.tensor(x, dtype=torch.float32)
     m = f(mask)
     return {"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([pos]), "targets": torch.tensor(tgt),
             "loss_mask": m, "denom_mask": m.clone(), "advantages": f(adv), "behave_logprobs": f(blp),
-            "loss_weight": f(lw), "norm_weight": f(nwt), "seq_ids": torch.tensor(seq)}
+            "loss_weight": f(lw), "norm_weight": f(nwt), "seq_ids": torch.tensor(seq),
+            "segments": torch.tensor(segments, dtype=torch.long).view(-1, 4)}
 
 
 def empty_microbatch(pad_id: int) -> dict:
     """One masked token: a rank with nothing to train on still runs forward/backward so FSDP's collectives match."""
-    return _microbatch([pad_id], [0], [pad_id], [0.0], [0.0], [0.0], [0.0], [0.0], [-1])
+    return _microbatch([pad_id], [0], [pad_id], [0.0], [0.0], [0.0], [0.0], [0.0], [-1], [(0, 1, 0, 0)])
 
 
 # -----------------------------------------------------------------------------
@@ -526,12 +563,13 @@ def empty_microbatch(pad_id: int) -> dict:
 # normalizer carries the factor N (LossReduction's cp_factor, SPEC rule 5) and CP=N equals CP=1.
 
 CP_GROUP, CP_SIZE, CP_RANK, DP_RANK, DP_SIZE = None, 1, 0, 0, 1
-_FLASH_VARLEN = None  # flash_attn_varlen_func when flash-attn is installed and we run on CUDA
+_FLASH_VARLEN = None  # flash_attn_varlen_func when flash-attn is installed and we train on CUDA (load_model)
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)  # the kernel's dtypes; fp32 activations take the sdpa path
 
 
 def setup_context_parallel(cfg: Config, device: torch.device) -> None:
     """(dp, cp) mesh over the world: ranks [k*N, (k+1)*N) form CP group k (data-parallel rank k)."""
-    global CP_GROUP, CP_SIZE, CP_RANK, DP_RANK, DP_SIZE, _FLASH_VARLEN
+    global CP_GROUP, CP_SIZE, CP_RANK, DP_RANK, DP_SIZE
     if cfg.cp_size > 1:
         from transformers import AutoConfig
 
@@ -548,11 +586,6 @@ def setup_context_parallel(cfg: Config, device: torch.device) -> None:
 
     CP_GROUP = init_device_mesh(device.type, (DP_SIZE, CP_SIZE), mesh_dim_names=("dp", "cp"))["cp"].get_group()
     AttentionInterface.register("ulysses", ulysses_attention)
-    if device.type == "cuda":
-        try:
-            from flash_attn import flash_attn_varlen_func as _FLASH_VARLEN
-        except ImportError:
-            pass
 
 
 def cp_broadcast(obj):
@@ -607,48 +640,35 @@ def _heads_to_seq(x):  # [B, H/N, S, D] -> [B, H, S/N, D]
     return x.movedim(0, 1).flatten(1, 2)
 
 
-def packed_layout(position_ids: torch.Tensor) -> dict:
-    """Where the packed sequences of the full row start (position_ids restart at 0): cu_seqlens for flash-attn's
-    varlen kernel, else padded_layout() for packed_sdpa_attention. Built once per micro-batch, used by all layers."""
-    pos = position_ids.flatten()
-    if _FLASH_VARLEN is not None and pos.is_cuda:
-        cu = torch.cat([torch.nonzero(pos == 0).flatten(), pos.new_tensor([len(pos)])]).to(torch.int32)
-        return {"cu_seqlens": cu, "max_seqlen": int((cu[1:] - cu[:-1]).max())}
-    return {"packed": padded_layout(pos)}
-
-
 def ulysses_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0, ulysses=None, **kwargs):
     """transformers attention (registered as "ulysses"): q [B, H, S/N, D], k/v [B, Hkv, S/N, D] -> ([B, S/N, H, D],
-    None). `ulysses` is packed_layout() of the full row; transformers' own attention_mask is None here."""
+    None). `ulysses` is attention_layout() of the full row; transformers' own attention_mask is None here."""
     if ulysses is None:
-        raise RuntimeError("ulysses attention needs the packed layout of the whole row: use cp_policy_logprobs")
+        raise RuntimeError("ulysses attention needs the layout of the whole row: use cp_policy_logprobs")
     hkv = k.shape[1]
     if hkv % CP_SIZE:  # too few KV heads to split: repeat each so every rank gets the KV heads its queries use
         rep = CP_SIZE // math.gcd(hkv, CP_SIZE)
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     q, k, v = _seq_to_heads(q), _seq_to_heads(k), _seq_to_heads(v)
-    if "cu_seqlens" in ulysses:  # [S, heads, D] varlen layout, GQA handled by the kernel
-        cu, n = ulysses["cu_seqlens"], ulysses["max_seqlen"]
-        out = _FLASH_VARLEN(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, n, n,
-                            dropout_p=dropout, softmax_scale=scaling, causal=True).transpose(0, 1)[None]
-    else:  # per-sequence sdpa over the full row (defined in the model section below)
-        out = packed_sdpa_attention(module, q, k, v, None, scaling, dropout, packed=ulysses["packed"])[0]
-        out = out.transpose(1, 2)
-    return _heads_to_seq(out).transpose(1, 2), None
+    out = segment_attention(q[0], k[0], v[0], ulysses, scaling, dropout)  # [S, H/N, D]
+    return _heads_to_seq(out.transpose(0, 1)[None]).transpose(1, 2), None
 
 
 def cp_policy_logprobs(model, mb: dict, cfg: Config, device: torch.device) -> tuple:
     """policy_logprobs under CP: this rank's chunk through the model, then log-probs and entropy of the whole
-    micro-batch gathered on every CP rank. The row is padded to a multiple of N with a sequence of its own
-    (positions restart at 0), which no real token attends to; its outputs are cut off."""
+    micro-batch gathered on every CP rank. The row is padded to a multiple of N with a segment of its own,
+    which no real token attends to; its outputs are cut off."""
     ids, pos, tgt = mb["input_ids"][0], mb["position_ids"][0], mb["targets"]
     T, pad = len(ids), -len(ids) % CP_SIZE
     ids, tgt = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(tgt, (0, pad))
     pos = torch.cat([pos, torch.arange(pad)])
+    segments = mb["segments"] if "segments" in mb else segments_from_positions(mb["position_ids"])
+    if pad:
+        segments = torch.cat([segments, segments.new_tensor([[T, pad, 0, 0]])])
     mine = slice(CP_RANK * (T + pad) // CP_SIZE, (CP_RANK + 1) * (T + pad) // CP_SIZE)
     logprobs, entropy = model.policy_logprobs(ids[mine][None].to(device), pos[mine][None].to(device),
                                               tgt[mine].to(device), cfg.temperature or 1.0, cfg.logprob_chunk_tokens,
-                                              ulysses=packed_layout(pos.to(device)))
+                                              ulysses=attention_layout(segments, T + pad, device))
     full = _GatherSeq.apply(torch.stack([logprobs, entropy]))[:, :T]
     return full[0], full[1]
 
@@ -658,7 +678,9 @@ def cp_policy_logprobs(model, mb: dict, cfg: Config, device: torch.device) -> tu
 
 
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
-    logits = (hidden @ weight.T).float() / temperature
+    logits = hidden @ weight.T
+    half = logits.dtype in (torch.float16, torch.bfloat16)
+    logits = (logits.float() if half else logits) / temperature  # softmax in fp32 at least
     logz = torch.logsumexp(logits, -1)
     logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
     entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1)
@@ -666,17 +688,19 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 
 def policy_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0, chunk: int = 1024,
-                    **attn_kwargs):
+                    segments: torch.Tensor | None = None, **attn_kwargs):
     """log pi(target_t | prefix) and the entropy at every position of a packed row -> ([T], [T]).
 
     Called as `model.policy_logprobs(...)` (registered with FSDP2 so the root's parameters are gathered).
-    Logits exist only `chunk` tokens at a time and are recomputed in backward (activation checkpointing),
-    so a 150k vocabulary never holds fp32 logits for a whole micro-batch. `use_cache=False` matters: with a
-    cache, transformers does not detect packed sequences and they would attend to each other. `attn_kwargs`
-    reach the attention function of every layer (context parallel passes its packed layout this way).
+    `segments` is the row's attention layout (pack_microbatches); without it, every run of position_ids
+    from 0 is a sequence of its own. Logits exist only `chunk` tokens at a time and are recomputed in backward
+    (activation checkpointing), so a 150k vocabulary never holds fp32 logits for a whole micro-batch. `attn_kwargs`
+    reach the attention function of every layer (context parallel passes its full-row layout this way).
     """
-    if model.config._attn_implementation == "packed_sdpa" and "packed" not in attn_kwargs:
-        attn_kwargs["packed"] = padded_layout(position_ids)  # once per micro-batch, used by every layer
+    if model.config._attn_implementation == "packed" and "layout" not in attn_kwargs:
+        if segments is None:
+            segments = segments_from_positions(position_ids.cpu())
+        attn_kwargs["layout"] = attention_layout(segments, input_ids.shape[-1], input_ids.device)  # once per mb
     hidden = model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                          **attn_kwargs).last_hidden_state[0]
     weight = model.lm_head.weight
@@ -686,54 +710,97 @@ def policy_logprobs(model, input_ids, position_ids, targets, temperature: float 
     return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
 
 
-def padded_layout(position_ids: torch.Tensor) -> dict:
-    """Slot of each packed token in a [num_sequences, max_len] grid (sequence-major, positions restart at 0)."""
+def segments_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """Segments of a row of whole sequences (position_ids restart at 0 at each): [R, 4] rows (start, len, 0, 0)."""
     pos = position_ids.flatten()
-    start = pos == 0
-    max_len = int(pos.max()) + 1
-    return {"index": (torch.cumsum(start, 0) - 1) * max_len + pos, "num_seqs": int(start.sum()), "max_len": max_len}
+    start = torch.nonzero(pos == 0).flatten()
+    length = torch.diff(start, append=start.new_tensor([len(pos)]))
+    zero = torch.zeros_like(start)
+    return torch.stack([start, length, zero, zero], 1)
 
 
-def packed_sdpa_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0, packed=None, **kwargs):
-    """transformers attention (registered as "packed_sdpa"), the sdpa stand-in for flash-attn's varlen kernel:
-    q [1, H, T, D], k/v [1, Hkv, T, D] of a packed row -> ([1, T, H, D], None). Each sequence attends only to
-    itself: the row is scattered into a zero-padded [num_seqs, H, max_len, D] batch, attended with a plain causal
-    mask and gathered back. Cost ~ num_seqs * max_len^2 instead of T^2 for a block-diagonal mask over the whole
-    row (padding slots sit after every real token, so the causal mask hides them from real queries)."""
-    index, n, length = packed["index"], packed["num_seqs"], packed["max_len"]
+def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.device | None = None) -> dict:
+    """Index tensors for segment_attention, built once per micro-batch and used by every layer.
 
-    def to_grid(x):  # [1, h, T, D] -> [n, h, max_len, D]
-        grid = x.new_zeros(n * length, x.shape[1], x.shape[3]).index_copy(0, index, x[0].transpose(0, 1))
-        return grid.view(n, length, x.shape[1], x.shape[3]).transpose(1, 2)
+    Segment r = (q_start, q_len, ctx_start, ctx_len): its q_len tokens attend causally to the ctx_len context
+    tokens, then to themselves. An attention row of segment r is its context followed by its own tokens. Two
+    encodings of the same rows: `grid` (row-major [R, max_len] slots -> token, for a padded sdpa batch) + `out`
+    (token -> the slot holding its own output), and `k_index`/`cu_q`/`cu_k` for flash-attn's varlen kernel, whose
+    causal mask is aligned bottom-right (queries are the last q_len keys of their row). Built on the CPU (a few
+    hundred integers; no GPU sync for the sizes) and moved to `device` (default: where `segments` is)."""
+    device = device or segments.device
+    segments = segments.cpu()
+    q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
+    if int(q_len.sum()) != num_tokens or (q_start != torch.cumsum(q_len, 0) - q_len).any():
+        raise ValueError(f"segments must cover the {num_tokens} tokens of the row in order, got {segments.tolist()}")
+    if ((ctx_start < 0) | ((ctx_len > 0) & (ctx_start + ctx_len > q_start)) | (ctx_len < 0)).any():
+        raise ValueError(f"a segment's context must be earlier tokens of the row, got {segments.tolist()}")
+    row_len = ctx_len + q_len
+    max_len = int(row_len.max())
+    j = torch.arange(max_len)[None]
+    src = torch.where(j < ctx_len[:, None], ctx_start[:, None] + j, q_start[:, None] + j - ctx_len[:, None])
+    valid = j < row_len[:, None]
+    seg = torch.repeat_interleave(torch.arange(len(segments)), q_len)
+    zero = segments.new_zeros(1)
+    # padding slots (after each row's real slots, so the causal mask hides them) read token 0: any real token
+    # works, its outputs are dropped and no real query sees it, so it gets no gradient either
+    index = {"grid": torch.where(valid, src, 0).flatten(),
+             "out": seg * max_len + ctx_len[seg] + torch.arange(num_tokens) - q_start[seg], "k_index": src[valid],
+             "cu_q": torch.cat([zero, torch.cumsum(q_len, 0)]).int(),
+             "cu_k": torch.cat([zero, torch.cumsum(row_len, 0)]).int()}
+    return {k: v.to(device, non_blocking=True) for k, v in index.items()} | {
+        "rows": len(segments), "max_len": max_len, "max_q": int(q_len.max())}
+
+
+def segment_attention(q, k, v, layout: dict, scaling=None, dropout: float = 0.0):
+    """Attention of a packed row by segments: q [H, T, D], k/v [Hkv, T, D] -> [T, H, D].
+
+    flash-attn varlen (GPU, half precision): queries stay packed, each segment's keys are gathered (its context
+    then itself) and the bottom-right causal mask does the rest. Otherwise sdpa over a padded [R, H, max_len, D]
+    batch of the rows with a plain causal mask: cost ~ R * max_len^2 instead of T^2 for a mask over the whole row.
+    Context tokens shared by several rows are gathered into each; index_select's backward sums their gradients."""
+    if _FLASH_VARLEN is not None and q.dtype in _FLASH_DTYPES:
+        keys = layout["k_index"]
+        kt, vt = k.transpose(0, 1).index_select(0, keys), v.transpose(0, 1).index_select(0, keys)
+        return _FLASH_VARLEN(q.transpose(0, 1), kt, vt, layout["cu_q"], layout["cu_k"], layout["max_q"],
+                             layout["max_len"], dropout_p=dropout, softmax_scale=scaling, causal=True)
+    rows, length, grid = layout["rows"], layout["max_len"], layout["grid"]
+
+    def to_grid(x):  # [h, T, D] -> [rows, h, max_len, D]
+        return x.transpose(0, 1).index_select(0, grid).view(rows, length, x.shape[0], x.shape[2]).transpose(1, 2)
 
     out = torch.nn.functional.scaled_dot_product_attention(to_grid(q), to_grid(k), to_grid(v), is_causal=True,
                                                            dropout_p=dropout, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).reshape(n * length, q.shape[1], q.shape[3])[index][None], None
+    return out.transpose(1, 2).reshape(rows * length, q.shape[0], q.shape[2]).index_select(0, layout["out"])
+
+
+def packed_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0, layout=None, **kwargs):
+    """transformers attention (registered as "packed"): q [1, H, T, D], k/v [1, Hkv, T, D] of a packed row ->
+    ([1, T, H, D], None), by segment_attention. transformers passes attention_mask=None for a registered function."""
+    if layout is None:
+        raise RuntimeError("packed attention needs the row's layout: call model.policy_logprobs")
+    return segment_attention(q[0], k[0], v[0], layout, scaling, dropout)[None], None
 
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype, mixed_precision: bool, trainable: bool = True):
     """Load an HF causal LM and shard it with FSDP2: one unit per decoder layer, plus the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-    from transformers import AutoModelForCausalLM
+    from transformers import AttentionInterface, AutoModelForCausalLM
 
-    attn = "sdpa"
+    global _FLASH_VARLEN
+
     if device.type == "cuda":
         try:
-            import flash_attn  # noqa: F401
-
-            attn = "flash_attention_2"  # varlen kernel, driven by the packed position_ids
+            from flash_attn import flash_attn_varlen_func as _FLASH_VARLEN
         except ImportError:
             pass
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     model.config.use_cache = False
-    if CP_SIZE > 1:
-        model.set_attn_implementation("ulysses")  # registered by setup_context_parallel
-    elif attn == "sdpa":  # per-sequence attention of packed rows (sdpa's block-diagonal mask costs T^2)
-        from transformers import AttentionInterface
-
-        AttentionInterface.register("packed_sdpa", packed_sdpa_attention)
-        model.set_attn_implementation("packed_sdpa")
+    # our attention for every layer: packed rows by segments (shared prompts, whole sequences), flash-attn varlen
+    # on GPU, padded sdpa otherwise; under CP the same after Ulysses' all-to-all (registered by setup_context_parallel)
+    AttentionInterface.register("packed", packed_attention)
+    model.set_attn_implementation("ulysses" if CP_SIZE > 1 else "packed")
     mesh = init_device_mesh(device.type, (WORLD,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
     kw = {"mesh": mesh} | ({"mp_policy": mp} if mp else {})
@@ -758,13 +825,17 @@ def microbatch_forward(model, mb: dict, cfg: Config, device: torch.device, grad:
         if CP_SIZE > 1:
             return cp_policy_logprobs(model, mb, cfg, device)
         return model.policy_logprobs(mb["input_ids"].to(device), mb["position_ids"].to(device),
-                                     mb["targets"].to(device), cfg.temperature or 1.0, cfg.logprob_chunk_tokens)
+                                     mb["targets"].to(device), cfg.temperature or 1.0, cfg.logprob_chunk_tokens,
+                                     segments=mb.get("segments"))  # on the CPU: attention_layout moves it
 
 
 def even_out_microbatches(mbs: list[dict], pad_id: int) -> list[dict]:
     """Every rank must run the same number of forward/backward passes (FSDP2 all-gathers per pass)."""
     n = L.all_reduce_vector(torch.tensor([len(mbs)]), op=dist.ReduceOp.MAX)
     return mbs + [empty_microbatch(pad_id) for _ in range(int(n) - len(mbs))]
+
+
+ROW_KEYS = ("input_ids", "position_ids", "targets", "segments")  # what the model takes, not the loss
 
 
 def train_minibatch(model, optimizer, reduction: L.LossReduction, mbs: list[dict], cfg: Config,
@@ -776,7 +847,7 @@ def train_minibatch(model, optimizer, reduction: L.LossReduction, mbs: list[dict
     entropy_sum = mismatch_sum = torch.zeros((), dtype=torch.float64, device=device)
     for mb in mbs:
         logprobs, entropy = microbatch_forward(model, mb, cfg, device, grad=True)
-        batch = {k: v.to(device) for k, v in mb.items() if k not in ("input_ids", "position_ids", "targets")}
+        batch = {k: v.to(device) for k, v in mb.items() if k not in ROW_KEYS}
         batch["logprobs"], batch["entropy"] = logprobs, entropy
         if "prox_logprobs" not in batch:  # one mini-batch: pi_prox is this very forward, detached
             batch["prox_logprobs"] = logprobs.detach()

@@ -9,11 +9,12 @@ flash-attn varlen when installed, else the packed per-sequence sdpa) and `policy
 then `backward()` of the summed log-probs. Timed: forward + backward of every micro-batch of a batch of `--seqs`
 sequences of `--prompt-len + --completion-len` tokens (no optimizer).
 
-FLOPs per batch (stated, not measured):
-    6 * N * T  +  6 * n_layers * d_attn * sum_i L_i (L_i + 1)
-N = weights of every matmul (decoder layers + lm_head; embeddings are a lookup), T = tokens, L_i = sequence lengths,
-d_attn = heads * head_dim. The first term is the dense forward (2NT) + backward (4NT); the second is QK^T and AV
-(2 * 2 * L(L+1)/2 * d_attn per layer forward, causal work only) times 3 for forward + backward.
+FLOPs per batch (stated, not measured), the work the packed rows actually need:
+    6 * N * T  +  12 * n_layers * d_attn * P
+N = weights of every matmul (decoder layers + lm_head; embeddings are a lookup), T = positions fed (groups of 8
+samples share their prompt, so a prompt is fed once per micro-batch), d_attn = heads * head_dim, P = causal
+(query, key) pairs: a segment of q tokens after c context tokens has q*c + q(q+1)/2. The first term is the dense
+forward (2NT) + backward (4NT); the second is QK^T and AV (2 * 2 * d_attn per pair and layer, forward) x 3.
 Peak: a timed square matmul (fp32 on CPU with the same thread count, bf16 on GPU), 2 n^3 / t.
 """
 
@@ -85,9 +86,10 @@ def main():
     hf = model.config
     vocab = hf.vocab_size
 
-    # a packed batch of identical-length sequences, through nanoareal's own packing
+    # a packed batch of identical-length sequences in GRPO groups of 8 (one prompt each), through nanoareal's packing
     g = torch.Generator().manual_seed(0)
-    samples = [N.Sample(i // 8, torch.randint(2, vocab, (plen,), generator=g).tolist(),
+    prompts = [torch.randint(2, vocab, (plen,), generator=g).tolist() for _ in range(-(-seqs // 8))]
+    samples = [N.Sample(i // 8, prompts[i // 8],
                         N.Completion(torch.randint(2, vocab, (clen,), generator=g).tolist(), [-1.0] * clen, "length"),
                         advantage=1.0) for i in range(seqs)]
     mbs = N.pack_microbatches(samples, cfg, 0)
@@ -98,7 +100,10 @@ def main():
         n_matmul += model.lm_head.weight.numel()  # tied: the lm_head matmul still runs
     d_attn = hf.num_attention_heads * (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
     L = plen + clen
-    flops = 6 * n_matmul * T + 6 * hf.num_hidden_layers * d_attn * seqs * L * (L + 1)
+    seg = torch.cat([mb["segments"] for mb in mbs])
+    q, c = seg[:, 1], seg[:, 3]
+    pairs = int((q * c + q * (q + 1) // 2).sum())
+    flops = 6 * n_matmul * T + 12 * hf.num_hidden_layers * d_attn * pairs
 
     def fwd_bwd():
         for mb in mbs:
@@ -125,7 +130,7 @@ def main():
     print("| quantity | value |")
     print("|---|---|")
     print(f"| matmul weights N | {n_matmul / 1e6:.2f} M |")
-    print(f"| batch | {seqs} seqs x {L} tokens = {T} tokens in {len(mbs)} micro-batch(es) |")
+    print(f"| batch | {seqs} seqs x {L} tokens, groups of 8: {T} positions fed in {len(mbs)} micro-batch(es) |")
     print(f"| FLOPs per batch (6NT + attention) | {flops / 1e9:.2f} GFLOP |")
     print(f"| forward+backward time | {fmt_spread(times)} s |")
     print(f"| achieved | {fmt_spread(achieved, 1e-9, 2)} GFLOP/s |")

@@ -73,7 +73,7 @@ def row_logits(model, model_dir: str, dtype):
         n = (T + pad) // na.CP_SIZE
         mine = slice(na.CP_RANK * n, (na.CP_RANK + 1) * n)
         logits = model(input_ids=ids[:, mine], position_ids=pos[:, mine], use_cache=False,
-                       ulysses=na.packed_layout(pos)).logits[0]
+                       ulysses=na.attention_layout(na.segments_from_positions(pos), T + pad)).logits[0]
         parts = [torch.empty_like(logits) for _ in range(na.CP_SIZE)]
         dist.all_gather(parts, logits.contiguous(), group=na.CP_GROUP)
         return torch.cat(parts)[:T]

@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,25 +35,3 @@ def test_bench_vs_trl_prints_its_table():
     for row in ("| e2e step time (s) |", "| train only, identical rollouts (s) |",
                 "| padding share of training-forward positions | 0.0% |"):
         assert row in out, out
-
-
-def test_packed_sdpa_attention_equals_per_sequence_forward_and_gradients():
-    """The CPU attention of packed rows (each sequence attends only to itself) is the per-sequence forward."""
-    from transformers import AttentionInterface, AutoModelForCausalLM
-
-    import nanoareal as N
-
-    AttentionInterface.register("packed_sdpa", N.packed_sdpa_attention)
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(ROOT / "assets/tiny-arith", dtype=torch.float64)
-    seqs = [torch.randint(3, 15, (n,)) for n in (5, 9, 1, 3, 7)]
-    packed, pos = torch.cat(seqs)[None], torch.cat([torch.arange(len(s)) for s in seqs])[None]
-    ref = torch.cat([model.model(input_ids=s[None], use_cache=False).last_hidden_state[0] for s in seqs])
-    g_ref = torch.autograd.grad(ref.square().sum(), model.model.layers[0].self_attn.q_proj.weight)
-    model.set_attn_implementation("packed_sdpa")
-    out = model.model(input_ids=packed, position_ids=pos, use_cache=False,
-                      packed=N.padded_layout(pos)).last_hidden_state[0]
-    g = torch.autograd.grad(out.square().sum(), model.model.layers[0].self_attn.q_proj.weight)
-    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(g[0], g_ref[0], atol=1e-10, rtol=1e-10)

@@ -127,7 +127,7 @@ def _sample(group: int, prompt: list[int], out: list[int], reason="stop", adv=0.
 
 
 def test_pack_microbatches_aligns_targets_masks_and_respects_the_token_budget():
-    cfg = N.Config(micro_batch_tokens=10)
+    cfg = N.Config(micro_batch_tokens=10, share_prompts=False)  # shared prompts: tests/test_attention.py
     samples = [_sample(0, [5, 6, 7], [8, 9]), _sample(0, [5, 6, 7], [10]), _sample(1, [4, 4], [3, 3, 3, 1])]
     mbs = N.pack_microbatches(samples, cfg, pad_id=0)
     # a sequence's last token is never an input (it predicts nothing): 4 + 3 positions, then 5
@@ -140,6 +140,7 @@ def test_pack_microbatches_aligns_targets_masks_and_respects_the_token_budget():
     assert mb["loss_mask"].tolist() == [0, 0, 1, 1, 0, 0, 1]
     assert mb["behave_logprobs"][2:4].tolist() == pytest.approx([-0.1, -0.2])
     assert mb["seq_ids"].tolist() == [-1, -1, 0, 0, -1, -1, 1]
+    assert mb["segments"].tolist() == [[0, 4, 0, 0], [4, 3, 0, 0]]
     with pytest.raises(SystemExit, match="micro-batch-tokens"):
         N.pack_microbatches([_sample(0, [1] * 8, [2] * 4)], cfg, pad_id=0)
 
@@ -147,10 +148,10 @@ def test_pack_microbatches_aligns_targets_masks_and_respects_the_token_budget():
 def test_mask_truncated_removes_truncated_responses_from_numerator_and_denominator():
     cfg = N.Config(mask_truncated=True, loss_aggregation="seq_mean")
     samples = [_sample(0, [5, 6], [8, 9], "length"), _sample(0, [5, 6], [10, 1])]
-    mb = N.pack_microbatches(samples, cfg, pad_id=0)[0]
-    assert mb["loss_mask"].tolist() == [0, 0, 0, 0, 1, 1]
+    mb = N.pack_microbatches(samples, cfg, pad_id=0)[0]  # shared prefix [5], tails [6 8] and [6 10]
+    assert mb["loss_mask"].tolist() == [0, 0, 0, 1, 1]
     assert mb["denom_mask"].tolist() == mb["loss_mask"].tolist()
-    assert mb["norm_weight"][4].item() == pytest.approx(0.5)
+    assert mb["norm_weight"][3].item() == pytest.approx(0.5)
 
 
 # -----------------------------------------------------------------------------
