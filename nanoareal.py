@@ -116,11 +116,11 @@ class Config:
     reuse_train_logprobs: bool = True
     """With one mini-batch, pi_prox = the training forward's detached log-probs (saves a forward pass)."""
     micro_batch_tokens: int = 4096
-    """Token budget of one packed micro-batch (sequences are never cut). Attention is per sequence (flash-attn
-    varlen on GPU, packed sdpa otherwise), so cost is linear in the budget: bigger means fewer passes, more memory."""
+    """Token budget of one packed micro-batch (sequences are never cut). Attention is per segment (flash-attn
+    varlen on GPU, padded sdpa otherwise), so cost is linear in the budget: bigger means fewer passes, more memory."""
     share_prompts: bool = True
-    """Feed each prompt once per micro-batch: a group's samples attend to one copy of it (exact; halves the positions
-    of the default task). --no-share-prompts feeds every sequence whole."""
+    """Feed each prompt once per micro-batch: a group's samples attend to one copy of it (exact).
+    On the default task this halves the positions computed. --no-share-prompts feeds every sequence whole."""
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk when turning hidden states into log-probs (never materialises all fp32 logits)."""
 
@@ -1361,7 +1361,11 @@ def train_on_samples(model, ref_model, optimizer, reduction, samples, cfg, devic
             for mb, m in zip(mbs, masks.split([len(mb["loss_mask"]) for mb in mbs])):
                 mb["loss_mask"] = m
     out = {"grad_norm": 0.0, "skipped_steps": 0.0}
-    sums: dict[str, float] = {"entropy_sum": 0.0, "mismatch_sum": 0.0, "trained_tokens": 0.0, "denom_tokens": 0.0}
+    # trained_tokens: prompt + completion tokens of the samples trained; positions: what the model was fed (fewer:
+    # shared prompts, no last tokens) -- tokens/s counts the former, so a cheaper layout shows up as more tokens/s
+    sums: dict[str, float] = {"entropy_sum": 0.0, "mismatch_sum": 0.0, "denom_tokens": 0.0, "positions": 0.0,
+                              "trained_tokens": float(sum(len(s.prompt_ids) + len(s.completion.output_ids)
+                                                          for s in samples))}
     reported: dict[str, float] = {}
     for mbs in packed:
         s = train_minibatch(model, optimizer, reduction, mbs, cfg, device)
@@ -1369,7 +1373,7 @@ def train_on_samples(model, ref_model, optimizer, reduction, samples, cfg, devic
         out["skipped_steps"] += s["skipped_step"]
         sums["entropy_sum"] += s["entropy_sum"]
         sums["mismatch_sum"] += s["mismatch_sum"]
-        sums["trained_tokens"] += sum(mb["input_ids"].numel() for mb in mbs)
+        sums["positions"] += sum(mb["input_ids"].numel() for mb in mbs)
         sums["denom_tokens"] += sum(float(mb["denom_mask"].sum()) for mb in mbs)
         for k, v in reduction.reported().items():
             reported[k] = reported.get(k, 0.0) + v / len(packed)
@@ -1394,6 +1398,7 @@ def finalize_metrics(m: dict, train_stats: dict, cfg: Config, t0, t1, t2, t3, op
         "reward_errors": m["reward_errors"],
         "lr": optimizer.param_groups[0]["lr"],
         "tokens_per_s": (m["response_len_sum"] + m["trained_tokens"]) / max(t3 - t0, 1e-9),
+        "train_positions": m["positions"],
         "time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
     }
     for k, v in train_stats["reported"].items():  # loss terms by name, "loss" = their weighted total, "x/y" stats

@@ -3,6 +3,8 @@
     python bench/bench_flops.py                                  # CPU, 1 thread, the shipped tiny model, fp32
     python bench/bench_flops.py --device cuda --model qwen2.5-0.5b  # GPU: random-init Qwen2.5-0.5B, bf16 autocast
     python bench/bench_flops.py --steps 2 --warmup 1 --seqs 64   # smoke run
+    python bench/bench_flops.py --model qwen2.5-0.5b --num-layers 1 --seqs 8 --prompt-len 16 --completion-len 8
+                                                                 # the GPU model's path (152k vocabulary) on a CPU
 
 The model goes through nanoareal's own path: `load_model` (FSDP2, world of one; on CUDA bf16 mixed precision and
 flash-attn varlen when installed, else the packed per-sequence sdpa) and `policy_logprobs` on packed micro-batches,
@@ -49,13 +51,13 @@ def matmul_peak(device, dtype, n: int, reps: int) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t)
 
 
-def model_dir(name: str) -> str:
+def model_dir(name: str, num_layers: int | None) -> str:
     if name != "qwen2.5-0.5b":
         return name
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = tempfile.mkdtemp(prefix="bench_qwen05_")
-    config = AutoConfig.for_model(**QWEN25_05B)
+    config = AutoConfig.for_model(**(QWEN25_05B | ({"num_hidden_layers": num_layers} if num_layers else {})))
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     return out
@@ -71,6 +73,8 @@ def main():
     p.add_argument("--micro-batch-tokens", type=int, default=None, help="default: nanoareal's Config on CPU, 16384 GPU")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="qwen2.5-0.5b only: fewer layers (same width and 152k vocabulary), e.g. a CPU smoke run")
     p.add_argument("--peak-n", type=int, default=None, help="matmul size for the peak (default 2048 CPU, 8192 GPU)")
     args = p.parse_args()
     gpu = args.device == "cuda"
@@ -81,7 +85,7 @@ def main():
                    N.Config.micro_batch_tokens))
     device = N.setup_distributed(cfg)
     N.setup_context_parallel(cfg, device)
-    path = model_dir(args.model if not gpu or args.model != "assets/tiny-arith" else "qwen2.5-0.5b")
+    path = model_dir(args.model if not gpu or args.model != "assets/tiny-arith" else "qwen2.5-0.5b", args.num_layers)
     model = N.load_model(path, device, torch.float32, mixed_precision=gpu)
     hf = model.config
     vocab = hf.vocab_size
@@ -123,7 +127,8 @@ def main():
     peak = matmul_peak(device, peak_dtype, args.peak_n or (8192 if gpu else 2048), 20 if gpu else 3)
     achieved = [flops / t for t in times]
     med = summarize(achieved)[0]
-    name = "Qwen2.5-0.5B config, random init" if path != args.model else args.model
+    layers = f", {args.num_layers} layer(s)" if args.num_layers else ""
+    name = f"Qwen2.5-0.5B config{layers}, random init" if path != args.model else args.model
     where = torch.cuda.get_device_name() if gpu else f"CPU, {torch.get_num_threads()} thread"
     print(f"\n## Training forward+backward FLOP/s: {name}, {where}, attention "
           f"{model.config._attn_implementation}, median (min-max) of {args.steps} steps\n")

@@ -190,8 +190,8 @@ def main():
     tput = lambda rows: [(r["generated"] + r["real"]) / r["time"] for r in rows]
     med_n, med_t = summarize([r["time"] for r in nan])[0], summarize([r["time"] for r in trl])[0]
     pad = lambda rows, real: 1 - sum(real(r) for r in rows) / max(sum(r["computed"] for r in rows), 1)
-    # nanoareal feeds each sequence but its last token (which predicts nothing), so its computed positions are at most
-    # the samples' prompt+completion tokens: anything beyond that would be padding
+    # nanoareal feeds each sequence but its last token (which predicts nothing) and a group's prompt once per
+    # micro-batch, so its computed positions are at most the samples' prompt+completion tokens: beyond that is padding
     pad_n = pad(nan, lambda r: min(r["real"], r["computed"]))
     pad_t = pad(trl, lambda r: r["masked_real"])
 

@@ -28,6 +28,14 @@ def test_bench_flops_prints_its_table_on_cpu():
     assert "| achieved |" in out and "| share of peak (MFU) |" in out
 
 
+def test_bench_flops_runs_the_gpu_model_config_on_cpu():
+    """The GPU default (random-init Qwen2.5-0.5B config: 152k vocabulary, GQA 14/2 heads, tied lm_head) through the
+    same script, cut to one layer so it fits a CPU test; groups of 8 share their 16-token prompt."""
+    out = run_bench("bench_flops.py", "--model", "qwen2.5-0.5b", "--num-layers", "1", "--seqs", "8", "--prompt-len",
+                    "16", "--completion-len", "8", "--steps", "1", "--warmup", "0", "--peak-n", "256")
+    assert "Qwen2.5-0.5B config" in out and "8 seqs x 24 tokens, groups of 8: 79 positions fed" in out, out
+
+
 def test_bench_vs_trl_prints_its_table():
     pytest.importorskip("trl")
     out = run_bench("bench_vs_trl.py", "--steps", "1", "--warmup", "0", "--prompts-per-step", "4", "--group-size",

@@ -88,7 +88,8 @@ def test_two_ranks_match_one_process_on_step_one_metrics_and_parameters(tmp_path
     run_cli([*args, "--run-dir", str(tmp_path / "two")], nproc=2)
     one, two = read_metrics(tmp_path / "one")[0], read_metrics(tmp_path / "two")[0]
     for k, v in one.items():
-        if not k.startswith(NOISE):
+        # positions fed depend on how groups fall into micro-batches (a split group feeds its prompt once per part)
+        if not k.startswith((*NOISE, "train_positions")):
             assert two[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
     from safetensors.torch import load_file
 
