@@ -482,14 +482,14 @@ def pack_microbatches(samples: list[Sample], cfg: Config, pad_id: int) -> list[d
     groups = torch.tensor([s.group for s in samples], dtype=torch.long)
     w, nw = L.response_weights(cfg.loss_aggregation, denom, groups, cfg.loss_aggregation_divisor)
     share = cfg.share_prompts
+    keys = [tuple(s.prompt_ids[:-1]) for s in samples]  # what a sample can share: the prompt minus its last token
 
     microbatches, current, used, prefixes = [], [], 0, set()
-    for i, s in enumerate(samples):
+    for i, (s, key) in enumerate(zip(samples, keys)):
         n = len(s.prompt_ids) + lengths[i] - 1
         if n > cfg.micro_batch_tokens:
             raise SystemExit(f"config error: a sequence of {n} tokens exceeds --micro-batch-tokens "
                              f"{cfg.micro_batch_tokens}")
-        key = tuple(s.prompt_ids[:-1])
         cost = lengths[i] if share and key in prefixes else n
         if used + cost > cfg.micro_batch_tokens:
             microbatches.append(current)
@@ -507,8 +507,7 @@ def pack_microbatches(samples: list[Sample], cfg: Config, pad_id: int) -> list[d
         for k, i in enumerate(idx):
             s, p, r = samples[i], len(samples[i].prompt_ids), lengths[i]
             full = s.prompt_ids + s.completion.output_ids
-            active = 0.0 if dropped[i] else 1.0
-            key = tuple(s.prompt_ids[:-1])
+            active, key = (0.0 if dropped[i] else 1.0), keys[i]
             if not share:  # the whole sequence, alone
                 head, ctx = 0, (0, 0)
             elif key in prefix_at:

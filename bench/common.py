@@ -110,7 +110,7 @@ class NanoRun:
         m = N.all_reduce_sum(stats | train_stats.pop("sums"))  # main's one metrics collective
         return {"time/step": t3 - t0, "time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
                 "generated_tokens": m["response_len_sum"], "real_tokens": m["response_len_sum"] + m["prompt_len_sum"],
-                "positions": m["positions"], "grad_norm": train_stats["grad_norm"]}
+                "grad_norm": train_stats["grad_norm"]}
 
 
 class PositionCounter:
