@@ -2,20 +2,22 @@
 
 One small interface, a few backends:
 
-    engine.generate(prompt_ids, sampling, seeds) -> list[Completion]   # one completion per (prompt, seed)
+    engine.generate(prompt_ids, sampling, seeds) -> list[Completion]   # one completion per (prompt,
+    seed)
     engine.update_weights(model)        # every rank calls it: FSDP2 gathers are collectives
     engine.release_memory() / engine.resume_memory()   # around the training phase (colocated GPU)
     engine.shutdown()
 
 Backends:
-- `HFEngine`: plain transformers on CPU (or one GPU). Used by the default run and the tests. It keeps its own
-  copy of the weights, exactly like an inference server, so weight sync is a real copy.
-- SGLang (in-process `sglang.Engine` colocated on the trainer's GPU, or remote servers over HTTP): see the
-  SGLang section below.
+- `HFEngine`: plain transformers on CPU (or one GPU). Used by the default run and the tests. It
+  keeps its own copy of the weights, exactly like an inference server, so weight sync is a real
+  copy.
+- SGLang (in-process `sglang.Engine` colocated on the trainer's GPU, or remote servers over
+  HTTP): see the SGLang section below.
 
-Behaviour log-probs follow SGLang's definition: `log_softmax(logits / temperature)` of the sampled token,
-taken *before* top-p / top-k truncation. The trainer computes its log-probs with the same temperature so the
-ratio pi_theta / pi_behave is 1 when the weights are equal.
+Behaviour log-probs follow SGLang's definition: `log_softmax(logits / temperature)` of the
+sampled token, taken *before* top-p / top-k truncation. The trainer computes its log-probs with
+the same temperature so the ratio pi_theta / pi_behave is 1 when the weights are equal.
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
+
+from logs import UserError
 
 
 @dataclass
@@ -52,7 +57,8 @@ class SamplingParams:
 class Completion:
     output_ids: list[int]
     logprobs: list[float]
-    """Behaviour log-prob of each output token: log_softmax(logits / temperature), before top-p/top-k."""
+    """Behaviour log-prob of each output token: log_softmax(logits / temperature), before
+    top-p/top-k."""
     finish_reason: str
     """"stop" (a stop token was sampled, and is included in output_ids), "length" or "abort"."""
 
@@ -60,8 +66,8 @@ class Completion:
 def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, full tensor) for every parameter and buffer of a (possibly FSDP2-sharded) model.
 
-    `DTensor.full_tensor()` is an all-gather: every rank must iterate the same names in the same order,
-    even ranks that throw the result away.
+    `DTensor.full_tensor()` is an all-gather: every rank must iterate the same names in the same
+    order, even ranks that throw the result away.
     """
     for name, tensor in model.state_dict().items():
         if hasattr(tensor, "full_tensor"):
@@ -70,9 +76,9 @@ def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # -----------------------------------------------------------------------------
-# Counter-based sampling noise: the sample drawn for (seed, position) never depends on the batch it was
-# generated in, the rank that generated it, or how many other prompts there were. That is what makes a run
-# reproducible across world sizes.
+# Counter-based sampling noise: the sample drawn for (seed, position) never depends on the batch it
+# was generated in, the rank that generated it, or how many other prompts there were. That is what
+# makes a run reproducible across world sizes.
 
 _MASK32 = 0xFFFFFFFF
 
@@ -98,7 +104,8 @@ def mix_seed(*parts: int) -> int:
 
 
 def gumbel_noise(seeds: torch.Tensor, position: int, vocab_size: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [B, V] keyed by (seed_b, position, token): argmax(logits + noise) samples softmax."""
+    """Gumbel(0, 1) noise [B, V] keyed by (seed_b, position, token): argmax(logits + noise) samples
+    softmax."""
     key = _fmix32(seeds.to(torch.int64) ^ ((position * 0x9E3779B1 + 0x7F4A7C15) & _MASK32))
     token = (torch.arange(vocab_size, dtype=torch.int64) * 0x632BE5AB) & _MASK32
     h = _fmix32(_fmix32(key[:, None] ^ token[None, :]) ^ 0x5BD1E995)
@@ -111,7 +118,8 @@ def sample_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (token ids [B], behaviour log-probs [B]).
 
-    The log-prob is taken from the temperature-scaled distribution before truncation (SGLang's definition).
+    The log-prob is taken from the temperature-scaled distribution before truncation (SGLang's
+    definition).
     """
     logits = logits.float()
     if sampling.temperature == 0:
@@ -126,7 +134,8 @@ def sample_tokens(
     if sampling.top_p < 1.0:
         sorted_logits, order = torch.sort(truncated, dim=-1, descending=True)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= sampling.top_p  # keep the token that crosses p
+        # keep the token that crosses p
+        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= sampling.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         truncated = truncated.masked_fill(drop, float("-inf"))
     noise = gumbel_noise(seeds, position, logits.shape[-1]).to(logits.device)
@@ -141,12 +150,14 @@ def sample_tokens(
 class HFEngine:
     """Rollouts on a private transformers copy of the policy (CPU default; works on one GPU too)."""
 
-    def __init__(self, model_path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    def __init__(self, model_path: str, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32,
                  batch_size: int = 512):
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path,
+                                                          dtype=dtype).to(self.device).eval()
         self.batch_size = batch_size
 
     @torch.no_grad()
@@ -164,7 +175,8 @@ class HFEngine:
     def shutdown(self) -> None:
         self.model = None
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seeds: list[int]) -> list[Completion]:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
+                 seeds: list[int]) -> list[Completion]:
         if len(prompt_ids) != len(seeds):
             raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
         # Bucketing by prompt length keeps padding (and wasted attention) small.
@@ -180,16 +192,18 @@ class HFEngine:
     def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int]):
         from transformers import DynamicCache
 
-        # Each distinct prompt is prefilled once and its KV cache copied to its rows (a GRPO group shares one
-        # prompt), and rows that sampled a stop token leave the batch, so decoding costs ~ the tokens generated.
-        # The noise is keyed by (seed, position), so neither changes which token a row samples from its logits.
+        # Each distinct prompt is prefilled once and its KV cache copied to its rows (a GRPO group
+        # shares one prompt), and rows that sampled a stop token leave the batch, so decoding costs
+        # ~ the tokens generated. The noise is keyed by (seed, position), so neither changes which
+        # token a row samples from its logits.
         unique: dict[tuple[int, ...], int] = {}
         row_prompt = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
         B, L = len(prompts), max(len(p) for p in prompts)
         pad = 0
         input_ids = torch.full((len(unique), L), pad, dtype=torch.long)
         attention = torch.zeros((len(unique), L), dtype=torch.long)
-        for b, p in enumerate(unique):  # left padding: every row's next token sits at the same column
+        # left padding: every row's next token sits at the same column
+        for b, p in enumerate(unique):
             input_ids[b, L - len(p):] = torch.tensor(p)
             attention[b, L - len(p):] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
@@ -197,9 +211,12 @@ class HFEngine:
         seed_t = torch.tensor(seeds, dtype=torch.int64)
         stop = torch.tensor(sampling.stop_token_ids or [-1], device=self.device)
         cache = DynamicCache()
-        # transformers renamed `past_key_values` to `cache` (5.2x); accept both so older versions work too.
-        cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        logits = self.model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+        # transformers renamed `past_key_values` to `cache` (5.2x); accept both so older versions
+        # work too
+        params = inspect.signature(self.model.forward).parameters
+        cache_kw = "cache" if "cache" in params else "past_key_values"
+        logits = self.model(input_ids=input_ids, attention_mask=attention,
+                            position_ids=position_ids,
                             use_cache=True, **{cache_kw: cache}).logits[:, -1]
         rows = torch.tensor(row_prompt, device=self.device)
         cache.reorder_cache(rows)  # [unique prompts] -> [rows]
@@ -217,10 +234,12 @@ class HFEngine:
             if not bool(running.all()):  # finished rows leave the batch and the cache
                 keep = running.nonzero().flatten()
                 cache.reorder_cache(keep)
-                live, tok, attention, step_pos = live[keep.cpu()], tok[keep], attention[keep], step_pos[keep]
+                live, tok = live[keep.cpu()], tok[keep]
+                attention, step_pos = attention[keep], step_pos[keep]
             step_pos = step_pos + 1
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
-            logits = self.model(input_ids=tok[:, None], attention_mask=attention, position_ids=step_pos,
+            logits = self.model(input_ids=tok[:, None], attention_mask=attention,
+                                position_ids=step_pos,
                                 use_cache=True, **{cache_kw: cache}).logits[:, -1]
         results = []
         tokens, logps = tokens.cpu(), logps.cpu()
@@ -240,28 +259,33 @@ class HFEngine:
 # SGLang: in-process engine colocated on the trainer's GPU, or remote servers over HTTP.
 #
 # SGLang facts that bite (read from SGLang's source, 0.5.x):
-# - Behaviour log-probs (`meta_info["output_token_logprobs"]`, a list of (logprob, token_id, text_or_None)) are
-#   log_softmax(logits / temperature) of the sampled token, taken before top-p/top-k truncation. Setting the
-#   environment variable SGLANG_RETURN_ORIGINAL_LOGPROB makes them temperature-1 log-probs instead, which breaks
-#   the pi_theta / pi_behave ratio for any temperature != 1: we refuse to start with it.
-# - temperature 0 is greedy (SGLang turns it into top_k=1 at temperature 1): its log-probs are log_softmax(logits).
+# - Behaviour log-probs (`meta_info["output_token_logprobs"]`, a list of (logprob, token_id,
+#   text_or_None)) are log_softmax(logits / temperature) of the sampled token, taken before
+#   top-p/top-k truncation. Setting the environment variable SGLANG_RETURN_ORIGINAL_LOGPROB makes
+#   them temperature-1 log-probs instead, which breaks the pi_theta / pi_behave ratio for any
+#   temperature != 1: we refuse to start with it.
+# - temperature 0 is greedy (SGLang turns it into top_k=1 at temperature 1): its log-probs are
+#   log_softmax(logits).
 # - `finish_reason` is a dict: {"type": "stop", "matched": id}, {"type": "length", "length": n} or
-#   {"type": "abort", "message": ...}. With a stop token id, the matched token is the last output token.
-# - The KV-cache budget is computed from *free* GPU memory when the engine starts: create the engine before the
-#   trainer allocates (nanoareal.main does), and size it with `mem_fraction_static`.
+#   {"type": "abort", "message": ...}. With a stop token id, the matched token is the last output
+#   token.
+# - The KV-cache budget is computed from *free* GPU memory when the engine starts: create the engine
+#   before the trainer allocates (nanoareal.main does), and size it with `mem_fraction_static`.
 # - Memory release/resume (`enable_memory_saver=True`): tags "kv_cache", "weights" and, where
-#   sglang.srt.constants has GPU_MEMORY_TYPE_CUDA_GRAPH, "cuda_graph". Release needs an idle engine; resuming a
-#   tag that is not released raises. Order around a training step: release all -> train -> resume "weights"
-#   -> push the new weights -> resume "kv_cache" (+ "cuda_graph") -> flush the cache. Resuming the KV cache only
-#   after the update leaves room for the gathered weight buckets.
+#   sglang.srt.constants has GPU_MEMORY_TYPE_CUDA_GRAPH, "cuda_graph". Release needs an idle engine;
+#   resuming a tag that is not released raises. Order around a training step: release all -> train
+#   -> resume "weights" -> push the new weights -> resume "kv_cache" (+ "cuda_graph") -> flush the
+#   cache. Resuming the KV cache only after the update leaves room for the gathered weight buckets.
 # - From 0.5.21, tensor and distributed weight updates must run inside begin_weight_update() /
-#   end_weight_update() (HTTP: POST /begin_weight_update {} and /end_weight_update {}); older versions have
-#   neither (the in-process Engine lacks the methods, the HTTP server answers 404).
-# - `update_weights_from_tensor(named_tensors, load_format=None, flush_cache=True)` sends CUDA-IPC handles; it is
-#   the only in-memory path when trainer and engine share a GPU (NCCL between two processes on one GPU fails
-#   with "Duplicate GPU detected"). Pass flush_cache=False for all but the last bucket.
-# - `sampling_seed` is a per-request sampling parameter only in newer versions (older ones reject unknown keys);
-#   we send it when the installed SamplingParams accepts it (in-process) or until a server rejects it (remote).
+#   end_weight_update() (HTTP: POST /begin_weight_update {} and /end_weight_update {}); older
+#   versions have neither (the in-process Engine lacks the methods, the HTTP server answers 404).
+# - `update_weights_from_tensor(named_tensors, load_format=None, flush_cache=True)` sends CUDA-IPC
+#   handles; it is the only in-memory path when trainer and engine share a GPU (NCCL between two
+#   processes on one GPU fails with "Duplicate GPU detected"). Pass flush_cache=False for all but
+#   the last bucket.
+# - `sampling_seed` is a per-request sampling parameter only in newer versions (older ones reject
+#   unknown keys); we send it when the installed SamplingParams accepts it (in-process) or until a
+#   server rejects it (remote).
 
 def _finish_type(finish_reason) -> str:
     if isinstance(finish_reason, dict):
@@ -279,12 +303,14 @@ def completion_from_sglang(out: dict) -> Completion:
     ids = [int(p[1]) for p in pairs]
     logprobs = [float(p[0]) for p in pairs]
     if not pairs and out.get("output_ids"):
-        raise RuntimeError("SGLang returned output_ids without output_token_logprobs: send return_logprob=True")
+        raise RuntimeError("SGLang returned output_ids without output_token_logprobs: send "
+                           "return_logprob=True")
     return Completion(ids, logprobs, _finish_type(meta.get("finish_reason")))
 
 
 def _sampling_dict(sampling: SamplingParams, max_new_tokens: int, seed: int | None) -> dict:
-    d = {"max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+    d = {"max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
+         "top_p": sampling.top_p,
          "top_k": sampling.top_k, "stop_token_ids": list(sampling.stop_token_ids),
          "skip_special_tokens": False, "no_stop_trim": True}
     if seed is not None:
@@ -294,8 +320,9 @@ def _sampling_dict(sampling: SamplingParams, max_new_tokens: int, seed: int | No
 
 def _check_logprob_env() -> None:
     if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
-        raise RuntimeError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return temperature-1 log-probs, "
-                           "but nanoareal's trainer uses log_softmax(logits / temperature). Unset it.")
+        raise RuntimeError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return "
+                           "temperature-1 log-probs, but nanoareal's trainer uses "
+                           "log_softmax(logits / temperature). Unset it.")
 
 
 def _rank_world() -> tuple[int, int]:
@@ -314,12 +341,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def iter_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+def iter_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None
+                 ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
     """Group (name, tensor) into buckets of about `bucket_bytes`; yield (bucket, is_last).
 
-    Floating-point tensors are cast to `dtype` (the engine's dtype); one bucket is held back so the last one is
-    known (it is the one that flushes the cache). A tensor larger than the budget forms a bucket of its own.
+    Floating-point tensors are cast to `dtype` (the engine's dtype); one bucket is held back so
+    the last one is known (it is the one that flushes the cache). A tensor larger than the budget
+    forms a bucket of its own.
     """
     pending, size, ready = [], 0, None
     for name, t in named:
@@ -340,19 +369,23 @@ def iter_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int, d
 
 
 class SGLangEngine:
-    """One in-process `sglang.Engine` per rank (tp=1) on this rank's GPU, sharing it with the trainer."""
+    """One in-process `sglang.Engine` per rank (tp=1) on this rank's GPU, sharing it with the
+    trainer."""
 
     def __init__(self, model_path: str, gpu_id: int = 0, mem_fraction: float = 0.5, seed: int = 0,
-                 bucket_mb: int = 512, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda",
-                 **engine_kwargs):
+                 bucket_mb: int = 512, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cuda", **engine_kwargs):
         import sglang  # lazy: an optional extra
 
         _check_logprob_env()
-        self.engine = sglang.Engine(model_path=model_path, mem_fraction_static=mem_fraction, enable_memory_saver=True,
-                                    skip_tokenizer_init=True, base_gpu_id=gpu_id, tp_size=1, random_seed=seed,
+        self.engine = sglang.Engine(model_path=model_path, mem_fraction_static=mem_fraction,
+                                    enable_memory_saver=True, skip_tokenizer_init=True,
+                                    base_gpu_id=gpu_id, tp_size=1, random_seed=seed,
                                     **engine_kwargs)
-        self.dtype, self.device, self.bucket_bytes = dtype, torch.device(device), int(bucket_mb * 2**20)
-        self.has_weight_update_session = hasattr(self.engine, "begin_weight_update")  # SGLang >= 0.5.21
+        self.dtype, self.device = dtype, torch.device(device)
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        # SGLang >= 0.5.21
+        self.has_weight_update_session = hasattr(self.engine, "begin_weight_update")
         try:
             from sglang.srt.constants import GPU_MEMORY_TYPE_CUDA_GRAPH  # absent in older versions
             self.tags = ["kv_cache", "weights", GPU_MEMORY_TYPE_CUDA_GRAPH]
@@ -361,27 +394,31 @@ class SGLangEngine:
         self.send_seed = _sampling_params_accept("sampling_seed")
         self.released: set[str] = set()
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seeds: list[int]) -> list[Completion]:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
+                 seeds: list[int]) -> list[Completion]:
         if len(prompt_ids) != len(seeds):
             raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
         if not prompt_ids:
             return []
-        self._resume([t for t in self.tags if t in self.released])  # never generate without a KV cache
-        params = [_sampling_dict(sampling, sampling.max_new_tokens, s if self.send_seed else None) for s in seeds]
+        # never generate without a KV cache
+        self._resume([t for t in self.tags if t in self.released])
+        params = [_sampling_dict(sampling, sampling.max_new_tokens,
+                                 s if self.send_seed else None) for s in seeds]
         outs = self.engine.generate(input_ids=[list(p) for p in prompt_ids], sampling_params=params,
                                     return_logprob=True)
         return [completion_from_sglang(o) for o in outs]
 
     def release_memory(self) -> None:
-        """Before training: free KV cache, weights (and CUDA graphs). The engine must be idle (it is: generate
-        returns only when every request has finished)."""
+        """Before training: free KV cache, weights (and CUDA graphs). The engine must be idle (it
+        is: generate returns only when every request has finished)."""
         tags = [t for t in self.tags if t not in self.released]
         if tags:
             self.engine.release_memory_occupation(tags=tags)
             self.released.update(tags)
 
     def resume_memory(self) -> None:
-        """After training: bring back the weights only; the KV cache comes back at the end of update_weights."""
+        """After training: bring back the weights only; the KV cache comes back at the end of
+        update_weights."""
         self._resume(["weights"] if "weights" in self.released else [])
 
     def _resume(self, tags: list[str]) -> None:
@@ -391,13 +428,15 @@ class SGLangEngine:
 
     @torch.no_grad()
     def update_weights(self, model: nn.Module) -> None:
-        """Every rank: gather full tensors (collectives), push them to its own engine in buckets, then resume the
-        KV cache and flush it (cached prefixes were computed with the old weights)."""
+        """Every rank: gather full tensors (collectives), push them to its own engine in buckets,
+        then resume the KV cache and flush it (cached prefixes were computed with the old
+        weights)."""
         self.resume_memory()
         if self.has_weight_update_session:
             self.engine.begin_weight_update()
         try:
-            for bucket, last in iter_buckets(iter_full_tensors(model), self.bucket_bytes, self.dtype, self.device):
+            for bucket, last in iter_buckets(iter_full_tensors(model), self.bucket_bytes,
+                                             self.dtype, self.device):
                 self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=last)
         finally:
             if self.has_weight_update_session:
@@ -426,45 +465,55 @@ class HTTPError(RuntimeError):
 
 
 class RemoteSGLangEngine:
-    """SGLang servers over HTTP (stdlib only): native /generate, retries, abort resubmission, weight sync.
+    """SGLang servers over HTTP (stdlib only): native /generate, retries, abort resubmission, weight
+    sync.
 
-    Every rank holds a client and generates its own prompts; rank 0 alone pushes weights, the others only take
-    part in the gathers, and a barrier keeps every rank from generating before the push has finished.
+    Every rank holds a client and generates its own prompts; rank 0 alone pushes weights, the
+    others only take part in the gathers, and a barrier keeps every rank from generating before
+    the push has finished.
     """
 
-    def __init__(self, urls: list[str], model_path: str, run_dir: str = "runs/default", weight_sync: str = "disk",
-                 timeout: float = 600.0, retries: int = 3, abort_retries: int = 3, health_timeout: float = 600.0,
+    def __init__(self, urls: list[str], model_path: str, run_dir: str = "runs/default",
+                 weight_sync: str = "disk", timeout: float = 600.0, retries: int = 3,
+                 abort_retries: int = 3, health_timeout: float = 600.0,
                  bucket_mb: int = 512, sync_dtype: torch.dtype | None = None, backoff: float = 0.5,
                  nccl_addr: str = "", max_workers: int = 64):
         if not urls:
             raise ValueError("RemoteSGLangEngine needs at least one server URL")
         if weight_sync not in ("disk", "nccl"):
-            raise ValueError(f"remote SGLang servers sync weights by 'disk' or 'nccl', not {weight_sync!r}")
+            raise ValueError("remote SGLang servers sync weights by 'disk' or 'nccl', not "
+                             f"{weight_sync!r}")
         _check_logprob_env()
         self.urls = [u.rstrip("/") for u in urls]
         self.model_path, self.run_dir, self.weight_sync = model_path, run_dir, weight_sync
-        self.timeout, self.retries, self.abort_retries, self.backoff = timeout, retries, abort_retries, backoff
-        self.bucket_bytes, self.sync_dtype, self.nccl_addr = int(bucket_mb * 2**20), sync_dtype, nccl_addr
+        self.timeout, self.retries, self.abort_retries = timeout, retries, abort_retries
+        self.backoff, self.bucket_bytes = backoff, int(bucket_mb * 2**20)
+        self.sync_dtype, self.nccl_addr = sync_dtype, nccl_addr
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="sglang-http")
         self.send_seed = True
-        self.session: dict[str, bool] = {}  # url -> server has /begin_weight_update (SGLang >= 0.5.21)
+        # url -> server has /begin_weight_update (SGLang >= 0.5.21)
+        self.session: dict[str, bool] = {}
         self.version = 0
         self.nccl_group = None
         self.wait_healthy(health_timeout)
 
     # -- HTTP plumbing
 
-    def _request(self, url: str, path: str, payload: dict | None = None, timeout: float | None = None):
-        """POST (payload) or GET; retry timeouts, connection errors and 5xx with exponential backoff.
+    def _request(self, url: str, path: str, payload: dict | None = None,
+                 timeout: float | None = None):
+        """POST (payload) or GET; retry timeouts, connection errors and 5xx with exponential
+        backoff.
 
-        Returns parsed JSON (or text). 4xx raises HTTPError at once: the caller decides (404 = older server).
+        Returns parsed JSON (or text). 4xx raises HTTPError at once: the caller decides (404 =
+        older server).
         """
         data = None if payload is None else json.dumps(payload).encode()
         last = None
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
-            req = urllib.request.Request(url + path, data=data, method="GET" if data is None else "POST",
+            req = urllib.request.Request(url + path, data=data,
+                                         method="GET" if data is None else "POST",
                                          headers={"Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
@@ -484,7 +533,8 @@ class RemoteSGLangEngine:
                 last = f"HTTP {e.code}: {body}"
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-        raise RuntimeError(f"SGLang server {url}{path} failed {self.retries + 1} times; last error: {last}")
+        raise RuntimeError(f"SGLang server {url}{path} failed {self.retries + 1} times; last "
+                           f"error: {last}")
 
     def wait_healthy(self, timeout: float) -> None:
         """Poll GET /health_generate on every server until it answers 200 (503 while starting)."""
@@ -494,7 +544,8 @@ class RemoteSGLangEngine:
             while True:
                 try:
                     req = urllib.request.Request(url + "/health_generate", method="GET")
-                    with urllib.request.urlopen(req, timeout=max(1.0, min(30.0, deadline - time.monotonic()))) as r:
+                    wait = max(1.0, min(30.0, deadline - time.monotonic()))
+                    with urllib.request.urlopen(req, timeout=wait) as r:
                         if r.status == 200:
                             break
                         last = f"HTTP {r.status}"
@@ -503,22 +554,25 @@ class RemoteSGLangEngine:
                 except (urllib.error.URLError, OSError) as e:
                     last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
                 if time.monotonic() >= deadline:
-                    raise RuntimeError(f"SGLang server {url} did not become healthy within {timeout:g}s "
-                                       f"(GET /health_generate: {last}). Is it running and reachable from here?")
+                    raise RuntimeError(f"SGLang server {url} did not become healthy within "
+                                       f"{timeout:g}s (GET /health_generate: {last}). Is it "
+                                       "running and reachable from here?")
                 time.sleep(min(1.0, max(0.05, timeout / 50)))
 
     # -- generation
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seeds: list[int]) -> list[Completion]:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
+                 seeds: list[int]) -> list[Completion]:
         if len(prompt_ids) != len(seeds):
             raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
         jobs = [self.pool.submit(self._generate_one, self.urls[i % len(self.urls)], p, sampling, s)
                 for i, (p, s) in enumerate(zip(prompt_ids, seeds))]
         return [j.result() for j in jobs]
 
-    def _generate_one(self, url: str, prompt: list[int], sampling: SamplingParams, seed: int) -> Completion:
-        """One prompt; on finish_reason "abort" (server retracted or restarted the request) resubmit prompt +
-        tokens so far with the remaining budget, concatenating tokens and log-probs."""
+    def _generate_one(self, url: str, prompt: list[int], sampling: SamplingParams,
+                      seed: int) -> Completion:
+        """One prompt; on finish_reason "abort" (server retracted or restarted the request) resubmit
+        prompt + tokens so far with the remaining budget, concatenating tokens and log-probs."""
         ids: list[int] = []
         logprobs: list[float] = []
         reason = "abort"
@@ -527,7 +581,8 @@ class RemoteSGLangEngine:
             if remaining <= 0:
                 reason = "length"
                 break
-            out = self._post_generate(url, list(prompt) + ids, _sampling_dict(sampling, remaining, seed))
+            out = self._post_generate(url, list(prompt) + ids, _sampling_dict(sampling, remaining,
+                                                                              seed))
             c = completion_from_sglang(out)
             ids += c.output_ids
             logprobs += c.logprobs
@@ -563,7 +618,8 @@ class RemoteSGLangEngine:
         pass
 
     def _session(self, url: str, which: str) -> None:
-        """POST /begin_weight_update or /end_weight_update where the server has them (404: SGLang < 0.5.21)."""
+        """POST /begin_weight_update or /end_weight_update where the server has them (404: SGLang <
+        0.5.21)."""
         if self.session.get(url) is False:
             return
         try:
@@ -595,8 +651,8 @@ class RemoteSGLangEngine:
             self._cleanup_old(path)
 
     def _flush(self, url: str) -> None:
-        """/update_weights_from_disk already flushes; this one is belt and braces, so a 400 (requests still
-        running) is only reported."""
+        """/update_weights_from_disk already flushes; this one is belt and braces, so a 400
+        (requests still running) is only reported."""
         try:
             self._request(url, "/flush_cache", {})
         except HTTPError as e:
@@ -607,15 +663,18 @@ class RemoteSGLangEngine:
         try:
             out = self._request(url, "/update_weights_from_disk", {"model_path": path})
         except HTTPError as e:
-            raise RuntimeError(f"SGLang server {url} could not load weights from {path}: {e.body}") from None
+            raise RuntimeError(f"SGLang server {url} could not load weights from {path}: "
+                               f"{e.body}") from None
         finally:
             self._session(url, "end")
         if isinstance(out, dict) and not out.get("success", True):
-            raise RuntimeError(f"SGLang server {url} could not load weights from {path}: {out.get('message')}")
+            raise RuntimeError(f"SGLang server {url} could not load weights from {path}: "
+                               f"{out.get('message')}")
 
     def write_weights(self, model: nn.Module, rank: int = 0) -> str | None:
-        """Every rank gathers; rank 0 writes `model.safetensors` + the original config/tokenizer files to
-        <run_dir>/weights_sync/step_<n>, via a temporary directory renamed into place (never half-written)."""
+        """Every rank gathers; rank 0 writes `model.safetensors` + the original config/tokenizer
+        files to <run_dir>/weights_sync/step_<n>, via a temporary directory renamed into place
+        (never half-written)."""
         from safetensors.torch import save_file
 
         self.version += 1
@@ -624,7 +683,8 @@ class RemoteSGLangEngine:
             if rank == 0:
                 if self.sync_dtype is not None and t.is_floating_point():
                     t = t.to(self.sync_dtype)
-                tensors[name] = t.to("cpu", copy=True).contiguous()  # copy: tied weights must not share storage
+                # copy: tied weights must not share storage
+                tensors[name] = t.to("cpu", copy=True).contiguous()
         if rank != 0:
             return None
         root = os.path.abspath(os.path.join(self.run_dir, "weights_sync"))
@@ -635,7 +695,8 @@ class RemoteSGLangEngine:
         if os.path.isdir(self.model_path):
             for f in os.listdir(self.model_path):
                 src = os.path.join(self.model_path, f)
-                weights = f.endswith((".safetensors", ".bin", ".pt", ".pth")) or f.endswith(".index.json")
+                weights = f.endswith((".safetensors", ".bin", ".pt",
+                                      ".pth")) or f.endswith(".index.json")
                 if os.path.isfile(src) and not weights:
                     shutil.copy2(src, os.path.join(tmp, f))
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
@@ -651,8 +712,9 @@ class RemoteSGLangEngine:
                 shutil.rmtree(p, ignore_errors=True)
 
     def _update_from_distributed(self, model: nn.Module) -> None:
-        """NCCL: rank 0 of the trainer broadcasts each tensor to every server's TP ranks over a group of its own;
-        per bucket, the servers receive (`/update_weights_from_distributed`) while rank 0 broadcasts."""
+        """NCCL: rank 0 of the trainer broadcasts each tensor to every server's TP ranks over a
+        group of its own; per bucket, the servers receive (`/update_weights_from_distributed`)
+        while rank 0 broadcasts."""
         import torch.distributed as dist
 
         rank, _ = _rank_world()
@@ -670,29 +732,35 @@ class RemoteSGLangEngine:
                         "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                         "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
                         "flush_cache": last}
-                posts = [self.pool.submit(self._request, u, "/update_weights_from_distributed", meta)
+                posts = [self.pool.submit(self._request, u, "/update_weights_from_distributed",
+                                          meta)
                          for u in self.urls]
-                for _, t in bucket:  # the servers' receives are posted above and block until these broadcasts
+                # the servers' receives are posted above and block until these broadcasts
+                for _, t in bucket:
                     dist.broadcast(t, src=0, group=self.nccl_group)
                 for p in posts:
                     out = p.result()
                     if isinstance(out, dict) and not out.get("success", True):
-                        raise RuntimeError(f"update_weights_from_distributed failed: {out.get('message')}")
+                        raise RuntimeError("update_weights_from_distributed failed: "
+                                           f"{out.get('message')}")
         finally:
             self._all(self._session, "end")
 
     def _init_nccl_group(self) -> None:
-        """Group = trainer rank 0 (rank 0) + every server's TP ranks (rank_offset onwards), created the way SGLang
-        creates its side (rendezvous on tcp://addr:port, PrefixStore(group_name), _new_process_group_helper)."""
+        """Group = trainer rank 0 (rank 0) + every server's TP ranks (rank_offset onwards), created
+        the way SGLang creates its side (rendezvous on tcp://addr:port, PrefixStore(group_name),
+        _new_process_group_helper)."""
         tp = [int(self._request(u, "/get_server_info").get("tp_size", 1)) for u in self.urls]
         world = 1 + sum(tp)
-        host, _, port = (self.nccl_addr or f"{socket.gethostbyname(socket.gethostname())}:0").rpartition(":")
+        addr = self.nccl_addr or f"{socket.gethostbyname(socket.gethostname())}:0"
+        host, _, port = addr.rpartition(":")
         port = int(port) or _free_port()
         self.group_name = f"nanoareal_weights_{uuid.uuid4().hex[:8]}"
         offsets = [1 + sum(tp[:i]) for i in range(len(tp))]
         posts = [self.pool.submit(self._request, u, "/init_weights_update_group",
                                   {"master_address": host, "master_port": port, "rank_offset": off,
-                                   "world_size": world, "group_name": self.group_name, "backend": "nccl"})
+                                   "world_size": world, "group_name": self.group_name,
+                                   "backend": "nccl"})
                  for u, off in zip(self.urls, offsets)]
         self.nccl_group = init_weight_group(host, port, world, self.group_name)
         for p in posts:
@@ -710,12 +778,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_weight_group(host: str, port: int, world_size: int, group_name: str, rank: int = 0, backend: str = "nccl"):
-    """A process group outside the default one (the trainer's torchrun world), joined by the rollout servers.
+def init_weight_group(host: str, port: int, world_size: int, group_name: str, rank: int = 0,
+                      backend: str = "nccl"):
+    """A process group outside the default one (the trainer's torchrun world), joined by the rollout
+    servers.
 
-    This mirrors SGLang's server side so both ends derive the same store keys: tcp:// rendezvous, a
-    PrefixStore named after the group, then torch's private `_new_process_group_helper` (its options argument
-    is `backend_options` in recent torch, `pg_options` in older; the same torch version on both ends is safest).
+    This mirrors SGLang's server side so both ends derive the same store keys: tcp:// rendezvous,
+    a PrefixStore named after the group, then torch's private `_new_process_group_helper` (its
+    options argument is `backend_options` in recent torch, `pg_options` in older; the same torch
+    version on both ends is safest).
     """
     from datetime import timedelta
 
@@ -723,7 +794,8 @@ def init_weight_group(host: str, port: int, world_size: int, group_name: str, ra
     from torch.distributed.rendezvous import rendezvous
 
     timeout = timedelta(minutes=10)
-    store, rank, world_size = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
+    store, rank, world_size = next(rendezvous(f"tcp://{host}:{port}", rank, world_size,
+                                              timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     params = inspect.signature(c10d._new_process_group_helper).parameters
@@ -734,26 +806,85 @@ def init_weight_group(host: str, port: int, world_size: int, group_name: str, ra
     return pg
 
 
-def make_sglang_engine(cfg, device: torch.device):
-    """`--rollout-backend sglang`: remote servers when --rollout-url is given, else an in-process engine here."""
-    mode = getattr(cfg, "weight_sync", "auto")
-    bucket_mb = getattr(cfg, "weight_sync_bucket_mb", 512)
+@dataclass
+class RolloutConfig:
+    """The rollout flags. The trainer's Config inherits them, so they are --flags like every other
+    option."""
+
+    # rollout
+    rollout_backend: Literal["hf", "sglang"] = "hf"
+    """hf: plain transformers on this rank's device; sglang: an SGLang engine in-process on this
+    GPU, or the servers of --rollout-url."""
+    rollout_url: list[str] = field(default_factory=list)
+    """SGLang server URLs (prompts are spread over them); none with --rollout-backend sglang means
+    an in-process engine on this GPU."""
+    sglang_mem_fraction: float = 0.5
+    """In-process SGLang: the share of GPU memory for its weights and KV cache
+    (mem_fraction_static)."""
+    rollout_timeout: float = 600.0
+    """Seconds one HTTP request to a rollout server may take before it is retried."""
+    rollout_retries: int = 3
+    """Retries, with exponential backoff, of timeouts, connection errors and 5xx answers before
+    failing."""
+    rollout_abort_retries: int = 3
+    """Resubmissions of prompt + tokens so far when a server aborts a request; then the sample is
+    dropped."""
+    rollout_health_timeout: float = 600.0
+    """Seconds to wait at start for every server's /health_generate."""
+    weight_sync: Literal["auto", "tensor", "disk", "nccl"] = "auto"
+    """How new weights reach the engine: tensor (CUDA IPC, in-process), disk (safetensors the
+    servers load) or nccl (broadcast to servers on other GPUs); auto: tensor in-process, disk for
+    --rollout-url."""
+    weight_sync_bucket_mb: int = 512
+    """Size in MiB of the buckets in which tensor and nccl weight syncs push the weights."""
+    weight_sync_addr: str = ""
+    """nccl weight sync: host:port that trainer rank 0 listens on for the weight group (empty: this
+    host, a free port)."""
+
+
+def check_rollout_config(c: RolloutConfig, cuda: bool) -> None:
+    """Every rollout flag's range and the GPU-only settings, before anything loads; raises
+    UserError."""
+    if c.rollout_backend == "hf" and c.rollout_url:
+        raise UserError("config error: --rollout-url needs --rollout-backend sglang")
+    if c.rollout_url and c.weight_sync == "tensor":
+        raise UserError("config error: --weight-sync tensor needs an in-process engine (drop "
+                        "--rollout-url)")
+    if c.rollout_backend == "sglang" and not c.rollout_url:
+        if c.weight_sync not in ("auto", "tensor"):
+            raise UserError("config error: the in-process SGLang engine syncs weights by tensor, "
+                            "not "
+                            f"{c.weight_sync!r} (use --rollout-url for disk/nccl)")
+        if not cuda:
+            raise UserError("config error: --rollout-backend sglang without --rollout-url runs "
+                            "SGLang "
+                            "in-process and needs a GPU; none is available (pass --rollout-url, or "
+                            "--rollout-backend hf)")
+    if min(c.rollout_timeout, c.rollout_health_timeout) <= 0 or min(c.rollout_retries,
+                                                                      c.rollout_abort_retries) < 0:
+        raise UserError("config error: --rollout-timeout and --rollout-health-timeout must be > 0, "
+                        "--rollout-retries and --rollout-abort-retries >= 0")
+    if not 0 < c.sglang_mem_fraction < 1 or c.weight_sync_bucket_mb < 1:
+        raise UserError("config error: --sglang-mem-fraction must be in (0, 1) and "
+                        "--weight-sync-bucket-mb >= 1")
+
+
+def make_engine(cfg, device: torch.device):
+    """The engine --rollout-backend names: HF on this rank's device, SGLang servers (--rollout-url)
+    or an in-process SGLang engine on this GPU. `cfg` has the RolloutConfig fields plus model,
+    run_dir, seed."""
+    if cfg.rollout_backend == "hf":
+        return HFEngine(cfg.model, device=device,
+                        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     if cfg.rollout_url:
-        mode = "disk" if mode == "auto" else mode
-        if mode == "tensor":
-            raise SystemExit("config error: --weight-sync tensor needs an in-process engine (drop --rollout-url)")
-        sync_dtype = torch.bfloat16 if device.type == "cuda" else None
-        return RemoteSGLangEngine(cfg.rollout_url, cfg.model, cfg.run_dir, weight_sync=mode,
-                                  timeout=getattr(cfg, "rollout_timeout", 600.0),
-                                  retries=getattr(cfg, "rollout_retries", 3),
-                                  abort_retries=getattr(cfg, "rollout_abort_retries", 3),
-                                  health_timeout=getattr(cfg, "rollout_health_timeout", 600.0),
-                                  bucket_mb=bucket_mb, sync_dtype=sync_dtype,
-                                  nccl_addr=getattr(cfg, "weight_sync_addr", ""))
-    if mode not in ("auto", "tensor"):
-        raise SystemExit(f"config error: the in-process SGLang engine syncs weights by tensor, not {mode!r} "
-                         "(use --rollout-url for disk/nccl)")
-    if device.type != "cuda":
-        raise SystemExit("config error: the in-process SGLang engine needs a GPU (or pass --rollout-url)")
-    return SGLangEngine(cfg.model, gpu_id=device.index or 0, mem_fraction=getattr(cfg, "sglang_mem_fraction", 0.5),
-                        seed=cfg.seed, bucket_mb=bucket_mb, device=device)
+        sync = "disk" if cfg.weight_sync == "auto" else cfg.weight_sync
+        return RemoteSGLangEngine(cfg.rollout_url, cfg.model, cfg.run_dir, weight_sync=sync,
+                                  timeout=cfg.rollout_timeout, retries=cfg.rollout_retries,
+                                  abort_retries=cfg.rollout_abort_retries,
+                                  health_timeout=cfg.rollout_health_timeout,
+                                  bucket_mb=cfg.weight_sync_bucket_mb,
+                                  sync_dtype=torch.bfloat16 if device.type == "cuda" else None,
+                                  nccl_addr=cfg.weight_sync_addr)
+    return SGLangEngine(cfg.model, gpu_id=device.index or 0, mem_fraction=cfg.sglang_mem_fraction,
+                        seed=cfg.seed,
+                        bucket_mb=cfg.weight_sync_bucket_mb, device=device)

@@ -1,13 +1,17 @@
-"""Ablation runner: the four loss-aggregation modes x seeds on the default task, then a plot and a table.
+"""Ablation runner: the four loss-aggregation modes x seeds on the default task, then a plot and a
+table.
 
-    python bench/ablation.py                                   # 4 modes x 3 seeds, default run length
-    python bench/ablation.py --seeds 0 --out bench/results/modes_seed0   # the README's learning curve
+    python bench/ablation.py                                   # 4 modes x 3 seeds, default run
+    length
+    python bench/ablation.py --seeds 0 --out bench/results/modes_seed0   # the README's learning
+    curve
     python bench/ablation.py --plot-only --out bench/results/ablation   # re-plot existing runs
 
-Each run is the real CLI (`python nanoareal.py --loss-aggregation MODE --seed S --run-dir OUT/MODE-sS`), so the
-numbers are what a user gets. Runs go `--parallel` at a time (1 torch thread each). Writes OUT/ablation.png
-(held-out greedy accuracy vs step: mean over seeds, shaded min-max) and OUT/ablation.md (final accuracy, steps
-to +25 points over the step-0 accuracy, wall time).
+Each run is the real CLI (`python nanoareal.py --loss-aggregation MODE --seed S --run-dir
+OUT/MODE-sS`), so the numbers are what a user gets. Runs go `--parallel` at a time (1 torch
+thread each). Writes OUT/ablation.png (held-out greedy accuracy vs step: mean over seeds, shaded
+min-max) and OUT/ablation.md (final accuracy, steps to +25 points over the step-0 accuracy, wall
+time).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ def launch(out: Path, mode: str, seed: int, extra: list[str]) -> subprocess.Pope
     d = run_dir(out, mode, seed)
     d.mkdir(parents=True, exist_ok=True)
     (d / "metrics.jsonl").unlink(missing_ok=True)
-    cmd = [sys.executable, str(ROOT / "nanoareal.py"), "--loss-aggregation", mode, "--seed", str(seed),
+    cmd = [sys.executable, str(ROOT / "nanoareal.py"), "--loss-aggregation", mode, "--seed",
+           str(seed),
            "--run-dir", str(d), "--resume", "none", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     log = open(d / "stdout.log", "w")
@@ -54,7 +59,7 @@ def run_all(out: Path, modes: list[str], seeds: list[int], parallel: int, extra:
             if p.poll() is not None:
                 running.remove(p)
                 walls[p.key] = time.time() - p.started
-                status = "ok" if p.returncode == 0 else f"FAILED (exit {p.returncode}, see stdout.log)"
+                status = "ok" if p.returncode == 0 else f"FAILED (exit {p.returncode}, see log)"
                 print(f"{p.key[0]:12s} seed {p.key[1]}: {walls[p.key]:6.1f} s {status}", flush=True)
     path = out / "walls.json"  # merged, so seeds can be (re)run separately
     known = json.loads(path.read_text()) if path.exists() else {}
@@ -70,7 +75,8 @@ def eval_curve(path: Path) -> tuple[list[int], list[float]]:
 
 def summarize(out: Path, modes: list[str], seeds: list[int]) -> str:
     walls = json.loads((out / "walls.json").read_text()) if (out / "walls.json").exists() else {}
-    lines = ["| mode | final held-out acc (mean ± std) | gain over step 0 | steps to +25 points | wall time (s) |",
+    lines = ["| mode | final held-out acc (mean ± std) | gain over step 0 | steps to +25 points | "
+             "wall time (s) |",
              "|---|---|---|---|---|"]
     for mode in modes:
         finals, gains, reach, wall = [], [], [], []
@@ -83,7 +89,8 @@ def summarize(out: Path, modes: list[str], seeds: list[int]) -> str:
             wall.append(walls.get(f"{mode}-s{seed}", float("nan")))
         mean = sum(finals) / len(finals)
         std = (sum((f - mean) ** 2 for f in finals) / max(len(finals) - 1, 1)) ** 0.5
-        lines.append(f"| `{mode}` | {mean:.3f} ± {std:.3f} | {sum(gains) / len(gains):+.3f} | {', '.join(reach)} | "
+        lines.append(f"| `{mode}` | {mean:.3f} ± {std:.3f} | {sum(gains) / len(gains):+.3f} | "
+                     f"{', '.join(reach)} | "
                      f"{', '.join(f'{w:.0f}' for w in wall)} |")
     return "\n".join(lines)
 
@@ -119,7 +126,8 @@ def plot(out: Path, modes: list[str], seeds: list[int]) -> Path:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "ablation")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])

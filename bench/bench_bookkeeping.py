@@ -1,16 +1,20 @@
 """LossReduction bookkeeping as a share of the training step (target: <= 2%).
 
-    python bench/bench_bookkeeping.py                 # default task: 64 prompts x 8 samples, one rollout batch
+    python bench/bench_bookkeeping.py                 # default task: 64 prompts x 8 samples, one
+    rollout batch
     python bench/bench_bookkeeping.py --steps 2 --warmup 1 --prompts-per-step 8
 
-One rollout batch from nanoareal's engine is trained on `warmup + steps` times with `train_on_samples` (packing,
-forward, backward, clip, AdamW). Process CPU time (robust to other processes on a shared machine) is attributed to:
-- response_weights: the per-response mode weights computed once per mini-batch in `pack_microbatches`;
+One rollout batch from nanoareal's engine is trained on `warmup + steps` times with
+`train_on_samples` (packing, forward, backward, clip, AdamW). Process CPU time (robust to other
+processes on a shared machine) is attributed to:
+- response_weights: the per-response mode weights computed once per mini-batch in
+  `pack_microbatches`;
 - begin_step: every micro-batch's normalizers, validation, and the one all_reduce of Z;
-- per-micro-batch overhead in `reduction(mb)`: everything outside the terms' `loss_fn` (validation, the normalizer
-  recomputation, `.item()` of the numerator, 1/Z scaling) plus `record_stat` calls made inside the loss functions;
-- reported(): the one all_reduce of numerators and stats.
-The surrogate itself (ratio, clip, masked weighted sum) is the loss, not bookkeeping; it is shown for context.
+- per-micro-batch overhead in `reduction(mb)`: everything outside the terms' `loss_fn`
+  (validation, the normalizer recomputation, `.item()` of the numerator, 1/Z scaling) plus
+  `record_stat` calls made inside the loss functions;
+- reported(): the one all_reduce of numerators and stats. The surrogate itself (ratio, clip,
+  masked weighted sum) is the loss, not bookkeeping; it is shown for context.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from common import L, N, NanoRun, fix_threads, fmt_spread, make_config, summariz
 
 
 class Clock:
-    """Accumulates process CPU time of wrapped calls; nested wrapped calls are subtracted from their callers."""
+    """Accumulates process CPU time of wrapped calls; nested wrapped calls are subtracted from their
+    callers."""
 
     def __init__(self):
         self.total: dict[str, float] = {}
@@ -47,7 +52,8 @@ class Clock:
 
 
 def instrument(reduction: L.LossReduction, clock: Clock):
-    """Wrap the LossReduction of this run (instance attributes) and L.response_weights (module attribute)."""
+    """Wrap the LossReduction of this run (instance attributes) and L.response_weights (module
+    attribute)."""
     reduction.begin_step = clock.wrap("begin_step", reduction.begin_step)
     reduction.reported = clock.wrap("reported", reduction.reported)
     call = clock.wrap("call_overhead", type(reduction).__call__.__get__(reduction))
@@ -59,7 +65,8 @@ def instrument(reduction: L.LossReduction, clock: Clock):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--prompts-per-step", type=int, default=64)
@@ -67,13 +74,16 @@ def main():
     p.add_argument("--loss-aggregation", default="token_mean")
     args = p.parse_args()
     fix_threads(1)
-    nano = NanoRun(make_config(prompts_per_step=args.prompts_per_step, group_size=args.group_size, device="cpu",
-                               loss_aggregation=args.loss_aggregation, warmup_steps=0, eval_every=0))
-    samples = nano.rollout(0)
+    nano = NanoRun(make_config(prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+                               device="cpu", loss_aggregation=args.loss_aggregation,
+                               warmup_steps=0, eval_every=0))
+    samples, _ = nano.rollout(0)
     clock = Clock()
     call = instrument(nano.reduction, clock)
-    # reduction(batch) in train_minibatch calls the instance: route it through the timed bound __call__
-    nano.reduction.__class__ = type("TimedReduction", (type(nano.reduction),), {"__call__": lambda self, mb: call(mb)})
+    # reduction(batch) in train_minibatch calls the instance: route it through the timed bound
+    # __call__
+    nano.reduction.__class__ = type("TimedReduction", (type(nano.reduction),),
+                                    {"__call__": lambda self, mb: call(mb)})
 
     rows = []
     for i in range(args.warmup + args.steps):
@@ -85,17 +95,20 @@ def main():
             rows.append((step, dict(clock.total)))
     keys = ["response_weights", "begin_step", "call_overhead", "record_stat", "reported"]
     book = [sum(r[1].get(k, 0.0) for k in keys) / r[0] for r in rows]
-    n_mbs = len(N.pack_microbatches(samples, nano.cfg, nano.pad_id))
+    n_mbs = len(N.pack_microbatches(samples, nano.cfg))
 
-    print(f"\n## LossReduction bookkeeping, {args.loss_aggregation}, {len(samples)} samples in {n_mbs} micro-batch(es) "
-          f"of <= {nano.cfg.micro_batch_tokens} tokens, CPU time, median (min-max) of {args.steps} steps\n")
+    print(f"\n## LossReduction bookkeeping, {args.loss_aggregation}, {len(samples)} samples in "
+          f"{n_mbs} micro-batch(es) of <= {nano.cfg.micro_batch_tokens} tokens, CPU time, "
+          f"median (min-max) of {args.steps} steps\n")
     print("| part | ms per step | share of the training step |")
     print("|---|---|---|")
-    print(f"| training step (train_on_samples) | {fmt_spread([r[0] for r in rows], 1e3, 1)} | 100% |")
+    print(f"| training step (train_on_samples) | {fmt_spread([r[0] for r in rows], 1e3, 1)} | 100% "
+          "|")
     for k in keys:
         print(f"| {k} | {fmt_spread([r[1].get(k, 0.0) for r in rows], 1e3, 2)} | "
               f"{fmt_spread([r[1].get(k, 0.0) / r[0] for r in rows], 100, 2)}% |")
-    print(f"| **bookkeeping total** | {fmt_spread([b * r[0] for b, r in zip(book, rows)], 1e3, 2)} | "
+    print(f"| **bookkeeping total** | {fmt_spread([b * r[0] for b, r in zip(book, rows)], 1e3, 2)} "
+          "| "
           f"**{fmt_spread(book, 100, 2)}%** |")
     print(f"| (the surrogate loss_fn itself, not bookkeeping) | "
           f"{fmt_spread([r[1].get('loss_fn', 0.0) for r in rows], 1e3, 2)} | "

@@ -1,26 +1,32 @@
-"""nanoareal vs TRL GRPOTrainer: end-to-end GRPO step time, tokens/s, training-only time, padding fraction.
+"""nanoareal vs TRL GRPOTrainer: end-to-end GRPO step time, tokens/s, training-only time, padding
+fraction.
 
-    python bench/bench_vs_trl.py                      # default CPU task: 64 prompts x 8 samples, 8 new tokens
+    python bench/bench_vs_trl.py                      # default CPU task: 64 prompts x 8 samples, 8
+    new tokens
     python bench/bench_vs_trl.py --steps 2 --warmup 1 --prompts-per-step 8   # smoke run
 
-Same model (assets/tiny-arith), same prompts per step (nanoareal's `prompts_for_step`, fed to TRL in that order with
-shuffling off), same group size / max new tokens / temperature 1 / top-p 1, equivalent loss (nanoareal `token_mean`
-PPO-clip = TRL `loss_type="dapo"`, eps 0.2, beta 0: no reference model), scale by group std, one optimizer step
-(AdamW, clip 1.0, constant lr) per generation batch, fp32, CPU, one thread. The two run alternately in one process:
-a TRL callback runs one nanoareal step after each TRL optimizer step, and each side's clock excludes the other.
+Same model (assets/tiny-arith), same prompts per step (nanoareal's `prompts_for_step`, fed to TRL
+in that order with shuffling off), same group size / max new tokens / temperature 1 / top-p 1,
+equivalent loss (nanoareal `token_mean` PPO-clip = TRL `loss_type="dapo"`, eps 0.2, beta 0: no
+reference model), scale by group std, one optimizer step (AdamW, clip 1.0, constant lr) per
+generation batch, fp32, CPU, one thread. The two run alternately in one process: a TRL callback
+runs one nanoareal step after each TRL optimizer step, and each side's clock excludes the other.
 
 What is timed:
-- e2e step: nanoareal = `NanoRun.step` (rollout on the HF engine, reward, advantages, train_on_samples, weight copy
-  to the engine, metrics); TRL = the interval between consecutive `on_step_end` callbacks minus nothing else
-  (data loading, `model.generate`, reward, advantages, padding, forward/backward of every micro-batch, clip, AdamW,
-  scheduler, TRL's own logging).
-- train only, identical rollouts: one rollout batch from nanoareal's engine, given to both. nanoareal =
-  `train_on_samples` (packing, LossReduction, forward/backward, clip, AdamW); TRL = its real `training_step`
-  (forward with entropy, dapo loss, backward) on each buffered micro-batch + `_clip_grad_norm` + optimizer +
-  scheduler + zero_grad. TRL's padding/tensor building happens before (not timed), nanoareal's packing is timed.
-- tokens/s = (generated tokens + real prompt+completion tokens trained) / step time, the same definition for both.
-- padding = share of the positions the decoder computes in training forwards that are padding (pad tokens of
-  TRL's left-padded prompts and right-padded completions; nanoareal packs sequences back to back).
+- e2e step: nanoareal = `NanoRun.step` (rollout on the HF engine, reward, advantages,
+  train_on_samples, weight copy to the engine, metrics); TRL = the interval between consecutive
+  `on_step_end` callbacks minus nothing else (data loading, `model.generate`, reward, advantages,
+  padding, forward/backward of every micro-batch, clip, AdamW, scheduler, TRL's own logging).
+- train only, identical rollouts: one rollout batch from nanoareal's engine, given to both.
+  nanoareal = `train_on_samples` (packing, LossReduction, forward/backward, clip, AdamW); TRL =
+  its real `training_step` (forward with entropy, dapo loss, backward) on each buffered
+  micro-batch + `_clip_grad_norm` + optimizer + scheduler + zero_grad. TRL's padding/tensor
+  building happens before (not timed), nanoareal's packing is timed.
+- tokens/s = (generated tokens + real prompt+completion tokens trained) / step time, the same
+  definition for both.
+- padding = share of the positions the decoder computes in training forwards that are padding
+  (pad tokens of TRL's left-padded prompts and right-padded completions; nanoareal packs
+  sequences back to back).
 """
 
 from __future__ import annotations
@@ -30,7 +36,15 @@ import tempfile
 import time
 
 import torch
-from common import N, NanoRun, PositionCounter, fix_threads, fmt_spread, make_config, summarize  # noqa: I001
+from common import (  # noqa: I001
+    NanoRun,
+    PositionCounter,
+    fix_threads,
+    fmt_spread,
+    make_config,
+    summarize,
+    tasks,
+)
 from transformers import TrainerCallback
 
 
@@ -44,24 +58,27 @@ def build_trl(args, nano: NanoRun, total_steps: int):
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
     def exact_match(completions, answer, **kw):
-        return [N.reward_exact_match(c, a) for c, a in zip(completions, answer)]
+        return [tasks.exact_match(c, {"answer": a}) for c, a in zip(completions, answer)]
 
     n = cfg.prompts_per_step * cfg.group_size
     if n % args.trl_micro_batch:
         raise SystemExit(f"--trl-micro-batch {args.trl_micro_batch} must divide {n}")
     accum = n // args.trl_micro_batch
     tcfg = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench_trl_"), report_to="none", save_strategy="no", disable_tqdm=True,
-        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, dataloader_num_workers=0,
-        per_device_train_batch_size=args.trl_micro_batch, gradient_accumulation_steps=accum,
-        steps_per_generation=accum, num_generations=cfg.group_size, max_completion_length=cfg.max_new_tokens,
-        temperature=cfg.temperature, top_p=1.0, top_k=0, use_vllm=False, beta=0.0, loss_type="dapo",
-        epsilon=cfg.eps_low, epsilon_high=cfg.eps_high, scale_rewards="group", num_iterations=1,
-        learning_rate=cfg.lr, adam_beta1=cfg.beta1, adam_beta2=cfg.beta2, weight_decay=cfg.weight_decay,
-        max_grad_norm=cfg.grad_clip, lr_scheduler_type="constant", warmup_steps=0, max_steps=total_steps,
-        shuffle_dataset=False, seed=cfg.seed, logging_steps=10, log_completions=False,
+        output_dir=tempfile.mkdtemp(prefix="bench_trl_"), report_to="none", save_strategy="no",
+        disable_tqdm=True, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        dataloader_num_workers=0, per_device_train_batch_size=args.trl_micro_batch,
+        gradient_accumulation_steps=accum, steps_per_generation=accum,
+        num_generations=cfg.group_size, max_completion_length=cfg.max_new_tokens,
+        temperature=cfg.temperature, top_p=1.0, top_k=0, use_vllm=False, beta=0.0,
+        loss_type="dapo", epsilon=cfg.eps_low, epsilon_high=cfg.eps_high, scale_rewards="group",
+        num_iterations=1, learning_rate=cfg.lr, adam_beta1=cfg.beta1, adam_beta2=cfg.beta2,
+        weight_decay=cfg.weight_decay, max_grad_norm=cfg.grad_clip, lr_scheduler_type="constant",
+        warmup_steps=0, max_steps=total_steps, shuffle_dataset=False, seed=cfg.seed,
+        logging_steps=10, log_completions=False,
     )
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32,
+                                                 attn_implementation="sdpa")
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=tcfg, train_dataset=dataset,
                           processing_class=nano.tokenizer)
     return trainer
@@ -81,11 +98,12 @@ class Alternate(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kw):
         t, cpu = time.perf_counter() - self.mark, time.process_time() - self.cpu_mark
-        prompt_tokens = sum(len(self.nano.encoded[g]) for g in self.nano.prompts(state.global_step - 1)) \
-            * self.nano.cfg.group_size
+        prompts = self.nano.prompts(state.global_step - 1)
+        prompt_tokens = sum(len(self.nano.encoded[g]) for g in prompts) * self.nano.cfg.group_size
         gen = sum(self.gen_lens)
         self.trl.append({"time": t, "cpu": cpu, "generated": gen, "real": gen + prompt_tokens,
-                         "computed": self.trl_counter.computed, "masked_real": self.trl_counter.masked_real})
+                         "computed": self.trl_counter.computed,
+                         "masked_real": self.trl_counter.masked_real})
         self.trl_counter.reset()
         self.gen_lens = []
         fix_threads(1)
@@ -115,16 +133,18 @@ def train_only(args, nano: NanoRun, trainer, step: int) -> tuple[list[float], li
     """Both trainers on one identical rollout batch, alternately, `warmup + steps` times each."""
     from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-    samples = nano.rollout(step)
+    samples, _ = nano.rollout(step)
     prompts = {g: nano.encoded[g] for g in {s.group for s in samples}}
     by_order = list(samples)
 
     def rollout_func(prompts_text, trainer_):
-        return {"prompt_ids": [s.prompt_ids for s in by_order], "completion_ids": [s.completion.output_ids
+        return {"prompt_ids": [s.prompt_ids for s in by_order],
+                "completion_ids": [s.completion.output_ids
                 for s in by_order], "logprobs": [s.completion.logprobs for s in by_order]}
 
     assert all(p == prompts[s.group] for s, p in zip(samples, [s.prompt_ids for s in samples]))
-    batch = [{"prompt": nano.train_items[s.group]["prompt"], "answer": nano.train_items[s.group]["answer"]}
+    batch = [{"prompt": nano.train_items[s.group]["prompt"],
+              "answer": nano.train_items[s.group]["answer"]}
              for s in samples]
     trainer.rollout_func = rollout_func
     trainer.model.train()
@@ -133,7 +153,8 @@ def train_only(args, nano: NanoRun, trainer, step: int) -> tuple[list[float], li
     micro = split_tensor_dict(shuffle_sequence_dict(inputs), trainer.args.steps_per_generation)
     model = trainer.model_wrapped
     prepare = trainer._prepare_inputs
-    trainer._prepare_inputs = lambda x: x  # the batch is already generated: training_step must not regenerate
+    # the batch is already generated: training_step must not regenerate
+    trainer._prepare_inputs = lambda x: x
 
     def trl_train():
         for mb in micro:
@@ -161,20 +182,24 @@ def train_only(args, nano: NanoRun, trainer, step: int) -> tuple[list[float], li
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=7, help="measured steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--prompts-per-step", type=int, default=64)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--micro-batch-tokens", type=int, default=None, help="nanoareal budget (default: its Config)")
-    p.add_argument("--trl-micro-batch", type=int, default=64, help="TRL per_device_train_batch_size (sequences)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="nanoareal budget (default: its Config)")
+    p.add_argument("--trl-micro-batch", type=int, default=64,
+                   help="TRL per_device_train_batch_size (sequences)")
     p.add_argument("--skip-train-only", action="store_true")
     args = p.parse_args()
     fix_threads(1)
 
-    over = dict(prompts_per_step=args.prompts_per_step, group_size=args.group_size, max_new_tokens=args.max_new_tokens,
-                loss_aggregation="token_mean", policy_loss="ppo", warmup_steps=0, device="cpu", eval_every=0)
+    over = dict(prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+                max_new_tokens=args.max_new_tokens, loss_aggregation="token_mean",
+                policy_loss="ppo", warmup_steps=0, device="cpu", eval_every=0)
     if args.micro_batch_tokens:
         over["micro_batch_tokens"] = args.micro_batch_tokens
     total = args.warmup + args.steps
@@ -189,25 +214,30 @@ def main():
     trl, nan = alt.trl[args.warmup:], alt.nanos[args.warmup:]
     tput = lambda rows: [(r["generated"] + r["real"]) / r["time"] for r in rows]
     med_n, med_t = summarize([r["time"] for r in nan])[0], summarize([r["time"] for r in trl])[0]
-    pad = lambda rows, real: 1 - sum(real(r) for r in rows) / max(sum(r["computed"] for r in rows), 1)
-    # nanoareal feeds each sequence but its last token (which predicts nothing) and a group's prompt once per
-    # micro-batch, so its computed positions are at most the samples' prompt+completion tokens: beyond that is padding
+    pad = lambda rows, real: 1 - sum(real(r) for r in rows) / max(sum(r["computed"] for r in rows),
+                                                                  1)
+    # nanoareal feeds each sequence but its last token (which predicts nothing) and a group's prompt
+    # once per micro-batch, so its computed positions are at most the samples' prompt+completion
+    # tokens: beyond that is padding
     pad_n = pad(nan, lambda r: min(r["real"], r["computed"]))
     pad_t = pad(trl, lambda r: r["masked_real"])
 
     cfg = nano.cfg
-    print(f"\n## nanoareal vs TRL {__import__('trl').__version__} GRPOTrainer: {cfg.prompts_per_step} prompts x "
-          f"{cfg.group_size} samples, <= {cfg.max_new_tokens} new tokens, CPU, {torch.get_num_threads()} thread, "
-          f"median (min-max) of {args.steps} steps after {args.warmup} warm-up\n")
+    print(f"\n## nanoareal vs TRL {__import__('trl').__version__} GRPOTrainer: "
+          f"{cfg.prompts_per_step} prompts x {cfg.group_size} samples, <= {cfg.max_new_tokens} "
+          f"new tokens, CPU, {torch.get_num_threads()} thread, median (min-max) of {args.steps} "
+          f"steps after {args.warmup} warm-up\n")
     print("| | nanoareal | TRL | nanoareal speedup |")
     print("|---|---|---|---|")
-    print(f"| e2e step time (s) | {fmt_spread([r['time'] for r in nan])} | {fmt_spread([r['time'] for r in trl])} "
+    print(f"| e2e step time (s) | {fmt_spread([r['time'] for r in nan])} | "
+          f"{fmt_spread([r['time'] for r in trl])} "
           f"| {med_t / med_n:.2f}x |")
     cn, ct = [r["cpu"] for r in nan], [r["cpu"] for r in trl]
     print(f"| e2e step CPU time (s) | {fmt_spread(cn)} | {fmt_spread(ct)} "
           f"| {summarize(ct)[0] / summarize(cn)[0]:.2f}x |")
     tn, tt = tput(nan), tput(trl)
-    print(f"| generated + trained tokens/s | {fmt_spread(tn, digits=0)} | {fmt_spread(tt, digits=0)} "
+    print(f"| generated + trained tokens/s | {fmt_spread(tn, digits=0)} | "
+          f"{fmt_spread(tt, digits=0)} "
           f"| {summarize(tn)[0] / summarize(tt)[0]:.2f}x |")
     print(f"| generated tokens / step | {summarize([r['generated'] for r in nan])[0]:.0f} | "
           f"{summarize([r['generated'] for r in trl])[0]:.0f} | |")
@@ -219,12 +249,15 @@ def main():
               f"| {summarize(t_t)[0] / summarize(n_t)[0]:.2f}x |")
         print(f"| train only, CPU time (s) | {fmt_spread(n_c)} | {fmt_spread(t_c)} "
               f"| {summarize(t_c)[0] / summarize(n_c)[0]:.2f}x |")
-    print(f"| padding share of training-forward positions | {100 * pad_n:.1f}% | {100 * pad_t:.1f}% | |")
-    print(f"| training-forward positions / step | {summarize([r['computed'] for r in nan])[0]:.0f} | "
+    print(f"| padding share of training-forward positions | {100 * pad_n:.1f}% | "
+          f"{100 * pad_t:.1f}% | |")
+    print(f"| training-forward positions / step | {summarize([r['computed'] for r in nan])[0]:.0f} "
+          "| "
           f"{summarize([r['computed'] for r in trl])[0]:.0f} | |")
-    print(f"\nnanoareal micro-batch budget {cfg.micro_batch_tokens} tokens (packed); TRL micro-batch "
-          f"{args.trl_micro_batch} sequences x {trainer.args.gradient_accumulation_steps} accumulation steps, "
-          f"gradient checkpointing off.")
+    print(f"\nnanoareal micro-batch budget {cfg.micro_batch_tokens} tokens (packed); TRL "
+          f"micro-batch {args.trl_micro_batch} sequences x "
+          f"{trainer.args.gradient_accumulation_steps} accumulation steps, gradient checkpointing "
+          "off.")
 
 
 if __name__ == "__main__":

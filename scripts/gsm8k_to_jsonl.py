@@ -2,20 +2,22 @@
 
     pip install datasets && python scripts/gsm8k_to_jsonl.py --out data/
 
-writes data/gsm8k_train.jsonl and data/gsm8k_test.jsonl with rows {"prompt": ..., "answer": "#### 72"}; the
-`gsm8k` reward compares the completion's final number (or its '#### x') with that answer. Needs the network
-once; nanoareal itself never downloads anything.
+writes data/gsm8k_train.jsonl and data/gsm8k_test.jsonl with rows {"prompt": ..., "answer": "####
+72"}; the `gsm8k` reward compares the completion's final number (or its '#### x') with that
+answer. Needs the network once; nanoareal itself never downloads anything.
 """
 
 import argparse
 import json
 from pathlib import Path
 
-INSTRUCTION = "Solve the problem step by step. Put the final answer on the last line as '#### <number>'."
+INSTRUCTION = ("Solve the problem step by step. Put the final answer on the last line as "
+               "'#### <number>'.")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="data")
     args = p.parse_args()
     from datasets import load_dataset
@@ -27,7 +29,8 @@ def main() -> None:
         with open(out / f"gsm8k_{split}.jsonl", "w") as f:
             for r in rows:
                 final = r["answer"].split("####")[-1].strip()
-                f.write(json.dumps({"prompt": f"{r['question']}\n\n{INSTRUCTION}", "answer": f"#### {final}"}) + "\n")
+                f.write(json.dumps({"prompt": f"{r['question']}\n\n{INSTRUCTION}",
+                                    "answer": f"#### {final}"}) + "\n")
         print(f"wrote {len(rows)} rows to {out / f'gsm8k_{split}.jsonl'}")
 
 

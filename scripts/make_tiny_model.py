@@ -1,15 +1,18 @@
-"""Build the shipped warm-start model for nanoareal: a ~1M-parameter Llama that adds two numbers, badly.
+"""Build the shipped warm-start model for nanoareal: a ~1M-parameter Llama that adds two numbers,
+badly.
 
     python scripts/make_tiny_model.py --out assets/tiny-arith
 
 Steps (all local, deterministic for a given --seed on a given machine):
-1. a character-level tokenizer (`tokenizers` WordLevel + per-character Split + Fuse decoder), wrapped in
-   PreTrainedTokenizerFast: no special tokens are added on encode, decode concatenates characters;
+1. a character-level tokenizer (`tokenizers` WordLevel + per-character Split + Fuse decoder),
+   wrapped in PreTrainedTokenizerFast: no special tokens are added on encode, decode concatenates
+   characters;
 2. a small LlamaForCausalLM (GQA: 4 query heads, 2 KV heads), float32, untied embeddings;
-3. supervised warm start on the TRAIN split of `make_arithmetic_task` ("12+34=" -> "46<eos>", loss on the
-   answer and <eos> only), stopped at the first held-out greedy evaluation inside [--stop-low, --stop-high]
-   so that GRPO has room to improve it;
-4. save_pretrained (safetensors) of model + tokenizer, and build_info.json with the measured accuracies.
+3. supervised warm start on the TRAIN split of `make_arithmetic_task` ("12+34=" -> "46<eos>",
+   loss on the answer and <eos> only), stopped at the first held-out greedy evaluation inside
+   [--stop-low, --stop-high] so that GRPO has room to improve it;
+4. save_pretrained (safetensors) of model + tokenizer, and build_info.json with the measured
+   accuracies.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from nanoareal import make_arithmetic_task  # noqa: E402
+from tasks import make_arithmetic_task  # noqa: E402
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
 CHARS = list("0123456789+= -*")  # the task needs "0-9+="; the rest are harmless extras
@@ -38,7 +41,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     """One token per character; specials first so <pad>=0, <eos>=1, <unk>=2."""
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + CHARS)}
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every char is a piece
+    # every char is a piece
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()  # join pieces with "" (the default would insert spaces)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=tk,
@@ -64,8 +68,9 @@ def greedy_complete(
 ) -> list[str]:
     """Greedy completions (decoded, special tokens skipped, stripped), stopping at eos.
 
-    Prompts of equal token length share a batch, so no padding, attention mask or position_ids are needed
-    and every row is computed exactly as it would be alone (up to batched-matmul rounding).
+    Prompts of equal token length share a batch, so no padding, attention mask or position_ids
+    are needed and every row is computed exactly as it would be alone (up to batched-matmul
+    rounding).
     """
     eos = tok.eos_token_id
     encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -81,7 +86,8 @@ def greedy_complete(
             new: list[torch.Tensor] = []
             for _ in range(max_new_tokens):  # no KV cache: <= 14 tokens, version-proof
                 nxt = model(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1)
-                nxt = torch.where(done, torch.full_like(nxt, eos), nxt)  # finished rows keep emitting eos
+                # finished rows keep emitting eos
+                nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
                 new.append(nxt)
                 done |= nxt == eos
                 if bool(done.all()):
@@ -124,7 +130,8 @@ def sft_batch(tok: PreTrainedTokenizerFast, items: list[dict]) -> dict[str, torc
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="assets/tiny-arith")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--task-seed", type=int, default=0, help="seed of make_arithmetic_task's split")
@@ -133,7 +140,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--max-steps", type=int, default=1000)
     ap.add_argument("--eval-every", type=int, default=5)
-    ap.add_argument("--stop-low", type=float, default=0.25, help="stop at the first eval in [low, high]")
+    ap.add_argument("--stop-low", type=float, default=0.25,
+                    help="stop at the first eval in [low, high]")
     ap.add_argument("--stop-high", type=float, default=0.45)
     args = ap.parse_args()
 
@@ -186,7 +194,8 @@ def main() -> None:
             acc = accuracy(model, tok, heldout)
             elapsed = time.perf_counter() - t0
             trajectory.append({"step": step, "loss": round(loss.item(), 4), "heldout_acc": acc})
-            print(f"step {step:4d}  loss {loss.item():.4f}  heldout {acc:.3f}  ({elapsed:.1f}s)", flush=True)
+            print(f"step {step:4d}  loss {loss.item():.4f}  heldout {acc:.3f}  ({elapsed:.1f}s)",
+                  flush=True)
             if args.stop_low <= acc <= args.stop_high:
                 stopped = True
                 break
@@ -206,7 +215,8 @@ def main() -> None:
     )
     model.save_pretrained(args.out)
     tok.save_pretrained(args.out)
-    # transformers 5 writes "TokenizersBackend", which 4.x cannot resolve; both load PreTrainedTokenizerFast
+    # transformers 5 writes "TokenizersBackend", which 4.x cannot resolve; both load
+    # PreTrainedTokenizerFast
     cfg_path = os.path.join(args.out, "tokenizer_config.json")
     with open(cfg_path) as f:
         tok_cfg = json.load(f)
@@ -232,13 +242,16 @@ def main() -> None:
     with open(os.path.join(args.out, "README.md"), "w") as f:
         f.write(
             "# tiny-arith: nanoareal's warm-start model\n\n"
-            f"Built by `{info['command']}` (torch {torch.__version__}); details in build_info.json.\n\n"
-            f"LlamaForCausalLM, {n_params:,} parameters (hidden 128, 4 layers, 4 heads / 2 KV heads), "
-            f"float32; character tokenizer, <pad>={tok.pad_token_id}, <eos>={tok.eos_token_id}, no bos.\n"
-            f"SFT on the train split of `make_arithmetic_task()` for {step} steps of batch {args.batch_size}, "
-            f"stopped inside the held-out band [{args.stop_low}, {args.stop_high}].\n\n"
-            f"Greedy exact match: held-out {acc:.3f}, train {train_acc:.3f}. Prompt `12+34=` without special "
-            "tokens; the answer ends with <eos>.\n"
+            f"Built by `{info['command']}` (torch {torch.__version__}); details in "
+            "build_info.json.\n\n"
+            f"LlamaForCausalLM, {n_params:,} parameters (hidden 128, 4 layers, 4 heads / 2 KV "
+            f"heads), float32; character tokenizer, <pad>={tok.pad_token_id}, "
+            f"<eos>={tok.eos_token_id}, no bos.\n"
+            f"SFT on the train split of `make_arithmetic_task()` for {step} steps of batch "
+            f"{args.batch_size}, stopped inside the held-out band [{args.stop_low}, "
+            f"{args.stop_high}].\n\n"
+            f"Greedy exact match: held-out {acc:.3f}, train {train_acc:.3f}. Prompt `12+34=` "
+            "without special tokens; the answer ends with <eos>.\n"
         )
 
 

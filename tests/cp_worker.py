@@ -1,10 +1,11 @@
 """torchrun worker for tests/test_context_parallel.py (also runs as plain `python`, a world of one).
 
-For every --cp size and every model directory it runs nanoareal's own code path: setup_context_parallel, load_model,
-microbatch_forward, pack_microbatches (this data-parallel rank's groups only), train_minibatch, LossReduction. Rank 0
-saves, with torch.save to --out: the logits and log-probs of one fixed packed row, and per aggregation mode (all four
-for the first model, token_mean for the others) the full gradient of every parameter (taken where the optimizer
-would step) and the reported loss terms.
+For every --cp size and every model directory it runs nanoareal's own code path:
+setup_distributed (the (dp, cp) mesh), load_model, microbatch_forward, pack_microbatches (this
+data-parallel rank's groups only), train_minibatch, LossReduction. Rank 0 saves, with torch.save
+to --out: the logits and log-probs of one fixed packed row, and per aggregation mode (all four
+for the first model, token_mean for the others) the full gradient of every parameter (taken where
+the optimizer would step) and the reported loss terms.
 """
 
 import argparse
@@ -19,17 +20,20 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(1)
 
+import attention  # noqa: E402
 import loss as L  # noqa: E402
 import nanoareal as na  # noqa: E402
 from rollout import Completion  # noqa: E402
 
 MODES = ["token_mean", "seq_mean", "prompt_mean", "constant"]
-ROW_IDS = [[3, 4, 5, 6, 7, 8, 9, 3, 4, 5, 6, 10, 11]]  # 3 packed sequences, 13 tokens (not a multiple of 2 or 4)
+# 3 packed sequences, 13 tokens (not a multiple of 2 or 4)
+ROW_IDS = [[3, 4, 5, 6, 7, 8, 9, 3, 4, 5, 6, 10, 11]]
 ROW_POS = [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 0, 1]]
 
 
 def make_samples(vocab: int) -> list:
-    """Groups of uneven sizes, prompts and responses of uneven lengths; one group of one; a zero-advantage group."""
+    """Groups of uneven sizes, prompts and responses of uneven lengths; one group of one; a
+    zero-advantage group."""
     rng = random.Random(0)
     samples = []
     for g, size in enumerate([3, 2, 3, 1, 3, 2]):
@@ -44,59 +48,67 @@ def make_samples(vocab: int) -> list:
 
 
 class GradCapture:
-    """Stands in for the optimizer inside train_minibatch: `step` records full (unsharded) gradients."""
+    """Stands in for the optimizer inside train_minibatch: `step` records full (unsharded)
+    gradients."""
 
     def __init__(self, model):
         self.model, self.grads = model, {}
 
     def step(self):  # full_tensor is a collective: every rank calls it, in the same order
-        self.grads = {n: p.grad.full_tensor().detach().clone() for n, p in self.model.named_parameters()}
+        self.grads = {n: p.grad.full_tensor().detach().clone() for n,
+                      p in self.model.named_parameters()}
 
     def zero_grad(self, set_to_none=True):
         self.model.zero_grad(set_to_none=set_to_none)
 
 
-def row_logits(model, model_dir: str, dtype):
-    """Logits [T, V] of the fixed row. Without CP: plain transformers (sdpa, which finds the packed sequences in
-    position_ids when use_cache=False), independent of nanoareal's attention. With CP: each rank runs its chunk
-    of the FSDP-sharded model, then the chunks are gathered."""
+def row_logits(model, model_dir: str, dtype, ranks):
+    """Logits [T, V] of the fixed row. Without CP: plain transformers (sdpa, which finds the packed
+    sequences in position_ids when use_cache=False), independent of nanoareal's attention. With
+    CP: each rank runs its chunk of the FSDP-sharded model, then the chunks are gathered."""
     ids, pos = torch.tensor(ROW_IDS), torch.tensor(ROW_POS)
     with torch.no_grad():
-        if na.CP_SIZE == 1:
+        if ranks.cp_size == 1:
             from transformers import AutoModelForCausalLM
 
-            plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+            plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                         attn_implementation="sdpa")
             return plain(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
-        T = ids.shape[1]
-        pad = -T % na.CP_SIZE
-        ids, pos = torch.nn.functional.pad(ids, (0, pad)), torch.cat([pos, torch.arange(pad)[None]], 1)
-        n = (T + pad) // na.CP_SIZE
-        mine = slice(na.CP_RANK * n, (na.CP_RANK + 1) * n)
+        T, n = ids.shape[1], ranks.cp_size
+        pad = -T % n
+        ids, pos = torch.nn.functional.pad(ids, (0, pad)), torch.cat([pos,
+                                                                      torch.arange(pad)[None]], 1)
+        mine = slice(ranks.cp_rank * (T + pad) // n, (ranks.cp_rank + 1) * (T + pad) // n)
+        layout = attention.attention_layout(attention.segments_from_positions(pos), T + pad,
+                                            cp_group=ranks.cp_group)
         logits = model(input_ids=ids[:, mine], position_ids=pos[:, mine], use_cache=False,
-                       ulysses=na.attention_layout(na.segments_from_positions(pos), T + pad)).logits[0]
-        parts = [torch.empty_like(logits) for _ in range(na.CP_SIZE)]
-        dist.all_gather(parts, logits.contiguous(), group=na.CP_GROUP)
+                       layout=layout).logits[0]
+        parts = [torch.empty_like(logits) for _ in range(n)]
+        dist.all_gather(parts, logits.contiguous(), group=ranks.cp_group)
         return torch.cat(parts)[:T]
 
 
-def run(cfg0, device, model_dir: str, dtype, modes: list[str]) -> dict:
-    model = na.load_model(model_dir, device, dtype, mixed_precision=False)
+def run(cfg0, device, ranks, model_dir: str, dtype, modes: list[str]) -> dict:
+    model = na.load_model(cfg0, device, ranks)
     vocab = model.config.vocab_size
     row = {"input_ids": torch.tensor(ROW_IDS), "position_ids": torch.tensor(ROW_POS),
            "targets": torch.tensor(ROW_IDS[0][1:] + [0])}
-    logprobs, entropy = na.microbatch_forward(model, row, cfg0, device, grad=False)
-    result = {"logits": row_logits(model, model_dir, dtype), "logprobs": logprobs, "entropy": entropy, "modes": {}}
+    logprobs, entropy = na.microbatch_forward(model, row, cfg0, device, ranks)
+    result = {"logits": row_logits(model, model_dir, dtype, ranks), "logprobs": logprobs,
+              "entropy": entropy,
+              "modes": {}}
     samples = make_samples(vocab)
-    groups = sorted({s.group for s in samples})[na.DP_RANK :: na.DP_SIZE]  # as main(): whole groups per DP rank
+    # as main(): whole groups per DP rank
+    groups = sorted({s.group for s in samples})[ranks.dp_rank :: ranks.dp_size]
     mine = [s for s in samples if s.group in groups]
     for mode in modes:
-        cfg = na.validate_config(replace(cfg0, loss_aggregation=mode), na.WORLD)
-        mbs = na.even_out_microbatches(na.pack_microbatches(mine, cfg, pad_id=0), pad_id=0)
-        reduction = L.build_loss(mode=mode, policy_loss=cfg.policy_loss, divisor=cfg.loss_aggregation_divisor,
-                                 eps_low=cfg.eps_low, eps_high=cfg.eps_high, entropy_coef=cfg.entropy_coef,
-                                 group=dist.group.WORLD if na.WORLD > 1 else None, cp_factor=cfg.cp_size)
+        cfg = na.validate_config(replace(cfg0, loss_aggregation=mode,
+                                         loss_aggregation_divisor=None), ranks.world)
+        mbs = na.even_out_microbatches(na.pack_microbatches(mine, cfg))
+        reduction = L.build_loss(cfg, group=dist.group.WORLD if ranks.world > 1 else None,
+                                 cp_factor=ranks.cp_size)
         capture = GradCapture(model)
-        na.train_minibatch(model, capture, reduction, mbs, cfg, device)
+        na.train_minibatch(model, capture, reduction, mbs, cfg, device, ranks)
         result["modes"][mode] = {"grads": capture.grads, "reported": reduction.reported(),
                                  "num_microbatches": len(mbs)}
     return result
@@ -105,28 +117,28 @@ def run(cfg0, device, model_dir: str, dtype, modes: list[str]) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", required=True)
-    ap.add_argument("--cp", type=int, nargs="+", default=[1])
+    ap.add_argument("--cp", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    results = {}
-    cfg0 = na.parse_config(["--micro-batch-tokens", "16", "--entropy-coef", "0.01", "--grad-clip", "1e9",
-                            "--max-new-tokens", "6", "--cp-size", str(args.cp[0])])
-    device = na.setup_distributed(cfg0)
-    for cp in args.cp:
-        cfg = na.validate_config(replace(cfg0, cp_size=cp, model=args.models[0]), na.WORLD)
-        na.setup_context_parallel(cfg, device)
-        # every aggregation mode on the first model; the others (e.g. KV-head replication) need only one
-        results[cp] = {os.path.basename(m): run(replace(cfg, model=m), device, m, dtype, MODES if i == 0 else MODES[:1])
-                       for i, m in enumerate(args.models)}
-    if na.RANK == 0:
+    cfg0 = na.parse_config(["--micro-batch-tokens", "16", "--entropy-coef", "0.01", "--grad-clip",
+                            "1e9", "--max-new-tokens", "6", "--cp-size", str(args.cp),
+                            "--dtype", args.dtype])
+    ranks, device = na.setup_distributed(cfg0)
+    cfg = na.validate_config(cfg0, ranks.world)
+    # every aggregation mode on the first model; the others (e.g. KV-head replication) need only one
+    results = {os.path.basename(m): run(replace(cfg, model=m), device, ranks, m, dtype,
+                                        MODES if i == 0 else MODES[:1])
+               for i, m in enumerate(args.models)}
+    if ranks.rank == 0:
         torch.save(results, args.out)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()  # then exit without interpreter teardown, as nanoareal.py does (a rare gloo abort there)
+    # then exit without interpreter teardown, as nanoareal.py does (a rare gloo abort there)
+    sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -1,15 +1,20 @@
-"""`python tests/fault_runner.py [nanoareal flags]`: nanoareal.main() with faults injected, for test_checkpoint.py.
+"""`python tests/fault_runner.py [nanoareal flags]`: nanoareal.main() with faults injected, for
+test_checkpoint.py.
 
-The faults come from the JSON in NANOAREAL_FAULTS, so nanoareal.py itself carries no test hooks. Steps are the
-0-based loop index (step k logs metrics line k + 1). Keys, all optional:
-  pause_in_step: k       at the rollout of step k, touch run_dir/in_step_{k}.rank{r} and sleep (the test kills us)
+The faults come from the JSON in NANOAREAL_FAULTS, so nanoareal.py itself carries no test hooks.
+Steps are the 0-based loop index (step k logs metrics line k + 1). Keys, all optional:
+  pause_in_step: k       at the rollout of step k, touch run_dir/in_step_{k}.rank{r} and sleep (the
+  test kills us)
   pause_ranks: [r, ...]  only these ranks pause in step k (default: all)
-  pause_in_save: n       rank 0, saving checkpoint step_n: after every rank's shards are written, before meta.json
+  pause_in_save: n       rank 0, saving checkpoint step_n: after every rank's shards are written,
+  before meta.json
                          and the rename, touch run_dir/in_save_{n} and sleep
   reward_raise_at: k     every reward call of step k raises
-  reward_hang_at: k      the first reward call of step k (on each rank) sleeps 30 s, past --reward-timeout
+  reward_hang_at: k      the first reward call of step k (on each rank) sleeps 30 s, past
+  --reward-timeout
   constant_reward_at: k  every reward of step k is 0 on the ranks in constant_ranks (default: all)
-  nan_from_step: k       the advantages of step k and later are NaN (non-finite loss, skipped optimizer steps)
+  nan_from_step: k       the advantages of step k and later are NaN (non-finite loss, skipped
+  optimizer steps)
 Every rank writes its pid to run_dir/pid.rank{r} at start.
 """
 
@@ -21,7 +26,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import checkpoint  # noqa: E402
 import nanoareal as N  # noqa: E402
+import tasks  # noqa: E402
 
 FAULTS = json.loads(os.environ.get("NANOAREAL_FAULTS", "{}"))
 RANK = int(os.environ.get("RANK", 0))
@@ -35,12 +42,12 @@ def touch(name: str) -> None:
     (RUN_DIR / name).write_text(str(os.getpid()))
 
 
-def rollout(engine, items, indices, step, cfg, tokenizer, encoded):
+def generate(engine, encoded, prompts, step, cfg, tokenizer):
     STEP[0] = step
     if FAULTS.get("pause_in_step") == step and RANK in FAULTS.get("pause_ranks", [RANK]):
         touch(f"in_step_{step}.rank{RANK}")
         time.sleep(600)
-    out = _rollout(engine, items, indices, step, cfg, tokenizer, encoded)
+    out = _generate(engine, encoded, prompts, step, cfg, tokenizer)
     if FAULTS.get("nan_from_step", math.inf) <= step:
         N.group_advantages = lambda rewards, *a, **k: torch_nan(len(rewards))
     return out
@@ -52,7 +59,7 @@ def torch_nan(n: int):
     return torch.full((n,), float("nan"))
 
 
-def reward(text: str, answer: str) -> float:
+def reward(text: str, row: dict) -> float:
     step = STEP[0]
     if FAULTS.get("reward_raise_at") == step:
         raise ValueError("injected reward failure")
@@ -61,7 +68,7 @@ def reward(text: str, answer: str) -> float:
         time.sleep(30)
     if FAULTS.get("constant_reward_at") == step and RANK in FAULTS.get("constant_ranks", [RANK]):
         return 0.0
-    return _reward(text, answer)
+    return _reward(text, row)
 
 
 def write_meta(tmp: Path, meta: dict) -> None:
@@ -71,12 +78,13 @@ def write_meta(tmp: Path, meta: dict) -> None:
     _write_meta(tmp, meta)
 
 
-_rollout, _reward, _write_meta = N.rollout, N.REWARDS["exact_match"], N._write_meta
-N.rollout, N.REWARDS["exact_match"], N._write_meta = rollout, reward, write_meta
+_generate, _reward, _write_meta = N.generate, tasks.REWARDS["exact_match"], checkpoint.write_meta
+N.generate, tasks.REWARDS["exact_match"], checkpoint.write_meta = generate, reward, write_meta
 touch(f"pid.rank{RANK}")
 
 if __name__ == "__main__":
-    N.main()
-    sys.stdout.flush()  # then exit without interpreter teardown, as nanoareal.py does (a rare gloo abort there)
+    code = N.run()
+    # then exit without interpreter teardown, as nanoareal.py does (a rare gloo abort there)
+    sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)

@@ -1,10 +1,12 @@
-"""torchrun worker for tests/test_loss_fsdp.py: LossReduction under FSDP2 (2 ranks, gloo) vs one process.
+"""torchrun worker for tests/test_loss_fsdp.py: LossReduction under FSDP2 (2 ranks, gloo) vs one
+process.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/fsdp_loss_worker.py OUT.pt
 
-Every case runs a full optimizer-step's backward (no optimizer) and rank 0 saves, per case, the gradients
-of all parameters (full tensors), the reported values, and a reference computed in one process on one
-micro-batch holding the whole mini-batch with `aggregate` (SPEC's formulas; no LossReduction involved).
+Every case runs a full optimizer-step's backward (no optimizer) and rank 0 saves, per case, the
+gradients of all parameters (full tensors), the reported values, and a reference computed in one
+process on one micro-batch holding the whole mini-batch with `aggregate` (the mode formulas; no
+LossReduction involved).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ torch.set_num_threads(1)
 
 VOCAB, DIVISOR, ENTROPY_COEF, KL_COEF = 32, 8.0, 0.01, 0.05
 SURROGATE_OF_MODE = {  # every mode with a different surrogate, decoupled PPO in both cap modes
-    "token_mean": dict(policy_loss="ppo", eps_high=0.28, dual_clip=1.5, behaviour_cap=1.1, behaviour_cap_mode="mask"),
+    "token_mean": dict(policy_loss="ppo", eps_high=0.28, dual_clip=1.5, behaviour_cap=1.1,
+                       behaviour_cap_mode="mask"),
     "seq_mean": dict(policy_loss="gspo", eps_low=0.02, eps_high=0.03),
     "prompt_mean": dict(policy_loss="cispo", behaviour_cap=1.1, behaviour_cap_mode="truncate"),
     "constant": dict(policy_loss="sapo"),
@@ -37,18 +40,23 @@ CASES = {
         for mode in L.MODES
         for scaling in ("divide_factor_1", "loss_times_world")
     },
-    "fsdp_token_mean_one_microbatch_per_rank": ("base", "token_mean", "one_microbatch", "divide_factor_1"),
-    "fsdp_prompt_mean_rank1_without_active_token": ("rank1_inactive", "prompt_mean", "uneven_microbatches",
+    "fsdp_token_mean_one_microbatch_per_rank": ("base", "token_mean", "one_microbatch",
+                                                "divide_factor_1"),
+    "fsdp_prompt_mean_rank1_without_active_token": ("rank1_inactive", "prompt_mean",
+                                                    "uneven_microbatches",
                                                     "divide_factor_1"),
-    **{f"cp2_full_sequence_{mode}": ("base", mode, "cp_full_sequence", "manual_sum") for mode in L.MODES},
+    **{f"cp2_full_sequence_{mode}": ("base", mode, "cp_full_sequence",
+                                     "manual_sum") for mode in L.MODES},
 }
 ZERO_CASE = "fsdp_seq_mean_zero_global_normalizer"
-TOKEN_KEYS = ("loss_mask", "denom_mask", "advantages", "prox_logprobs", "behave_logprobs", "ref_logprobs",
+TOKEN_KEYS = ("loss_mask", "denom_mask", "advantages", "prox_logprobs", "behave_logprobs",
+              "ref_logprobs",
               "loss_weight", "norm_weight", "seq_ids")
 
 
 def make_sequences(variant: str) -> tuple[list[dict], int]:
-    """The mini-batch (identical on every rank) and how many sequences rank 0 holds (the cut is mid-group)."""
+    """The mini-batch (identical on every rank) and how many sequences rank 0 holds (the cut is
+    mid-group)."""
     rng = random.Random(0)
     seqs = []
     for group, size in enumerate([3, 1, 2, 4, 2, 3]):
@@ -56,12 +64,14 @@ def make_sequences(variant: str) -> tuple[list[dict], int]:
             n = rng.randint(1, 6)
             d = [0.0] * n if rng.random() < 0.12 else [1.0] * n
             seqs.append({
-                "group": group, "prompt": [rng.randint(1, VOCAB - 1) for _ in range(rng.randint(2, 4))],
+                "group": group, "prompt": [rng.randint(1, VOCAB - 1)
+                                           for _ in range(rng.randint(2, 4))],
                 "response": [rng.randint(1, VOCAB - 1) for _ in range(n)], "d": d,
                 "m": [0.0 if (x > 0 and rng.random() < 0.15) else x for x in d],
                 "advantage": rng.gauss(0.0, 1.0),
             })
-    rank0_count = 7  # groups 0..2 (6 sequences) + the first response of group 3: group 3 spans both ranks
+    # groups 0..2 (6 sequences) + the first response of group 3: group 3 spans both ranks
+    rank0_count = 7
     if variant == "rank1_inactive":
         for s in seqs[rank0_count:]:
             s["d"], s["m"] = [0.0] * len(s["d"]), [0.0] * len(s["m"])
@@ -72,7 +82,8 @@ def make_sequences(variant: str) -> tuple[list[dict], int]:
 
 
 def add_policy_logprobs(model, seqs: list[dict]) -> None:
-    """pi_prox, pi_behave, pi_ref near the model's own logprobs (one sequence per forward, no packing)."""
+    """pi_prox, pi_behave, pi_ref near the model's own logprobs (one sequence per forward, no
+    packing)."""
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for s in seqs:
@@ -99,18 +110,21 @@ def pack(seqs: list[dict], w: torch.Tensor, nw: torch.Tensor, index: list[int]) 
         cols["loss_mask"] += before + s["m"] + after
         cols["denom_mask"] += before + s["d"] + after
         cols["advantages"] += [s["advantage"]] * len(ids)
-        for key, src in (("prox_logprobs", "prox"), ("behave_logprobs", "behave"), ("ref_logprobs", "ref")):
+        for key, src in (("prox_logprobs", "prox"), ("behave_logprobs", "behave"), ("ref_logprobs",
+                                                                                    "ref")):
             cols[key] += before + s[src].tolist() + after
         cols["loss_weight"] += [float(w[i])] * len(ids)
         cols["norm_weight"] += [float(nw[i])] * len(ids)
         cols["seq_ids"] += [-1] * (p - 1) + [local] * n + [-1]
     long_keys = ("input_ids", "position_ids", "targets", "seq_ids")
-    return {k: torch.tensor(v, dtype=torch.long if k in long_keys else torch.float32) for k, v in cols.items()}
+    return {k: torch.tensor(v, dtype=torch.long if k in long_keys else torch.float32) for k,
+            v in cols.items()}
 
 
 def empty_microbatch() -> dict:
-    mb = pack([{"prompt": [0], "response": [], "m": [], "d": [], "advantage": 0.0, "prox": torch.zeros(0),
-                "behave": torch.zeros(0), "ref": torch.zeros(0)}], torch.zeros(1), torch.zeros(1), [0])
+    mb = pack([{"prompt": [0], "response": [], "m": [], "d": [], "advantage": 0.0,
+                "prox": torch.zeros(0), "behave": torch.zeros(0), "ref": torch.zeros(0)}],
+              torch.zeros(1), torch.zeros(1), [0])
     return mb
 
 
@@ -130,7 +144,8 @@ def microbatches(seqs, w, nw, index: list[int], budget: int) -> list[dict]:
 
 
 def forward(model, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    # packed rows: position_ids restart per sequence; use_cache=False so transformers detects the packing
+    # packed rows: position_ids restart per sequence; use_cache=False so transformers detects the
+    # packing
     logits = model(input_ids=mb["input_ids"][None], position_ids=mb["position_ids"][None],
                    attention_mask=None, use_cache=False).logits[0].float()
     logp_all = torch.log_softmax(logits, -1)
@@ -150,7 +165,8 @@ def padded(mb: dict, values: torch.Tensor) -> torch.Tensor:
 
 
 def reference(model, seqs, mode: str, cfg: dict) -> tuple[dict, dict]:
-    """One process, one micro-batch, straight from SPEC: surrogate token loss -> `aggregate`."""
+    """One process, one micro-batch, straight from the mode formulas: surrogate token loss ->
+    `aggregate`."""
     model.zero_grad(set_to_none=True)
     mb = pack(seqs, torch.ones(len(seqs)), torch.ones(len(seqs)), list(range(len(seqs))))
     logp, entropy = forward(model, mb)
@@ -173,12 +189,15 @@ def reference(model, seqs, mode: str, cfg: dict) -> tuple[dict, dict]:
         token_loss = token_loss * w_beh
     groups = torch.tensor([s["group"] for s in seqs])
     d = padded(mb, mb["denom_mask"])
-    policy = L.aggregate(padded(mb, token_loss), padded(mb, m), mode=mode, group_ids=groups, denom_mask=d,
+    policy = L.aggregate(padded(mb, token_loss), padded(mb, m), mode=mode, group_ids=groups,
+                         denom_mask=d,
                          divisor=DIVISOR)
     kl_token = L.kl_penalty(logp, mb["ref_logprobs"], "k3")
-    ent = L.aggregate(padded(mb, entropy), padded(mb, mb["loss_mask"]), mode="token_mean", group_ids=groups,
+    ent = L.aggregate(padded(mb, entropy), padded(mb, mb["loss_mask"]), mode="token_mean",
+                      group_ids=groups,
                       denom_mask=d)
-    kl = L.aggregate(padded(mb, kl_token), padded(mb, mb["loss_mask"]), mode="token_mean", group_ids=groups,
+    kl = L.aggregate(padded(mb, kl_token), padded(mb, mb["loss_mask"]), mode="token_mean",
+                     group_ids=groups,
                      denom_mask=d)
     total = policy - ENTROPY_COEF * ent + KL_COEF * kl
     total.backward()
@@ -188,7 +207,8 @@ def reference(model, seqs, mode: str, cfg: dict) -> tuple[dict, dict]:
 
 
 class AllReduceCounter:
-    """Counts dist.all_reduce calls (loss.py looks it up at call time, so patching the module works)."""
+    """Counts dist.all_reduce calls (loss.py looks it up at call time, so patching the module
+    works)."""
 
     def __init__(self):
         self.count, self._orig = 0, dist.all_reduce
@@ -208,10 +228,12 @@ class AllReduceCounter:
 def run_case(models: dict, seqs, rank0_count: int, mode: str, layout: str, scaling: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = SURROGATE_OF_MODE[mode]
-    # mode weights from the WHOLE mini-batch's metadata, before any split (SPEC rule 2)
+    # mode weights from the WHOLE mini-batch's metadata, before any split (rule 2 of loss.py's
+    # contract)
     denom = torch.tensor([sum(s["d"]) for s in seqs], dtype=torch.float64)
     w, nw = L.response_weights(mode, denom, torch.tensor([s["group"] for s in seqs]), DIVISOR)
-    if layout == "cp_full_sequence":  # CP=2: every CP rank computes the loss of the gathered full sequences
+    # CP=2: every CP rank computes the loss of the gathered full sequences
+    if layout == "cp_full_sequence":
         model, mine, cp_factor = models["plain"], list(range(len(seqs))), world
     else:
         model, cp_factor = models[scaling], 1
@@ -219,16 +241,24 @@ def run_case(models: dict, seqs, rank0_count: int, mode: str, layout: str, scali
     budget = 10_000 if layout == "one_microbatch" else 14
     mbs = microbatches(seqs, w, nw, mine, budget)
     n = torch.tensor([len(mbs)])
-    dist.all_reduce(n, op=dist.ReduceOp.MAX)  # FSDP2 all-gathers per forward: equal counts on every rank
+    # FSDP2 all-gathers per forward: equal counts on every rank
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
     n_real = len(mbs)
     mbs += [empty_microbatch() for _ in range(int(n) - len(mbs))]
 
-    red = L.build_loss(mode=mode, divisor=DIVISOR, entropy_coef=ENTROPY_COEF, kl_coef=KL_COEF,
-                       group=dist.group.WORLD, cp_factor=cp_factor, **({"eps_low": 0.2, "eps_high": 0.2} | cfg))
+    flags = {"eps_low": 0.2, "eps_high": 0.2} | cfg
+    flags["sapo_tau_pos"], flags["sapo_tau_neg"] = flags.pop("tau_pos", 1.0), flags.pop("tau_neg",
+                                                                                        1.05)
+    red = L.build_loss(L.LossConfig(loss_aggregation=mode,
+                                    loss_aggregation_divisor=DIVISOR if mode == "constant"
+                                    else None, entropy_coef=ENTROPY_COEF, kl_coef=KL_COEF, **flags),
+                       group=dist.group.WORLD, cp_factor=cp_factor)
     model.zero_grad(set_to_none=True)
     normalizer_mbs = mbs
-    if layout == "cp_full_sequence":  # begin_step sees this CP rank's own token shard: each token once
-        half = lambda mb: slice(0, len(mb["loss_mask"]) // 2) if rank == 0 else slice(len(mb["loss_mask"]) // 2, None)
+    if layout == "cp_full_sequence":  # begin_step sees this CP rank's own token shard: each once
+        def half(mb):
+            mid = len(mb["loss_mask"]) // 2
+            return slice(0, mid) if rank == 0 else slice(mid, None)
         normalizer_mbs = [{k: mb[k][half(mb)] for k in TOKEN_KEYS} for mb in mbs]
     with AllReduceCounter() as begin_calls:
         red.begin_step(normalizer_mbs)
@@ -254,7 +284,8 @@ def run_case(models: dict, seqs, rank0_count: int, mode: str, layout: str, scali
 
 
 def m2po_case() -> dict:
-    """Each rank holds a different number of tokens; the mask must be the one of the concatenation."""
+    """Each rank holds a different number of tokens; the mask must be the one of the concatenation.
+    """
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(100 + rank)
     T = 211 if rank == 0 else 137
@@ -263,7 +294,8 @@ def m2po_case() -> dict:
     loss_mask = (torch.rand(T, generator=gen) > 0.2).double()
     new = L.m2po_mask(prox, behave, loss_mask, threshold=0.03, group=dist.group.WORLD)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"prox": prox, "behave": behave, "loss_mask": loss_mask, "new": new})
+    dist.all_gather_object(gathered, {"prox": prox, "behave": behave, "loss_mask": loss_mask,
+                                      "new": new})
     return {k: torch.cat([g[k] for g in gathered]) for k in gathered[0]}
 
 
@@ -275,7 +307,8 @@ def main(out_path: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=90))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=False, attn_implementation="sdpa")
     base = LlamaForCausalLM(config).float()
@@ -301,10 +334,12 @@ def main(out_path: str) -> None:
         seqs, rank0_count = data[variant]
         result = run_case(models, seqs, rank0_count, mode, layout, scaling)
         if rank == 0:
-            result["ref_grads"], result["ref_reported"] = reference(base, seqs, mode, SURROGATE_OF_MODE[mode])
+            result["ref_grads"], result["ref_reported"] = reference(base, seqs, mode,
+                                                                    SURROGATE_OF_MODE[mode])
         results["cases"][name] = result
     seqs, rank0_count = data["all_inactive"]
-    results["cases"][ZERO_CASE] = run_case(models, seqs, rank0_count, "seq_mean", "uneven_microbatches",
+    results["cases"][ZERO_CASE] = run_case(models, seqs, rank0_count, "seq_mean",
+                                           "uneven_microbatches",
                                            "divide_factor_1")
     results["m2po"] = m2po_case()
     if rank == 0:
@@ -315,6 +350,7 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    sys.stdout.flush()  # then exit without interpreter teardown, as nanoareal.py does (a rare gloo abort there)
+    # then exit without interpreter teardown, as nanoareal.py does (a rare gloo abort there)
+    sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

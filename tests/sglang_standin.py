@@ -1,23 +1,31 @@
 """A stand-in for an SGLang HTTP server, backed by a small HF model through rollout.HFEngine.
 
-Request and response JSON follow SGLang's native API (python/sglang/srt/entrypoints/http_server.py,
-managers/io_struct.py, managers/schedule_batch.py FINISH_* .to_json()):
+Request and response JSON follow SGLang's native API
+(python/sglang/srt/entrypoints/http_server.py, managers/io_struct.py, managers/schedule_batch.py
+FINISH_* .to_json()):
 
-    POST /generate {"input_ids": [..] | [[..], ..], "sampling_params": {..} | [{..}, ..], "return_logprob": true,
+    POST /generate {"input_ids": [..] | [[..], ..], "sampling_params": {..} | [{..}, ..],
+    "return_logprob": true,
                     "rid": ..}
-      -> {"text", "output_ids", "meta_info": {"id", "finish_reason": {"type": "stop", "matched": id} |
+      -> {"text", "output_ids", "meta_info": {"id", "finish_reason": {"type": "stop", "matched": id}
+      |
           {"type": "length", "length": n} | {"type": "abort", "message", "status_code", "err_type"},
-          "prompt_tokens", "completion_tokens", "cached_tokens", "output_token_logprobs": [[logprob, id, null]],
+          "prompt_tokens", "completion_tokens", "cached_tokens", "output_token_logprobs": [[logprob,
+          id, null]],
           "e2e_latency"}}     (a list of those for a batch)
     GET  /health_generate      200, or 503 while the server is starting
     POST /flush_cache          200 text
-    POST /update_weights_from_disk {"model_path"} -> {"success", "message", "num_paused_requests"} (400 on failure)
-    POST /begin_weight_update, /end_weight_update {}   only with `weight_update_session=True` (SGLang >= 0.5.21);
-                               otherwise 404 {"detail": "Not Found"}, as FastAPI answers for an unknown route
+    POST /update_weights_from_disk {"model_path"} -> {"success", "message", "num_paused_requests"}
+    (400 on failure)
+    POST /begin_weight_update, /end_weight_update {}   only with `weight_update_session=True`
+    (SGLang >= 0.5.21);
+                               otherwise 404 {"detail": "Not Found"}, as FastAPI answers for an
+                               unknown route
     GET  /get_server_info      {"tp_size": 1, "version": ...}
 
-Faults to inject (each counts down per /generate request): `abort_after` = (n_requests, k_tokens),
-`fail_5xx` = n_requests, `slow` = (n_requests, seconds). `start_delay` keeps /health_generate at 503.
+Faults to inject (each counts down per /generate request): `abort_after` = (n_requests,
+k_tokens), `fail_5xx` = n_requests, `slow` = (n_requests, seconds). `start_delay` keeps
+/health_generate at 503.
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ from rollout import HFEngine, SamplingParams
 
 
 class _Server(ThreadingHTTPServer):
-    def handle_error(self, request, client_address):  # a client that timed out and hung up is not an error here
+    # a client that timed out and hung up is not an error here
+    def handle_error(self, request, client_address):
         import sys
 
         if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
@@ -42,7 +51,8 @@ class _Server(ThreadingHTTPServer):
 
 
 class StandinSGLangServer:
-    def __init__(self, model_path: str, weight_update_session: bool = True, start_delay: float = 0.0,
+    def __init__(self, model_path: str, weight_update_session: bool = True,
+                 start_delay: float = 0.0,
                  version: str = "0.5.21-standin"):
         self.engine = HFEngine(model_path)
         self.model_path = model_path
@@ -93,12 +103,15 @@ class StandinSGLangServer:
 
     def _generate_one(self, input_ids: list[int], sp: dict, rid: str, abort_k: int | None) -> dict:
         t0 = time.monotonic()
-        known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed",
+        known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
+                 "sampling_seed",
                  "skip_special_tokens", "no_stop_trim", "ignore_eos", "min_new_tokens"}
         unknown = set(sp) - known
         if unknown:
-            raise ValueError(f"SamplingParams.__init__() got an unexpected keyword argument {sorted(unknown)[0]!r}")
-        sampling = SamplingParams(int(sp.get("max_new_tokens", 128)), float(sp.get("temperature", 1.0)),
+            raise ValueError("SamplingParams.__init__() got an unexpected keyword argument "
+                             f"{sorted(unknown)[0]!r}")
+        sampling = SamplingParams(int(sp.get("max_new_tokens", 128)), float(sp.get("temperature",
+                                                                                   1.0)),
                                   float(sp.get("top_p", 1.0)), int(sp.get("top_k", -1)),
                                   list(sp.get("stop_token_ids") or []))
         seed = int(sp.get("sampling_seed", 0))
@@ -111,7 +124,8 @@ class StandinSGLangServer:
             finish = {"type": "length", "length": len(ids)}
         if abort_k is not None and abort_k < len(ids):
             ids, lps = ids[:abort_k], lps[:abort_k]
-            finish = {"type": "abort", "message": "Abort in waiting queue", "status_code": None, "err_type": None}
+            finish = {"type": "abort", "message": "Abort in waiting queue", "status_code": None,
+                      "err_type": None}
         text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
         return {"text": text, "output_ids": ids,
                 "meta_info": {"id": rid, "finish_reason": finish, "prompt_tokens": len(input_ids),
@@ -145,7 +159,8 @@ class StandinSGLangServer:
             def _send(self, code: int, body) -> None:
                 data = (json.dumps(body) if not isinstance(body, str) else body).encode()
                 self.send_response(code)
-                self.send_header("Content-Type", "application/json" if not isinstance(body, str) else "text/plain")
+                kind = "application/json" if not isinstance(body, str) else "text/plain"
+                self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -170,11 +185,15 @@ class StandinSGLangServer:
                     return self._send(200, "Cache flushed.\n")
                 if self.path == "/update_weights_from_disk":
                     ok, msg = server._load_from_disk(body["model_path"])
-                    return self._send(200 if ok else 400, {"success": ok, "message": msg, "num_paused_requests": 0})
-                if self.path in ("/begin_weight_update", "/end_weight_update") and server.weight_update_session:
+                    return self._send(200 if ok else 400, {"success": ok, "message": msg,
+                                                           "num_paused_requests": 0})
+                if self.path in ("/begin_weight_update",
+                                 "/end_weight_update") and server.weight_update_session:
                     begin = self.path == "/begin_weight_update"
                     if begin == server.in_session:
-                        return self._send(400, {"error": f"{self.path}: session state is {server.in_session}"})
+                        return self._send(400,
+                                          {"error": f"{self.path}: session state is "
+                                           f"{server.in_session}"})
                     server.in_session = begin
                     return self._send(200, {"success": True, "message": ""})
                 self._send(404, {"detail": "Not Found"})
@@ -187,18 +206,23 @@ class StandinSGLangServer:
                 if fault == "slow":
                     time.sleep(arg)
                 sp = body.get("sampling_params") or {}
-                if server.reject_sampling_seed and "sampling_seed" in (sp if isinstance(sp, dict) else sp[0]):
-                    return self._send(400, {"error": "SamplingParams.__init__() got an unexpected keyword argument "
+                first = sp if isinstance(sp, dict) else sp[0]
+                if server.reject_sampling_seed and "sampling_seed" in first:
+                    return self._send(400,
+                                      {"error": "SamplingParams.__init__() got an unexpected "
+                                       "keyword argument "
                                                      "'sampling_seed'"})
                 ids = body["input_ids"]
                 batch = bool(ids) and isinstance(ids[0], list)
                 rows = ids if batch else [ids]
                 sps = sp if isinstance(sp, list) else [sp] * len(rows)
                 rid = body.get("rid")
-                rids = rid if isinstance(rid, list) else [f"{rid}-{i}" if batch else rid for i in range(len(rows))]
+                rids = rid if isinstance(rid, list) else [f"{rid}-{i}" if batch else rid
+                                                          for i in range(len(rows))]
                 abort_k = int(arg) if fault == "abort" else None
                 try:
-                    outs = [server._generate_one(r, s, i, abort_k) for r, s, i in zip(rows, sps, rids)]
+                    outs = [server._generate_one(r, s, i, abort_k) for r, s, i in zip(rows, sps,
+                                                                                      rids)]
                 except ValueError as e:
                     return self._send(400, {"error": {"message": str(e)}})
                 self._send(200, outs if batch else outs[0])

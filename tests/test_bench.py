@@ -1,4 +1,5 @@
-"""The bench scripts run end to end in a tiny configuration and print their tables. Nothing here asserts a speed."""
+"""The bench scripts run end to end in a tiny configuration and print their tables. Nothing here
+asserts a speed."""
 
 import subprocess
 import sys
@@ -10,35 +11,42 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_bench(script: str, *flags: str) -> str:
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / script), *flags], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
-                                                      "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+    env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PATH": "/usr/bin:/bin",
+           "HOME": str(Path.home())}
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / script), *flags], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
 
 def test_bench_bookkeeping_prints_its_table():
-    out = run_bench("bench_bookkeeping.py", "--steps", "1", "--warmup", "0", "--prompts-per-step", "4",
+    out = run_bench("bench_bookkeeping.py", "--steps", "1", "--warmup", "0", "--prompts-per-step",
+                    "4",
                     "--group-size", "4")
     assert "| **bookkeeping total** |" in out and "target <= 2%" in out
 
 
 def test_bench_flops_prints_its_table_on_cpu():
-    out = run_bench("bench_flops.py", "--steps", "1", "--warmup", "0", "--seqs", "16", "--peak-n", "256")
+    out = run_bench("bench_flops.py", "--steps", "1", "--warmup", "0", "--seqs", "16", "--peak-n",
+                    "256")
     assert "| achieved |" in out and "| share of peak (MFU) |" in out
 
 
 def test_bench_flops_runs_the_gpu_model_config_on_cpu():
-    """The GPU default (random-init Qwen2.5-0.5B config: 152k vocabulary, GQA 14/2 heads, tied lm_head) through the
-    same script, cut to one layer so it fits a CPU test; groups of 8 share their 16-token prompt."""
-    out = run_bench("bench_flops.py", "--model", "qwen2.5-0.5b", "--num-layers", "1", "--seqs", "8", "--prompt-len",
-                    "16", "--completion-len", "8", "--steps", "1", "--warmup", "0", "--peak-n", "256")
-    assert "Qwen2.5-0.5B config" in out and "8 seqs x 24 tokens, groups of 8: 79 positions fed" in out, out
+    """The GPU default (random-init Qwen2.5-0.5B config: 152k vocabulary, GQA 14/2 heads, tied
+    lm_head) through the same script, cut to one layer so it fits a CPU test; groups of 8 share
+    their 16-token prompt."""
+    out = run_bench("bench_flops.py", "--model", "qwen2.5-0.5b", "--num-layers", "1", "--seqs",
+                    "8", "--prompt-len", "16", "--completion-len", "8", "--steps", "1", "--warmup",
+                    "0", "--peak-n", "256")
+    assert "Qwen2.5-0.5B config" in out, out
+    assert "8 seqs x 24 tokens, groups of 8: 79 positions fed" in out, out
 
 
 def test_bench_vs_trl_prints_its_table():
     pytest.importorskip("trl")
-    out = run_bench("bench_vs_trl.py", "--steps", "1", "--warmup", "0", "--prompts-per-step", "4", "--group-size",
+    out = run_bench("bench_vs_trl.py", "--steps", "1", "--warmup", "0", "--prompts-per-step", "4",
+                    "--group-size",
                     "4", "--max-new-tokens", "4", "--trl-micro-batch", "8")
     for row in ("| e2e step time (s) |", "| train only, identical rollouts (s) |",
                 "| padding share of training-forward positions | 0.0% |"):

@@ -1,7 +1,7 @@
-"""Checkpoints, resume and failure handling (issue 6): a run killed at any moment and resumed equals the run that
-was never killed; bad steps, bad rewards, empty batches and dead ranks end or continue cleanly; impossible options
-fail before any work starts. The end-to-end tests run the real CLI (through tests/fault_runner.py, which injects the
-faults) and kill it with SIGKILL."""
+"""Checkpoints, resume and failure handling (issue 6): a run killed at any moment and resumed equals
+the run that was never killed; bad steps, bad rewards, empty batches and dead ranks end or
+continue cleanly; impossible options fail before any work starts. The end-to-end tests run the
+real CLI (through tests/fault_runner.py, which injects the faults) and kill it with SIGKILL."""
 
 import json
 import os
@@ -16,21 +16,28 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
 import nanoareal as N
+import tasks
+from logs import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 # 4 steps of 8 prompts x 4 samples, a checkpoint every 2 steps, eval at steps 0, 2 and 4
-FAST = ["--prompts-per-step", "8", "--group-size", "4", "--eval-size", "32", "--eval-every", "2", "--steps", "4",
+FAST = ["--prompts-per-step", "8", "--group-size", "4", "--eval-size", "32", "--eval-every", "2",
+        "--steps", "4",
         "--ckpt-every", "2"]
 NOISE = ("time/", "tokens_per_s")  # wall-clock metrics legitimately differ between runs
 
 
 # -----------------------------------------------------------------------------
-# helpers: start the CLI in its own session, wait for a fault's marker file, SIGKILL the whole process tree
+# helpers: start the CLI in its own session, wait for a fault's marker file, SIGKILL the whole
+# process tree
 
 
-def start(args: list[str], run_dir: Path, nproc: int = 1, faults: dict | None = None) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", NANOAREAL_FAULTS=json.dumps(faults or {}))
+def start(args: list[str], run_dir: Path, nproc: int = 1,
+          faults: dict | None = None) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               NANOAREAL_FAULTS=json.dumps(faults or {}))
     script = [str(ROOT / "tests" / "fault_runner.py"), *args, "--run-dir", str(run_dir)]
     if nproc == 1:
         cmd = [sys.executable, *script]
@@ -38,10 +45,12 @@ def start(args: list[str], run_dir: Path, nproc: int = 1, faults: dict | None = 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={port}",
                *script]
     log = open(f"{run_dir}.log", "w")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def log_of(run_dir: Path) -> str:
@@ -91,8 +100,9 @@ def descendants(pid: int) -> list[int]:
 
 
 def kill_9(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun (or python) and every worker: torchrun starts each worker in a session of its own, so the
-    tree is collected first, then everything is killed at once, as a machine failure would."""
+    """SIGKILL torchrun (or python) and every worker: torchrun starts each worker in a session of
+    its own, so the tree is collected first, then everything is killed at once, as a machine
+    failure would."""
     for pid in [proc.pid, *descendants(proc.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -109,7 +119,8 @@ def metrics(run_dir: Path) -> list[dict]:
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(run_dir / "final").state_dict()  # loads through safetensors
+    # loads through safetensors
+    return AutoModelForCausalLM.from_pretrained(run_dir / "final").state_dict()
 
 
 def assert_same_run(a: Path, b: Path) -> None:
@@ -119,7 +130,7 @@ def assert_same_run(a: Path, b: Path) -> None:
 
 
 def checkpoints(run_dir: Path) -> list[str]:
-    return [p.name for p in N.complete_checkpoints(run_dir)]
+    return [p.name for p in checkpoint.complete_checkpoints(run_dir)]
 
 
 # -----------------------------------------------------------------------------
@@ -129,10 +140,12 @@ def checkpoints(run_dir: Path) -> list[str]:
 def test_one_process_killed_mid_step_resumes_to_the_same_metrics_and_parameters(tmp_path):
     ref, run_dir = tmp_path / "ref", tmp_path / "run"
     run([*FAST, "--keep-ckpts", "1"], ref)
-    assert checkpoints(ref) == ["step_000004"]  # --keep-ckpts 1 deleted step 2 once step 4 was complete
+    # --keep-ckpts 1 deleted step 2 once step 4 was complete
+    assert checkpoints(ref) == ["step_000004"]
     assert [r["step"] for r in metrics(ref)] == [0, 1, 2, 3, 4]
 
-    proc = start(FAST, run_dir, faults={"pause_in_step": 2})  # step index 2: the step after checkpoint 2
+    # step index 2: the step after checkpoint 2
+    proc = start(FAST, run_dir, faults={"pause_in_step": 2})
     wait_for(run_dir / "in_step_2.rank0", proc, run_dir)
     kill_9(proc)
     assert checkpoints(run_dir) == ["step_000002"]
@@ -143,8 +156,8 @@ def test_one_process_killed_mid_step_resumes_to_the_same_metrics_and_parameters(
 
 @pytest.fixture(scope="module")
 def two_rank_chain(tmp_path_factory):
-    """Two ranks: an uninterrupted run, and a run that (a) loses rank 1 mid-step, (b) resumes and is SIGKILLed
-    whole in the middle of saving checkpoint 4, (c) resumes again and finishes."""
+    """Two ranks: an uninterrupted run, and a run that (a) loses rank 1 mid-step, (b) resumes and is
+    SIGKILLed whole in the middle of saving checkpoint 4, (c) resumes again and finishes."""
     tmp = tmp_path_factory.mktemp("two_ranks")
     ref, run_dir, out = tmp / "ref", tmp / "run", {}
     proc = start(FAST, run_dir, nproc=2, faults={"pause_in_step": 2, "pause_ranks": [1]})
@@ -181,7 +194,8 @@ def test_a_checkpoint_save_killed_midway_is_never_resumed_from(two_rank_chain):
     assert not list((run_dir / "checkpoints").glob("*.tmp"))  # cleaned up by the resume
 
 
-def test_two_ranks_killed_and_resumed_match_the_uninterrupted_run_in_metrics_and_parameters(two_rank_chain):
+def test_two_ranks_killed_and_resumed_match_the_uninterrupted_run_in_metrics_and_parameters(
+        two_rank_chain):
     ref, run_dir, _ = two_rank_chain
     assert [r["step"] for r in metrics(ref)] == [0, 1, 2, 3, 4]
     assert_same_run(ref, run_dir)
@@ -189,60 +203,73 @@ def test_two_ranks_killed_and_resumed_match_the_uninterrupted_run_in_metrics_and
 
 
 # -----------------------------------------------------------------------------
-# guard rails, all in one faulty two-rank run with --filter-zero-variance:
-#   step index 0: every reward raises (all rewards 0, every group constant: both ranks' batches are empty)
+# guard rails, all in one faulty two-rank run with --filter-zero-variance: step index 0: every
+# reward raises (all rewards 0, every group constant: both ranks' batches are empty)
 #   step index 1: the first reward call on each rank hangs past --reward-timeout
 #   step index 2: rank 1's rewards are all 0 (its batch is empty, rank 0's is not)
-#   step index 3 on: NaN advantages, so non-finite losses; --max-bad-steps 2 stops the run after step index 4
+# step index 3 on: NaN advantages, so non-finite losses; --max-bad-steps 2 stops the run after step
+# index 4
 
 
 @pytest.fixture(scope="module")
 def faulty_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("faulty") / "run"
-    faults = {"reward_raise_at": 0, "reward_hang_at": 1, "constant_reward_at": 2, "constant_ranks": [1],
+    faults = {"reward_raise_at": 0, "reward_hang_at": 1, "constant_reward_at": 2,
+              "constant_ranks": [1],
               "nan_from_step": 3}
-    args = ["--prompts-per-step", "8", "--group-size", "4", "--eval-every", "0", "--steps", "6", "--ckpt-every", "1",
-            "--keep-ckpts", "0", "--max-bad-steps", "2", "--reward-timeout", "0.5", "--filter-zero-variance"]
+    args = ["--prompts-per-step", "8", "--group-size", "4", "--eval-every", "0", "--steps", "6",
+            "--ckpt-every", "1", "--keep-ckpts", "0", "--max-bad-steps", "2", "--reward-timeout",
+            "0.5", "--filter-zero-variance"]
     code = wait(start(args, run_dir, nproc=2, faults=faults))  # None: it hung
     return run_dir, code, {r["step"]: r for r in metrics(run_dir)}
 
 
 def test_a_reward_that_raises_or_exceeds_its_timeout_scores_zero_and_is_counted(faulty_run):
     _, _, rows = faulty_run
-    assert rows[1]["reward_errors"] == 32 and rows[1]["reward"] == 0  # 8 prompts x 4 samples, all raised
-    assert rows[2]["reward_errors"] == 2  # one hung call per rank, each cut at 0.5 s (it sleeps 30 s)
+    # 8 prompts x 4 samples, all raised
+    assert rows[1]["reward_errors"] == 32 and rows[1]["reward"] == 0
+    # one hung call per rank, each cut at 0.5 s (it sleeps 30 s)
+    assert rows[2]["reward_errors"] == 2
     assert rows[3]["reward_errors"] == 0
 
 
-def test_a_batch_emptied_by_the_zero_variance_filter_skips_the_step_on_every_rank_without_hanging(faulty_run):
+def test_a_batch_emptied_by_the_zero_variance_filter_skips_the_step_on_every_rank_without_hanging(
+        faulty_run):
     _, code, rows = faulty_run
     assert code is not None  # no hang (it ends with the bad-steps error below)
-    assert rows[1]["zero_var_groups"] == 8 and rows[1]["grad_norm"] == 0 and rows[1]["skipped_steps"] == 0
+    assert rows[1]["zero_var_groups"] == 8
+    assert rows[1]["grad_norm"] == 0 and rows[1]["skipped_steps"] == 0
     assert rows[3]["grad_norm"] > 0 and rows[3]["skipped_steps"] == 0  # rank 1 empty, rank 0 trains
 
 
-def test_non_finite_steps_are_skipped_counted_and_stop_the_run_after_max_bad_steps_keeping_the_last_good_checkpoint(
+def test_non_finite_steps_are_skipped_and_stop_the_run_after_max_bad_steps_keeping_checkpoints(
         faulty_run):
     run_dir, code, rows = faulty_run
-    assert code not in (None, 0) and "2 steps in a row had a non-finite loss or grad norm" in log_of(run_dir)
+    assert code not in (None, 0)
+    assert "2 steps in a row had a non-finite loss or grad norm" in log_of(run_dir)
     assert sorted(rows) == [1, 2, 3, 4, 5]  # stopped after the second bad step, before step 6
     assert [rows[s]["skipped_steps"] for s in (3, 4, 5)] == [0, 1, 1]
-    assert checkpoints(run_dir) == ["step_000001", "step_000002", "step_000003"]  # none after a bad step
-    assert "last good checkpoint: " + str(run_dir / "checkpoints" / "step_000003") in log_of(run_dir)
+    assert checkpoints(run_dir) == ["step_000001", "step_000002", "step_000003"]  # none after bad
+    last_good = run_dir / "checkpoints" / "step_000003"
+    assert f"last good checkpoint: {last_good}" in log_of(run_dir)
 
 
 def test_a_reward_call_that_raises_hangs_or_is_not_finite_scores_zero_and_the_rest_still_run():
-    def reward(text, answer):
+    def reward(text, row):
         if text == "raise":
-            raise ValueError
+            raise ValueError("bad input")
         if text == "hang":
             time.sleep(5)
-        return float("nan") if text == "nan" else float(text == answer)
+        return float("nan") if text == "nan" else float(text == row["answer"])
 
     t0 = time.monotonic()
-    scores, errors = N.compute_rewards(reward, ["1", "raise", "hang", "2", "nan", "3"], ["1", "1", "1", "2", "1", "4"],
-                                       timeout=0.3)
-    assert scores == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0] and errors == 3
+    rows = [{"answer": a} for a in ["1", "1", "1", "2", "1", "4"]]
+    scores, errors, first = tasks.compute_rewards(reward, ["1", "raise", "hang", "2", "nan", "3"],
+                                                  rows, timeout=0.3)
+    assert [s.reward for s in scores] == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0] and errors == 3
+    # a failed call has no verdict
+    assert [s.correct for s in scores] == [True, None, None, True, None, False]
+    assert first == "ValueError: bad input"
     assert time.monotonic() - t0 < 2
 
 
@@ -262,8 +289,9 @@ def test_only_renamed_directories_with_meta_json_count_as_checkpoints_newest_las
 
 def test_resume_cuts_metrics_back_to_the_checkpoint_step_and_drops_a_line_cut_by_the_kill(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(5)) + '{"step": 5, "x"')
-    N.truncate_metrics(path, 2)
+    path.write_text("".join(json.dumps({"step": s,
+                                        "x": s}) + "\n" for s in range(5)) + '{"step": 5, "x"')
+    checkpoint.truncate_metrics(path, 2)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2]
     assert not list(tmp_path.glob("*.tmp"))
 
@@ -272,9 +300,9 @@ def test_rng_states_round_trip_through_a_weights_only_load(tmp_path):
     import numpy as np
 
     random.seed(1), torch.manual_seed(1), np.random.seed(1)
-    torch.save(N.rng_states(), tmp_path / "rng.pt")
+    torch.save(checkpoint.rng_states(), tmp_path / "rng.pt")
     expected = random.random(), torch.rand(3), np.random.rand()
-    N.set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True))
+    checkpoint.set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True))
     got = random.random(), torch.rand(3), np.random.rand()
     assert expected[0] == got[0] and torch.equal(expected[1], got[1]) and expected[2] == got[2]
 
@@ -292,18 +320,22 @@ def test_loading_a_checkpoint_unpickles_nothing_but_plain_data(tmp_path):
     good = {"w": torch.arange(4.0), "groups": [{"lr": 0.1, "betas": (0.9, 0.99), "foreach": None}]}
     dcp.save(good, checkpoint_id=tmp_path / "good", no_dist=True)
     loaded = {"w": torch.zeros(4), "groups": [{"lr": 0.0, "betas": (0.0, 0.0), "foreach": False}]}
-    dcp.load(loaded, storage_reader=N._safe_dcp_reader(tmp_path / "good"), planner=N._safe_dcp_planner(),
+    dcp.load(loaded, storage_reader=checkpoint.safe_dcp_reader(tmp_path / "good"),
+             planner=checkpoint.safe_dcp_planner(),
              no_dist=True)
     assert torch.equal(loaded["w"], good["w"]) and loaded["groups"] == good["groups"]
 
-    dcp.save({"w": torch.arange(4.0), "groups": [{"lr": Evil()}]}, checkpoint_id=tmp_path / "evil", no_dist=True)
-    with pytest.raises(BaseException) as refused:  # DCP wraps it in a CheckpointException(BaseException)
-        dcp.load({"w": torch.zeros(4), "groups": [{"lr": 0.0}]}, storage_reader=N._safe_dcp_reader(tmp_path / "evil"),
-                 planner=N._safe_dcp_planner(), no_dist=True)
+    dcp.save({"w": torch.arange(4.0), "groups": [{"lr": Evil()}]}, checkpoint_id=tmp_path / "evil",
+             no_dist=True)
+    # DCP wraps it in a CheckpointException(BaseException)
+    with pytest.raises(BaseException) as refused:
+        dcp.load({"w": torch.zeros(4), "groups": [{"lr": 0.0}]},
+                 storage_reader=checkpoint.safe_dcp_reader(tmp_path / "evil"),
+                 planner=checkpoint.safe_dcp_planner(), no_dist=True)
     assert "Weights only load failed" in str(refused.value) + repr(refused.value)
     (tmp_path / "good" / ".metadata").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(pickle.UnpicklingError, match="refusing to unpickle"):
-        N._safe_dcp_reader(tmp_path / "good").read_metadata()
+        checkpoint.safe_dcp_reader(tmp_path / "good").read_metadata()
 
 
 # -----------------------------------------------------------------------------
@@ -313,8 +345,10 @@ def test_loading_a_checkpoint_unpickles_nothing_but_plain_data(tmp_path):
 def _bad_options(tmp: Path) -> list[tuple[list[str], int, str]]:
     (tmp / "step_000004.tmp").mkdir(exist_ok=True)  # a save that never finished
     return [
-        (["--loss-aggregation", "constant", "--loss-aggregation-divisor", "0"], 1, "--loss-aggregation-divisor"),
-        (["--loss-aggregation-divisor", "8"], 1, "--loss-aggregation-divisor is only used by --loss-aggregation"),
+        (["--loss-aggregation", "constant", "--loss-aggregation-divisor", "0"], 1,
+         "--loss-aggregation-divisor"),
+        (["--loss-aggregation-divisor", "8"], 1,
+         "--loss-aggregation-divisor is only used by --loss-aggregation"),
         (["--group-size", "1"], 1, "--group-size 1 with --adv-std"),
         (["--group-size", "1", "--adv-estimator", "rloo"], 1, "--group-size 1 with --adv-std"),
         (["--cp-size", "3"], 2, "--cp-size 3 must divide the number of ranks"),
@@ -328,7 +362,7 @@ def _bad_options(tmp: Path) -> list[tuple[list[str], int, str]]:
 @pytest.mark.parametrize("case", range(9))
 def test_impossible_options_fail_in_one_line_naming_the_flags(case, tmp_path):
     args, world, message = _bad_options(tmp_path)[case]
-    with pytest.raises(SystemExit, match=message) as e:
+    with pytest.raises(UserError, match=message) as e:
         N.validate_config(N.parse_config(args), world=world)
     assert "\n" not in str(e.value) and str(e.value).startswith("config error:")
 
@@ -341,6 +375,6 @@ def test_reuse_of_training_logprobs_with_several_minibatches_warns_and_recompute
 
 def test_a_micro_batch_budget_below_the_longest_prompt_plus_max_new_tokens_fails_at_start_up():
     cfg = N.parse_config(["--micro-batch-tokens", "12", "--max-new-tokens", "8"])
-    N.validate_token_budget([[1] * 3, [1] * 4], cfg)  # 4 + 8 fits exactly
-    with pytest.raises(SystemExit, match=r"--micro-batch-tokens 12 is smaller .*\(5 prompt tokens \+ --max-new-tokens"):
-        N.validate_token_budget([[1] * 3, [1] * 5], cfg)
+    N.check_token_budget([[1] * 3, [1] * 4], cfg)  # 4 + 8 fits exactly
+    with pytest.raises(UserError, match=r"--micro-batch-tokens 12 is smaller .*\(5 prompt tokens"):
+        N.check_token_budget([[1] * 3, [1] * 5], cfg)

@@ -1,11 +1,14 @@
-"""Context parallel (Ulysses), issue 5: splitting every packed micro-batch across N ranks changes nothing.
+"""Context parallel (Ulysses), issue 5: splitting every packed micro-batch across N ranks changes
+nothing.
 
-Reference = one process without CP, run in this process (tests/cp_worker.py's `main`). The CP runs are real torchrun
-launches of the same worker on CPU gloo: CP=2 on 2 ranks, and dp 2 x cp 2 on 4 ranks. Tiny random Llamas: "gqa"
-(4 query heads, 2 KV heads: split as they are), "kv1" (4 and 1: fewer KV heads than CP ranks) and "kv3" (6 and 3:
-KV heads not divisible by N); for the last two the KV heads are replicated so every rank gets the ones it needs.
-Compared in float32: logits and log-probs of a packed row whose length is not a multiple of N, the full gradient of
-every parameter and the reported loss terms (all four aggregation modes on "gqa", token_mean on the others).
+Reference = one process without CP, run in this process (tests/cp_worker.py's `main`). The CP
+runs are real torchrun launches of the same worker on CPU gloo: CP=2 on 2 ranks, and dp 2 x cp 2
+on 4 ranks. Tiny random Llamas: "gqa" (4 query heads, 2 KV heads: split as they are), "kv1" (4
+and 1: fewer KV heads than CP ranks) and "kv3" (6 and 3: KV heads not divisible by N); for the
+last two the KV heads are replicated so every rank gets the ones it needs. Compared in float32:
+logits and log-probs of a packed row whose length is not a multiple of N, the full gradient of
+every parameter and the reported loss terms (all four aggregation modes on "gqa", token_mean on
+the others).
 """
 
 import importlib.util
@@ -22,7 +25,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
-ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
+                    "PYTHONPATH": str(ROOT)}
 
 torch.set_num_threads(1)
 
@@ -56,8 +60,9 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     for name, heads, kv in [("gqa", 4, 2), ("kv1", 4, 1), ("kv3", 6, 3), ("heads3", 3, 1)]:
         torch.manual_seed(0)
         cfg = LlamaConfig(vocab_size=32, hidden_size=8 * heads, intermediate_size=64,
-                          num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv, head_dim=8,
-                          max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+                          num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv,
+                          head_dim=8, max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+                          bos_token_id=None)
         LlamaForCausalLM(cfg).save_pretrained(root / name)
         paths[name] = str(root / name)
     return paths
@@ -68,7 +73,7 @@ def reference(tiny_models, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("cp_ref") / "ref.pt"
     models = [tiny_models[m] for m in ("gqa", "kv1", "kv3")]
     _load_worker().main(["--models", *models, "--cp", "1", "--out", str(out)])
-    return torch.load(out)[1]
+    return torch.load(out)
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -89,39 +94,43 @@ def assert_matches_reference(result: dict, reference: dict, layout: str) -> None
                 assert_close(have["grads"][name], g, f"{layout} {model} {mode} gradient of {name}")
             assert have["reported"].keys() == want["reported"].keys()
             for term, v in want["reported"].items():
-                assert abs(have["reported"][term] - v) < TOL, (layout, model, mode, term, have["reported"][term], v)
+                assert abs(have["reported"][term] - v) < TOL, (layout, model, mode, term,
+                                                               have["reported"][term], v)
 
 
 @pytest.mark.parametrize("nproc", [2, 4], ids=["cp2_on_2_ranks", "dp2_x_cp2_on_4_ranks"])
-def test_cp2_logits_grads_and_reported_losses_equal_one_process_for_every_mode(nproc, tiny_models, reference,
+def test_cp2_logits_grads_and_reported_losses_equal_one_process_for_every_mode(nproc, tiny_models,
+                                                                               reference,
                                                                                tmp_path):
     out = tmp_path / "cp.pt"
     models = [tiny_models[m] for m in ("gqa", "kv1", "kv3")]
     torchrun(nproc, "tests/cp_worker.py", "--models", *models, "--cp", "2", "--out", str(out))
-    result = torch.load(out)[2]
+    result = torch.load(out)
     assert set(result) == {"gqa", "kv1", "kv3"}
     assert_matches_reference(result, reference, f"{nproc} ranks")
 
 
 def test_query_heads_not_divisible_by_cp_size_is_a_startup_error(tiny_models):
     import nanoareal as na
+    from logs import UserError
 
     cfg = na.Config(model=tiny_models["heads3"], cp_size=2)
-    with pytest.raises(SystemExit, match=r"--cp-size 2 must divide the model's 3 attention heads"):
-        na.setup_context_parallel(cfg, torch.device("cpu"))
-    assert na.CP_SIZE == 1  # the failed check left the (single-process) globals alone
+    with pytest.raises(UserError, match=r"--cp-size 2 must divide the model's 3 attention heads"):
+        na.load_model(cfg, torch.device("cpu"), na.Ranks(world=2, cp_size=2))
 
 
 def test_world_not_divisible_by_cp_size_is_a_config_error():
     import nanoareal as na
+    from logs import UserError
 
-    with pytest.raises(SystemExit, match=r"--cp-size 2 must divide the number of ranks \(3\)"):
+    with pytest.raises(UserError, match=r"--cp-size 2 must divide the number of ranks \(3\)"):
         na.validate_config(replace(na.Config(), cp_size=2), world=3)
 
 
 def test_cli_cp2_run_logs_the_same_first_step_as_one_process(tmp_path):
-    """The real CLI with --cp-size 2 on 2 ranks vs plain `python nanoareal.py` (in this process): step 1 was
-    trained from the same weights on the same samples, so reward, entropy and every loss term agree."""
+    """The real CLI with --cp-size 2 on 2 ranks vs plain `python nanoareal.py` (in this process):
+    step 1 was trained from the same weights on the same samples, so reward, entropy and every
+    loss term agree."""
     import nanoareal as na
 
     model = ROOT / "assets" / "tiny-arith"
@@ -130,8 +139,8 @@ def test_cli_cp2_run_logs_the_same_first_step_as_one_process(tmp_path):
     args = ["--model", str(model), "--steps", "2", "--prompts-per-step", "4", "--group-size", "4",
             "--eval-every", "0", "--entropy-coef", "0.01", "--threads", "1"]
     torchrun(2, "nanoareal.py", *args, "--cp-size", "2", "--run-dir", str(tmp_path / "cp2"))
-    na.main([*args, "--run-dir", str(tmp_path / "cp1")])
-    cp1, cp2 = ([json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+    assert na.run([*args, "--run-dir", str(tmp_path / "cp1")]) == 0
+    cp1, cp2 = ([json.loads(line) for line in (tmp_path / d / "metrics.jsonl").open()]
                 for d in ("cp1", "cp2"))
     assert [m["step"] for m in cp1] == [m["step"] for m in cp2] == [1, 2]
     one, two = cp1[0], cp2[0]

@@ -1,7 +1,9 @@
-"""loss.py against SPEC.md: reference vectors, a naive loop, split invariance, empties, errors, surrogates.
+"""loss.py against its contract (the rules in its header): reference vectors, a naive loop, split
+invariance, empties, errors, surrogates.
 
-References here are computed independently of the code under test: SPEC's numbers, python loops over
-floats, or `aggregate` (straight from SPEC's table) on the full batch in one piece.
+References here are computed independently of the code under test: hand-computed numbers, python
+loops over floats, or `aggregate` (straight from the mode formulas) on the full batch in one
+piece.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ F64 = torch.float64
 
 
 def ragged_batch(seed: int, n_groups: int = 7) -> list[dict]:
-    """Responses with variable lengths and group sizes (incl. 1), inactive responses, one inactive group,
-    rejected tokens (m=0, d=1), and a response whose denominator mask has holes."""
+    """Responses with variable lengths and group sizes (incl. 1), inactive responses, one inactive
+    group, rejected tokens (m=0, d=1), and a response whose denominator mask has holes."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     sizes = [1] + [rng.choice([1, 2, 3, 4]) for _ in range(n_groups - 2)] + [2]
@@ -53,13 +55,15 @@ def ragged_batch(seed: int, n_groups: int = 7) -> list[dict]:
 
 
 def pack(responses: list[dict], mode: str, divisor: float | None = None, seed: int = 0) -> dict:
-    """One packed stream like the trainer's: per sequence, (prompt_len - 1) prompt positions, the response
-    positions, one trailing position; non-response positions carry junk values and m = d = 0."""
+    """One packed stream like the trainer's: per sequence, (prompt_len - 1) prompt positions, the
+    response positions, one trailing position; non-response positions carry junk values and m = d
+    = 0."""
     gen = torch.Generator().manual_seed(seed + 1000)
     denom = torch.tensor([sum(r["d"]) for r in responses], dtype=F64)
     groups = torch.tensor([r["group"] for r in responses])
     w, nw = L.response_weights(mode, denom, groups, divisor)
-    cols = {k: [] for k in ("logprobs", "prox_logprobs", "behave_logprobs", "ref_logprobs", "entropy",
+    cols = {k: [] for k in ("logprobs", "prox_logprobs", "behave_logprobs", "ref_logprobs",
+                            "entropy",
                             "advantages", "token_loss", "loss_mask", "denom_mask", "seq_ids")}
     starts = []
     for i, r in enumerate(responses):
@@ -67,7 +71,8 @@ def pack(responses: list[dict], mode: str, divisor: float | None = None, seed: i
         n, pad_before = len(r["d"]), r["prompt_len"] - 1
         for where, count in (("before", pad_before), ("resp", n), ("after", 1)):
             if where == "resp":
-                for k in ("logprobs", "prox_logprobs", "behave_logprobs", "ref_logprobs", "entropy"):
+                for k in ("logprobs", "prox_logprobs", "behave_logprobs", "ref_logprobs",
+                          "entropy"):
                     cols[k] += r[k].tolist()
                 cols["token_loss"] += r["token_loss"]
                 cols["loss_mask"] += r["m"]
@@ -104,7 +109,8 @@ def split(mb: dict, cuts: list[int]) -> list[dict]:
 
 
 def budget_cuts(mb: dict, responses: list[dict], rng: random.Random) -> list[int]:
-    """Token-budget micro-batches of whole sequences; the budget is small enough to cut through groups."""
+    """Token-budget micro-batches of whole sequences; the budget is small enough to cut through
+    groups."""
     starts = mb["_starts"] + [mb["loss_mask"].shape[0]]
     for _ in range(100):
         budget, cuts, used = rng.randint(4, 14), [], 0
@@ -128,13 +134,15 @@ def anywhere_cuts(mb: dict, rng: random.Random) -> list[int]:
 
 
 def run(red: L.LossReduction, mbs: list[dict], params: list[torch.Tensor]) -> tuple[list, dict]:
-    """The trainer's loop: begin_step, one backward per micro-batch, reported. Returns (grads, reported)."""
+    """The trainer's loop: begin_step, one backward per micro-batch, reported. Returns (grads,
+    reported)."""
     for p in params:
         p.grad = None
     red.begin_step(mbs)
     for mb in mbs:
         red(mb).backward()
-    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params], red.reported()
+    grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+    return grads, red.reported()
 
 
 def with_leaf_logprobs(mb: dict) -> tuple[dict, torch.Tensor]:
@@ -150,6 +158,17 @@ def to_padded(mb: dict, key: str, values: torch.Tensor | None = None) -> torch.T
     rows = [values[seq == i] for i in range(n_resp)]
     width = max(len(r) for r in rows)
     return torch.stack([torch.cat([r, r.new_zeros(width - len(r))]) for r in rows])
+
+
+def build(mode: str = "token_mean", divisor: float | None = None, tau_pos: float = 1.0,
+          tau_neg: float = 1.05,
+          group=None, cp_factor: int = 1, **flags) -> L.LossReduction:
+    """build_loss from loss flags (the divisor is passed to the constant mode only, as the trainer
+    does)."""
+    cfg = L.LossConfig(loss_aggregation=mode,
+                       loss_aggregation_divisor=divisor if mode == "constant" else None,
+                       sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg, **flags)
+    return L.build_loss(cfg, group=group, cp_factor=cp_factor)
 
 
 def sum_term(name: str = "policy", key: str = "token_loss") -> L.LossTerm:
@@ -180,30 +199,32 @@ def as_mean_kind(red: L.LossReduction) -> L.LossReduction:
 
 
 # -----------------------------------------------------------------------------
-# SPEC reference vectors
+# reference vectors, computed by hand
 
-SPEC_VECTORS = [("token_mean", 13 / 3), ("seq_mean", 16 / 3), ("prompt_mean", 33 / 5), ("constant", 13 / 6)]
-SPEC_LOSSES = [[1.0, 3.0], [2.0, 4.0, 6.0], [10.0]]
-SPEC_GROUPS = [0, 0, 1]
+REF_VECTORS = [("token_mean", 13 / 3), ("seq_mean", 16 / 3), ("prompt_mean", 33 / 5), ("constant",
+                                                                                       13 / 6)]
+REF_LOSSES = [[1.0, 3.0], [2.0, 4.0, 6.0], [10.0]]
+REF_GROUPS = [0, 0, 1]
 
 
-@pytest.mark.parametrize("mode,expected", SPEC_VECTORS)
-def test_aggregate_matches_spec_reference_vectors(mode, expected):
+@pytest.mark.parametrize("mode,expected", REF_VECTORS)
+def test_aggregate_matches_hand_computed_vectors(mode, expected):
     losses = torch.tensor([[1.0, 3.0, 0.0], [2.0, 4.0, 6.0], [10.0, 0.0, 0.0]], dtype=F64)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], dtype=F64)
-    got = L.aggregate(losses, mask, mode=mode, group_ids=torch.tensor(SPEC_GROUPS), divisor=4.0)
+    got = L.aggregate(losses, mask, mode=mode, group_ids=torch.tensor(REF_GROUPS), divisor=4.0)
     assert got.item() == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("mode,expected", SPEC_VECTORS)
-@pytest.mark.parametrize("cuts", [[], [4], [2, 7], [1, 2, 3, 4, 5, 6, 7, 8]], ids=["one", "mid_group",
-                                                                                   "two", "every_token"])
-def test_loss_reduction_reported_matches_spec_reference_vectors(mode, expected, cuts):
+@pytest.mark.parametrize("mode,expected", REF_VECTORS)
+@pytest.mark.parametrize("cuts", [[], [4], [2, 7], [1, 2, 3, 4, 5, 6, 7, 8]],
+                         ids=["one", "mid_group", "two", "every_token"])
+def test_loss_reduction_reported_matches_hand_computed_vectors(mode, expected, cuts):
     responses = [
         {"group": g, "prompt_len": 2, "d": [1.0] * len(x), "m": [1.0] * len(x), "token_loss": x,
          "advantage": 0.0, **{k: torch.zeros(len(x), dtype=F64) for k in
-                              ("logprobs", "prox_logprobs", "behave_logprobs", "ref_logprobs", "entropy")}}
-        for x, g in zip(SPEC_LOSSES, SPEC_GROUPS, strict=True)
+                              ("logprobs", "prox_logprobs", "behave_logprobs", "ref_logprobs",
+                               "entropy")}}
+        for x, g in zip(REF_LOSSES, REF_GROUPS, strict=True)
     ]
     mb = pack(responses, mode, divisor=4.0)
     red = L.LossReduction([sum_term()])
@@ -240,7 +261,7 @@ def naive_objective(responses: list[dict], mode: str, divisor: float) -> float:
 @pytest.mark.parametrize("seed", range(4))
 def test_every_mode_matches_naive_loop_on_ragged_batches(mode, seed):
     responses = ragged_batch(seed)
-    assert any(sum(r["m"]) < sum(r["d"]) for r in responses), "batch must contain rejected tokens (m < d)"
+    assert any(sum(r["m"]) < sum(r["d"]) for r in responses), "needs rejected tokens (m < d)"
     expected = naive_objective(responses, mode, divisor=7.0)
     mb = pack(responses, mode, divisor=7.0, seed=seed)
 
@@ -276,7 +297,8 @@ def test_inactive_responses_get_zero_weights_without_nan():
 SURROGATE_CONFIGS = {
     "ppo": dict(policy_loss="ppo"),
     "ppo_cliphigher_dualclip": dict(policy_loss="ppo", eps_high=0.28, dual_clip=1.4),
-    "ppo_decoupled_truncate": dict(policy_loss="ppo", behaviour_cap=1.3, behaviour_cap_mode="truncate"),
+    "ppo_decoupled_truncate": dict(policy_loss="ppo", behaviour_cap=1.3,
+                                   behaviour_cap_mode="truncate"),
     "ppo_decoupled_mask": dict(policy_loss="ppo", behaviour_cap=1.3, behaviour_cap_mode="mask"),
     "gspo": dict(policy_loss="gspo", eps_low=0.02, eps_high=0.03),
     "cispo": dict(policy_loss="cispo", eps_high=0.1),
@@ -284,9 +306,11 @@ SURROGATE_CONFIGS = {
 }
 
 
-def reference_policy_objective(mb: dict, leaf: torch.Tensor, mode: str, groups: torch.Tensor, cfg: dict,
+def reference_policy_objective(mb: dict, leaf: torch.Tensor, mode: str, groups: torch.Tensor,
+                               cfg: dict,
                                divisor: float) -> torch.Tensor:
-    """The full-batch objective from the surrogate's token loss and `aggregate`, one piece, no weights."""
+    """The full-batch objective from the surrogate's token loss and `aggregate`, one piece, no
+    weights."""
     kw = {"eps_low": cfg.get("eps_low", 0.2), "eps_high": cfg.get("eps_high", 0.2)}
     args = (leaf, mb["prox_logprobs"], mb["advantages"])
     name = cfg["policy_loss"]
@@ -307,7 +331,8 @@ def reference_policy_objective(mb: dict, leaf: torch.Tensor, mode: str, groups: 
         else:
             token_loss = token_loss * w
             m = m * (w <= cfg["behaviour_cap"]).to(m.dtype)
-    return L.aggregate(to_padded(mb, "", token_loss), to_padded(mb, "", m), mode=mode, group_ids=groups,
+    return L.aggregate(to_padded(mb, "", token_loss), to_padded(mb, "", m), mode=mode,
+                       group_ids=groups,
                        denom_mask=to_padded(mb, "denom_mask"), divisor=divisor)
 
 
@@ -316,7 +341,7 @@ def reference_policy_objective(mb: dict, leaf: torch.Tensor, mode: str, groups: 
 @pytest.mark.parametrize("mode", L.MODES)
 def test_split_through_groups_equals_full_batch_gradient_and_reported(mode, kind, surrogate):
     cfg = SURROGATE_CONFIGS[surrogate]
-    seed = 11 + L.MODES.index(mode)
+    seed = 11 + list(L.MODES).index(mode)
     responses = ragged_batch(seed, n_groups=9)
     groups = torch.tensor([r["group"] for r in responses])
     mb = pack(responses, mode, divisor=6.0, seed=seed)
@@ -328,19 +353,22 @@ def test_split_through_groups_equals_full_batch_gradient_and_reported(mode, kind
 
     kwargs = {"eps_low": 0.2, "eps_high": 0.2} | cfg
     rng = random.Random(seed)
-    splits = {"one": [], "budget_1": budget_cuts(mb, responses, rng), "budget_2": budget_cuts(mb, responses, rng)}
-    if surrogate != "gspo":  # GSPO's sequence ratio needs whole responses; the others are token-local
+    splits = {"one": [], "budget_1": budget_cuts(mb, responses, rng),
+              "budget_2": budget_cuts(mb, responses, rng)}
+    # GSPO's sequence ratio needs whole responses; the others are token-local
+    if surrogate != "gspo":
         splits["anywhere"] = anywhere_cuts(mb, rng)
     reports = {}
     for split_name, cuts in splits.items():
-        red = L.build_loss(mode=mode, divisor=6.0, **kwargs)
+        red = build(mode=mode, divisor=6.0, **kwargs)
         if kind == "mean":
             red = as_mean_kind(red)
         full, leaf = with_leaf_logprobs(mb)
         (grad,), reports[split_name] = run(red, split(full, cuts), [leaf])
         torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12, msg=f"split {split_name}")
         assert reports[split_name]["policy"] == pytest.approx(reference.item(), rel=1e-9, abs=1e-12)
-    if kind == "sum":  # stats are global fractions: split-invariant too, and the data must exercise them
+    # stats are global fractions: split-invariant too, and the data must exercise them
+    if kind == "sum":
         for split_name in splits:
             assert reports[split_name] == pytest.approx(reports["one"], rel=1e-9, abs=1e-12)
         if cfg["policy_loss"] in ("ppo", "gspo", "cispo"):
@@ -348,13 +376,15 @@ def test_split_through_groups_equals_full_batch_gradient_and_reported(mode, kind
         if cfg.get("dual_clip"):
             assert 0 < reports["one"]["policy/dual_clip_frac"] < 1
         if cfg.get("behaviour_cap"):
-            assert 0 < reports["one"]["policy/behave_reject_frac"] < 1 or cfg["behaviour_cap_mode"] == "truncate"
+            rejected = reports["one"]["policy/behave_reject_frac"]
+            assert 0 < rejected < 1 or cfg["behaviour_cap_mode"] == "truncate"
 
 
 @pytest.mark.parametrize("kl_estimator", L.KL_ESTIMATORS)
 def test_multi_term_policy_entropy_kl_on_linear_model_split_invariant(kl_estimator):
-    """Policy (sum kind) + entropy (mean kind, negative coef) + KL (sum kind): gradients of a tiny linear
-    model and every reported term equal the full-batch objective for micro-batch splits through groups."""
+    """Policy (sum kind) + entropy (mean kind, negative coef) + KL (sum kind): gradients of a tiny
+    linear model and every reported term equal the full-batch objective for micro-batch splits
+    through groups."""
     mode, seed, vocab = "prompt_mean", 5, 6
     responses = ragged_batch(seed, n_groups=8)
     groups = torch.tensor([r["group"] for r in responses])
@@ -380,9 +410,11 @@ def test_multi_term_policy_entropy_kl_on_linear_model_split_invariant(kl_estimat
 
     logp, entropy = forward(features, targets)
     pad = lambda x: to_padded(mb, "", x)
-    kl_token = {"k1": lambda lr: lr, "k2": lambda lr: 0.5 * lr**2, "k3": lambda lr: torch.exp(-lr) - 1 + lr}
+    kl_token = {"k1": lambda lr: lr, "k2": lambda lr: 0.5 * lr**2,
+                "k3": lambda lr: torch.exp(-lr) - 1 + lr}
     policy = L.aggregate(pad(L.ppo_surrogate(logp, mb["prox_logprobs"], mb["advantages"])[0]),
-                         pad(mb["loss_mask"]), mode=mode, group_ids=groups, denom_mask=pad(mb["denom_mask"]))
+                         pad(mb["loss_mask"]), mode=mode, group_ids=groups,
+                         denom_mask=pad(mb["denom_mask"]))
     ent = L.aggregate(pad(entropy), pad(mb["loss_mask"]), mode="token_mean", group_ids=groups,
                       denom_mask=pad(mb["denom_mask"]))
     kl = L.aggregate(pad(kl_token[kl_estimator](logp - mb["ref_logprobs"])), pad(mb["loss_mask"]),
@@ -394,7 +426,7 @@ def test_multi_term_policy_entropy_kl_on_linear_model_split_invariant(kl_estimat
     rng = random.Random(seed)
     for cuts in ([], budget_cuts(mb, responses, rng), anywhere_cuts(mb, rng)):
         parts = split(mb, cuts)
-        red = L.build_loss(mode=mode, policy_loss="ppo", eps_low=0.2, eps_high=0.2, entropy_coef=0.01,
+        red = build(mode=mode, policy_loss="ppo", eps_low=0.2, eps_high=0.2, entropy_coef=0.01,
                            kl_coef=0.1, kl_estimator=kl_estimator)
         assert [t.kind for t in red.terms] == ["sum", "mean", "sum"]
         for p in params:
@@ -428,7 +460,7 @@ def test_zero_global_normalizer_gives_zero_loss_and_finite_zero_grads(mode, surr
     mb["prox_logprobs"] = mb["prox_logprobs"] - 800.0
     mb["ref_logprobs"] = mb["ref_logprobs"] + 800.0
     kwargs = {"eps_low": 0.2, "eps_high": 0.2} | SURROGATE_CONFIGS[surrogate]
-    red = L.build_loss(mode=mode, divisor=5.0, entropy_coef=0.01, kl_coef=0.1, **kwargs)
+    red = build(mode=mode, divisor=5.0, entropy_coef=0.01, kl_coef=0.1, **kwargs)
     full, leaf = with_leaf_logprobs(mb)
     full["entropy"] = full["entropy"].clone().requires_grad_()
     parts = split(full, [5, 17])
@@ -446,10 +478,12 @@ def test_zero_global_normalizer_gives_zero_loss_and_finite_zero_grads(mode, surr
 
 @pytest.mark.parametrize("mode", L.MODES)
 def test_every_token_rejected_gives_zero_loss_and_finite_zero_grads(mode):
-    """All tokens rejected by the behaviour cap: numerator empty, denominator kept, loss exactly 0."""
+    """All tokens rejected by the behaviour cap: numerator empty, denominator kept, loss exactly 0.
+    """
     mb = pack(ragged_batch(4), mode, divisor=5.0)
-    mb["behave_logprobs"] = mb["prox_logprobs"] - 50.0  # pi_prox / pi_behave = e^50 > cap everywhere
-    red = L.build_loss(mode=mode, policy_loss="ppo", divisor=5.0, eps_low=0.2, eps_high=0.2,
+    # pi_prox / pi_behave = e^50 > cap everywhere
+    mb["behave_logprobs"] = mb["prox_logprobs"] - 50.0
+    red = build(mode=mode, policy_loss="ppo", divisor=5.0, eps_low=0.2, eps_high=0.2,
                        behaviour_cap=2.0, behaviour_cap_mode="mask")
     full, leaf = with_leaf_logprobs(mb)
     (grad,), rep = run(red, split(full, [7]), [leaf])
@@ -460,11 +494,12 @@ def test_every_token_rejected_gives_zero_loss_and_finite_zero_grads(mode):
 
 @pytest.mark.parametrize("surrogate", L.SURROGATES)
 def test_microbatch_without_active_token_runs_forward_backward(surrogate):
-    """A padding micro-batch (one masked token, seq_id -1) next to a real one: finite, contributes 0."""
+    """A padding micro-batch (one masked token, seq_id -1) next to a real one: finite, contributes
+    0."""
     mb = pack(ragged_batch(2), "seq_mean")
     empty = {k: torch.zeros(1, dtype=v.dtype) for k, v in mb.items() if isinstance(v, torch.Tensor)}
     empty["seq_ids"] = torch.tensor([-1])
-    red = L.build_loss(mode="seq_mean", policy_loss=surrogate, eps_low=0.2, eps_high=0.2, entropy_coef=0.1)
+    red = build(mode="seq_mean", policy_loss=surrogate, eps_low=0.2, eps_high=0.2, entropy_coef=0.1)
     full, leaf = with_leaf_logprobs(mb)
     empty_leaf = empty["logprobs"].clone().requires_grad_()
     empty["logprobs"] = empty_leaf
@@ -489,10 +524,11 @@ def test_negative_or_non_finite_normalizer_raises_naming_the_term(bad):
         red.begin_step([mb])
 
 
-@pytest.mark.parametrize("key", ["loss_mask", "denom_mask", "loss_weight", "norm_weight", "advantages"])
+@pytest.mark.parametrize("key", ["loss_mask", "denom_mask", "loss_weight", "norm_weight",
+                                 "advantages"])
 def test_mask_shape_mismatch_raises_naming_the_tensor(key):
     mb = pack(ragged_batch(0), "token_mean")
-    red = L.build_loss(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2)
+    red = build(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2)
     bad = dict(mb)
     bad[key] = mb[key][:-1]
     with pytest.raises(ValueError, match=key):
@@ -517,7 +553,8 @@ def test_token_loss_shape_mismatch_in_masked_sum_raises():
     with pytest.raises(ValueError, match="weight shape"):
         L.masked_sum(torch.ones(4), torch.ones(4), torch.ones(1))
     with pytest.raises(ValueError, match="token_loss"):
-        L.aggregate(torch.ones(2, 3), torch.ones(2, 1), mode="token_mean", group_ids=torch.tensor([0, 0]))
+        L.aggregate(torch.ones(2, 3), torch.ones(2, 1), mode="token_mean",
+                    group_ids=torch.tensor([0, 0]))
 
 
 def test_loss_mask_above_denom_mask_raises():
@@ -525,7 +562,7 @@ def test_loss_mask_above_denom_mask_raises():
     i = int(torch.nonzero(mb["denom_mask"] == 0)[0])
     mb["loss_mask"] = mb["loss_mask"].clone()
     mb["loss_mask"][i] = 1.0
-    red = L.build_loss(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2)
+    red = build(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2)
     with pytest.raises(ValueError, match="m_t <= d_t"):
         red.begin_step([mb])
 
@@ -533,31 +570,32 @@ def test_loss_mask_above_denom_mask_raises():
 @pytest.mark.parametrize("divisor", [None, 0.0, -3.0, float("nan")])
 def test_constant_mode_without_positive_divisor_raises(divisor):
     with pytest.raises(ValueError, match="--loss-aggregation-divisor"):
-        L.build_loss(mode="constant", policy_loss="ppo", divisor=divisor, eps_low=0.2, eps_high=0.2)
+        build(mode="constant", policy_loss="ppo", divisor=divisor, eps_low=0.2, eps_high=0.2)
     with pytest.raises(ValueError, match="--loss-aggregation-divisor"):
         L.response_weights("constant", torch.ones(2), torch.tensor([0, 0]), divisor)
     with pytest.raises(ValueError, match="--loss-aggregation-divisor"):
-        L.aggregate(torch.ones(1, 2), torch.ones(1, 2), mode="constant", group_ids=torch.tensor([0]),
+        L.aggregate(torch.ones(1, 2), torch.ones(1, 2), mode="constant",
+                    group_ids=torch.tensor([0]),
                     divisor=divisor)
 
 
 def test_unknown_mode_or_surrogate_raises_naming_the_flag():
     with pytest.raises(ValueError, match="--loss-aggregation"):
-        L.build_loss(mode="sequence_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2)
+        build(mode="sequence_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2)
     with pytest.raises(ValueError, match="--loss-aggregation"):
         L.response_weights("seq-mean-token-mean", torch.ones(2), torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="--policy-loss"):
-        L.build_loss(mode="token_mean", policy_loss="grpo", eps_low=0.2, eps_high=0.2)
+        build(mode="token_mean", policy_loss="grpo", eps_low=0.2, eps_high=0.2)
     with pytest.raises(ValueError, match="--kl-estimator"):
-        L.build_loss(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2, kl_coef=0.1,
+        build(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2, kl_coef=0.1,
                      kl_estimator="k4")
     with pytest.raises(ValueError, match="--behaviour-cap-mode"):
-        L.build_loss(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2, behaviour_cap=2.0,
+        build(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2, behaviour_cap=2.0,
                      behaviour_cap_mode="clip")
 
 
 def test_loss_before_begin_step_raises():
-    red = L.build_loss(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2)
+    red = build(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2)
     with pytest.raises(RuntimeError, match="begin_step"):
         red(pack(ragged_batch(0), "token_mean"))
 
@@ -582,9 +620,11 @@ def test_ppo_surrogate_clip_higher_and_dual_clip_match_formula(adv):
     logp = torch.log(torch.tensor(RATIOS, dtype=F64))
     prox = torch.zeros_like(logp)
     A = torch.full_like(logp, adv)
-    loss, grad, stats = grad_of(lambda x: L.ppo_surrogate(x, prox, A, eps_low=eps_low, eps_high=eps_high,
+    loss, grad, stats = grad_of(lambda x: L.ppo_surrogate(x, prox, A, eps_low=eps_low,
+                                                          eps_high=eps_high,
                                                           dual_clip=c), logp)
-    for r, l_t, g_t, clipped, dual in zip(RATIOS, loss, grad, stats["clipped"], stats["dual_clipped"],
+    for r, l_t, g_t, clipped, dual in zip(RATIOS, loss, grad, stats["clipped"],
+                                          stats["dual_clipped"],
                                           strict=True):
         ppo = max(-adv * r, -adv * min(max(r, 1 - eps_low), 1 + eps_high))
         expected = min(ppo, -c * adv) if adv < 0 else ppo
@@ -601,7 +641,8 @@ def test_gspo_uses_masked_geometric_mean_ratio_per_sequence_with_per_token_gradi
     seq = torch.tensor([-1, 0, 0, 0, -1, 1, 1, -1, 2, 2, 2, 2])
     mask = torch.tensor([0, 1, 1, 0, 0, 1, 1, 0, 1, 1, 1, 1], dtype=F64)
     logp = -torch.rand(12, generator=gen, dtype=F64)
-    prox = logp + torch.tensor([9, 0.01, -0.02, 5.0, 9, -0.3, -0.2, 9, -0.001, 0.002, 0.0, 0.001], dtype=F64)
+    prox = logp + torch.tensor([9, 0.01, -0.02, 5.0, 9, -0.3, -0.2, 9, -0.001, 0.002, 0.0, 0.001],
+                               dtype=F64)
     adv = torch.tensor([0, 1.0, 1.0, 1.0, 0, 2.0, 2.0, 0, -1.0, -1.0, -1.0, -1.0], dtype=F64)
     loss, grad, stats = grad_of(lambda x: L.gspo_surrogate(x, prox, adv, seq, mask, eps_low=0.05,
                                                            eps_high=0.05), logp)
@@ -611,10 +652,12 @@ def test_gspo_uses_masked_geometric_mean_ratio_per_sequence_with_per_token_gradi
         A = float(adv[tokens[0]])
         clipped = -A * min(max(s, 0.95), 1.05) > -A * s
         for t in (t for t in range(12) if seq[t] == i):
-            assert loss[t].item() == pytest.approx(max(-A * s, -A * min(max(s, 0.95), 1.05)), rel=1e-12)
+            assert loss[t].item() == pytest.approx(max(-A * s, -A * min(max(s, 0.95), 1.05)),
+                                                   rel=1e-12)
             assert grad[t].item() == pytest.approx(0.0 if clipped else -A * s, abs=1e-12)
             assert bool(stats["clipped"][t]) == clipped
-    assert stats["clipped"][5] == 1 and stats["clipped"][1] == 0  # sequence 1 (s = e^0.25, A > 0) is clipped
+    # sequence 1 (s = e^0.25, A > 0) is clipped
+    assert stats["clipped"][5] == 1 and stats["clipped"][1] == 0
 
 
 def test_cispo_keeps_gradient_on_clipped_tokens_with_stopped_weight():
@@ -623,10 +666,12 @@ def test_cispo_keeps_gradient_on_clipped_tokens_with_stopped_weight():
     prox = torch.zeros_like(logp)
     A = torch.full_like(logp, -0.7)
     loss, grad, stats = grad_of(lambda x: L.cispo_surrogate(x, prox, A, eps_high=eps_high), logp)
-    for r, lp, l_t, g_t, clipped in zip(RATIOS, logp.tolist(), loss, grad, stats["clipped"], strict=True):
+    for r, lp, l_t, g_t, clipped in zip(RATIOS, logp.tolist(), loss, grad, stats["clipped"],
+                                        strict=True):
         weight = min(r, 1 + eps_high)
         assert l_t.item() == pytest.approx(-weight * -0.7 * lp, rel=1e-12)
-        assert g_t.item() == pytest.approx(-weight * -0.7, rel=1e-12)  # never zero: clipping caps, not drops
+        # never zero: clipping caps, not drops
+        assert g_t.item() == pytest.approx(-weight * -0.7, rel=1e-12)
         assert bool(clipped) == (r > 1 + eps_high)
 
 
@@ -635,7 +680,8 @@ def test_sapo_soft_gate_picks_tau_by_advantage_sign():
     logp = torch.log(torch.tensor(RATIOS * 2, dtype=F64))
     prox = torch.zeros_like(logp)
     A = torch.tensor([0.8] * len(RATIOS) + [-0.8] * len(RATIOS), dtype=F64)
-    loss, grad, _ = grad_of(lambda x: L.sapo_surrogate(x, prox, A, tau_pos=tau_pos, tau_neg=tau_neg), logp)
+    loss, grad, _ = grad_of(lambda x: L.sapo_surrogate(x, prox, A, tau_pos=tau_pos,
+                                                       tau_neg=tau_neg), logp)
     sig = lambda z: 1 / (1 + math.exp(-z))
     for r, a, l_t, g_t in zip(RATIOS * 2, A.tolist(), loss, grad, strict=True):
         tau = tau_pos if a > 0 else tau_neg
@@ -649,7 +695,8 @@ def test_sapo_soft_gate_picks_tau_by_advantage_sign():
 def test_behaviour_weights_truncate_and_mask_with_infinite_log_ratios():
     prox = torch.tensor([-1.0, -1.0, -1.0, -1.0, float("-inf"), -2.0])
     behave = torch.tensor([-1.0, -1.5, -0.5, float("-inf"), float("-inf"), -3.5])
-    w_true = [1.0, math.exp(0.5), math.exp(-0.5), math.inf, 1.0, math.exp(1.5)]  # -inf - -inf: NaN -> ratio 1
+    # -inf - -inf: NaN -> ratio 1
+    w_true = [1.0, math.exp(0.5), math.exp(-0.5), math.inf, 1.0, math.exp(1.5)]
     w, rej = L.behaviour_weights(prox, behave, cap=2.0, mode="truncate")
     assert w.tolist() == pytest.approx([min(x, 2.0) for x in w_true]) and rej.sum() == 0
     w, rej = L.behaviour_weights(prox, behave, cap=2.0, mode="mask")
@@ -670,13 +717,15 @@ def test_kl_estimators_match_formulas():
     lr = (logp - ref).tolist()
     assert L.kl_penalty(logp, ref, "k1").tolist() == pytest.approx(lr)
     assert L.kl_penalty(logp, ref, "k2").tolist() == pytest.approx([0.5 * x * x for x in lr])
-    assert L.kl_penalty(logp, ref, "k3").tolist() == pytest.approx([math.exp(-x) - 1 + x for x in lr])
+    assert L.kl_penalty(logp, ref,
+                        "k3").tolist() == pytest.approx([math.exp(-x) - 1 + x for x in lr])
     with pytest.raises(ValueError, match="--kl-estimator"):
         L.kl_penalty(logp, ref, "k5")
 
 
 def naive_m2po(x: list[float], valid: list[bool], threshold: float) -> list[bool]:
-    """Sort-and-drop: remove the largest (log ratio)^2 one at a time until the kept mean <= threshold."""
+    """Sort-and-drop: remove the largest (log ratio)^2 one at a time until the kept mean <=
+    threshold."""
     kept = sorted((v, i) for i, (v, ok) in enumerate(zip(x, valid, strict=True)) if ok)
     while kept and sum(v for v, _ in kept) / len(kept) > threshold:
         kept.pop()
@@ -689,7 +738,8 @@ def test_m2po_mask_drops_largest_second_moments_until_mean_below_threshold(thres
     gen = torch.Generator().manual_seed(1)
     prox = -torch.rand(300, generator=gen, dtype=F64)
     behave = prox + 0.3 * torch.randn(300, generator=gen, dtype=F64)
-    behave[7] = float("-inf")  # an impossible token under pi_behave: infinite second moment, always dropped
+    # an impossible token under pi_behave: infinite second moment, always dropped
+    behave[7] = float("-inf")
     prox[9] = behave[9] = float("-inf")  # NaN log ratio sanitised to 0: kept
     loss_mask = (torch.rand(300, generator=gen) > 0.2).to(F64)
     loss_mask[[7, 9]] = 1.0

@@ -1,7 +1,9 @@
-"""SPEC rules 1, 3, 5, 6 across processes: FSDP2 on gloo (2 ranks) against one process, one micro-batch.
+"""Rules 1, 3, 5, 6 of loss.py's contract across processes: FSDP2 on gloo (2 ranks) against one
+process, one micro-batch.
 
-One torchrun launch (tests/fsdp_loss_worker.py) runs every case; rank 0 saves the results and each test
-below checks one case. Float32 model: agreement 1e-5 relative to the largest reference gradient.
+One torchrun launch (tests/fsdp_loss_worker.py) runs every case; rank 0 saves the results and
+each test below checks one case. Float32 model: agreement 1e-5 relative to the largest reference
+gradient.
 """
 
 from __future__ import annotations
@@ -34,13 +36,16 @@ def free_port() -> int:
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp") / "results.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+           "127.0.0.1",
            "--master_port", str(free_port()), "tests/fsdp_loss_worker.py", str(out)]
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired as e:  # a hang (mismatched collectives) must fail, not block CI
+    # a hang (mismatched collectives) must fail, not block CI
+    except subprocess.TimeoutExpired as e:
         pytest.fail(f"torchrun worker timed out (hang?)\n{e.stdout}\n{e.stderr}")
-    assert proc.returncode == 0, f"worker failed\nSTDOUT\n{proc.stdout[-4000:]}\nSTDERR\n{proc.stderr[-8000:]}"
+    assert proc.returncode == 0, (f"worker failed\nSTDOUT\n{proc.stdout[-4000:]}\n"
+                                  f"STDERR\n{proc.stderr[-8000:]}")
     return torch.load(out, weights_only=False)
 
 
@@ -54,8 +59,8 @@ def assert_grads_match(grads: dict, ref: dict) -> None:
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("fsdp_")])
 def test_fsdp2_two_ranks_equal_one_process_one_microbatch(results, case):
-    """Groups span the two ranks, ranks hold different numbers of real micro-batches (padded with empty
-    ones), and FSDP2's averaging is undone by the divide factor or by loss * world."""
+    """Groups span the two ranks, ranks hold different numbers of real micro-batches (padded with
+    empty ones), and FSDP2's averaging is undone by the divide factor or by loss * world."""
     r = results["cases"][case]
     assert_grads_match(r["grads"], r["ref_grads"])
     for term, value in r["ref_reported"].items():
@@ -64,15 +69,18 @@ def test_fsdp2_two_ranks_equal_one_process_one_microbatch(results, case):
 
 
 def test_fsdp_layouts_really_are_uneven_and_cut_through_a_group(results):
-    (real0, total0), (real1, total1) = results["cases"]["fsdp_token_mean_divide_factor_1"]["microbatches"]
+    (real0, total0), (real1,
+                      total1) = results["cases"]["fsdp_token_mean_divide_factor_1"]["microbatches"]
     assert real0 != real1 and total0 == total1 == max(real0, real1)
-    assert results["cases"]["fsdp_token_mean_one_microbatch_per_rank"]["microbatches"] == [(1, 1), (1, 1)]
+    assert results["cases"]["fsdp_token_mean_one_microbatch_per_rank"]["microbatches"] == [(1, 1),
+                                                                                           (1, 1)]
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("cp2_")])
 def test_cp2_full_sequence_loss_with_cp_factor_equals_cp1(results, case):
-    """Rule 5, second option: each CP rank's normalizers come from its own half of the tokens, then both
-    ranks compute the loss of every full (gathered) sequence; cp_factor=2 in Z makes CP=2 equal CP=1."""
+    """Rule 5, second option: each CP rank's normalizers come from its own half of the tokens, then
+    both ranks compute the loss of every full (gathered) sequence; cp_factor=2 in Z makes CP=2
+    equal CP=1."""
     r = results["cases"][case]
     assert_grads_match(r["grads"], r["ref_grads"])
     for term, value in r["ref_reported"].items():

@@ -1,4 +1,5 @@
-"""The training loop: CLI end to end, reproducibility, world-size invariance, packing, advantages, bad input."""
+"""The training loop: CLI end to end, reproducibility, world-size invariance, packing, advantages,
+bad input."""
 
 import json
 import math
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 import nanoareal as N
+import tasks
+from logs import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "assets" / "tiny-arith")
@@ -20,7 +23,8 @@ FAST = ["--prompts-per-step", "8", "--group-size", "4", "--eval-size", "32", "--
 NOISE = ("time/", "tokens_per_s")  # wall-clock metrics legitimately differ between runs
 
 
-def run_cli(args: list[str], nproc: int = 1, timeout: int = 240, **env_extra: str) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], nproc: int = 1, timeout: int = 240,
+            **env_extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env_extra)
     if nproc == 1:
         cmd = [sys.executable, str(ROOT / "nanoareal.py"), *args]
@@ -31,7 +35,8 @@ def run_cli(args: list[str], nproc: int = 1, timeout: int = 240, **env_extra: st
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={port}", str(ROOT / "nanoareal.py"), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-3000:]}")
     return proc
 
 
@@ -40,7 +45,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def test_cli_run_writes_metrics_console_wandb_and_a_loadable_export(tmp_path):
-    proc = run_cli([*FAST, "--steps", "2", "--run-dir", str(tmp_path), "--wandb-project", "nanoareal-test"],
+    proc = run_cli([*FAST, "--steps", "2", "--run-dir", str(tmp_path), "--wandb-project",
+                    "nanoareal-test"],
                    WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")
     offline_runs = list((tmp_path / "wandb").glob("offline-run-*/*.wandb"))
     assert len(offline_runs) == 1 and offline_runs[0].stat().st_size > 0
@@ -48,13 +54,13 @@ def test_cli_run_writes_metrics_console_wandb_and_a_loadable_export(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert set(rows[0]) == {"step", "eval/accuracy"}
     for r in rows[1:]:
-        for key in ("reward", "accuracy", "loss/policy", "response_len", "policy/clip_frac", "zero_adv_frac",
-                    "truncated_frac", "grad_norm", "tokens_per_s", "time/rollout", "time/train", "time/sync",
-                    "entropy", "lr"):
+        for key in ("reward", "accuracy", "loss/policy", "response_len", "policy/clip_frac",
+                    "zero_adv_frac", "truncated_frac", "grad_norm", "tokens_per_s", "time/rollout",
+                    "time/train", "time/sync", "entropy", "lr"):
             assert key in r and math.isfinite(r[key]), key
         assert 0 <= r["reward"] <= 1 and r["response_len"] > 0 and r["grad_norm"] > 0
     assert "eval/accuracy" in rows[2]
-    assert "step    2 | reward" in proc.stdout and "final held-out accuracy" in proc.stdout
+    assert "step 2/2  reward" in proc.stdout and "final held-out accuracy" in proc.stdout
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
@@ -71,34 +77,39 @@ def test_same_seed_gives_identical_metrics_and_another_seed_does_not(tmp_path):
     args = [*FAST, "--steps", "2", "--eval-every", "0"]
     run_cli([*args, "--run-dir", str(tmp_path / "a")])
     run_cli([*args, "--run-dir", str(tmp_path / "b")])
-    run_cli([*args, "--run-dir", str(tmp_path / "c"), "--seed", "1", "--eval-every", "2", "--eval-size", "256"])
+    run_cli([*args, "--run-dir", str(tmp_path / "c"), "--seed", "1", "--eval-every", "2",
+             "--eval-size", "256"])
     a, b, c = (_comparable(read_metrics(tmp_path / x)) for x in "abc")
     assert a == b
     assert a[0] != c[1]
-    # --seed changes the run, never the task: the held-out split stays the one the warm start was measured on
+    # --seed changes the run, never the task: the held-out split stays the one the warm start was
+    # measured on
     shipped = json.loads((Path(TINY) / "build_info.json").read_text())["heldout_acc"]
     assert c[0] == {"step": 0, "eval/accuracy": pytest.approx(shipped)}
 
 
 def test_two_ranks_match_one_process_on_step_one_metrics_and_parameters(tmp_path):
-    # 6 prompts over 2 ranks, token budget small enough for several (and uneven) micro-batches per rank
+    # 6 prompts over 2 ranks, token budget small enough for several (and uneven) micro-batches per
+    # rank
     args = ["--prompts-per-step", "6", "--group-size", "4", "--eval-every", "0", "--steps", "1",
             "--micro-batch-tokens", "40", "--loss-aggregation", "prompt_mean"]
     run_cli([*args, "--run-dir", str(tmp_path / "one")])
     run_cli([*args, "--run-dir", str(tmp_path / "two")], nproc=2)
     one, two = read_metrics(tmp_path / "one")[0], read_metrics(tmp_path / "two")[0]
     for k, v in one.items():
-        # positions fed depend on how groups fall into micro-batches (a split group feeds its prompt once per part)
+        # positions fed depend on how groups fall into micro-batches (a split group feeds its prompt
+        # once per part)
         if not k.startswith((*NOISE, "train_positions")):
             assert two[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
     from safetensors.torch import load_file
 
-    p1, p2 = load_file(tmp_path / "one/final/model.safetensors"), load_file(tmp_path / "two/final/model.safetensors")
+    p1 = load_file(tmp_path / "one/final/model.safetensors")
+    p2 = load_file(tmp_path / "two/final/model.safetensors")
     base = load_file(Path(TINY) / "model.safetensors")
     for name in p1:
         assert (p1[name] - p2[name]).norm() <= 1e-5 * p1[name].norm(), name
-        # the update itself (~lr, far below fp32 resolution of the parameters at 1e-5) must agree too, so that
-        # this test fails if one run did not step or stepped with another scale
+        # the update itself (~lr, far below fp32 resolution of the parameters at 1e-5) must agree
+        # too, so that this test fails if one run did not step or stepped with another scale
         delta1, delta2 = p1[name] - base[name], p2[name] - base[name]
         assert delta1.norm() > 0
         assert (delta1 - delta2).norm() <= 1e-3 * delta1.norm(), name
@@ -123,14 +134,17 @@ def test_packed_forward_equals_per_sequence_forward():
 
 
 def _sample(group: int, prompt: list[int], out: list[int], reason="stop", adv=0.5) -> N.Sample:
-    return N.Sample(group, prompt, N.Completion(out, [-0.1 * (i + 1) for i in range(len(out))], reason),
+    return N.Sample(group, prompt, N.Completion(out, [-0.1 * (i + 1) for i in range(len(out))],
+                                                reason),
                     advantage=adv)
 
 
 def test_pack_microbatches_aligns_targets_masks_and_respects_the_token_budget():
-    cfg = N.Config(micro_batch_tokens=10, share_prompts=False)  # shared prompts: tests/test_attention.py
-    samples = [_sample(0, [5, 6, 7], [8, 9]), _sample(0, [5, 6, 7], [10]), _sample(1, [4, 4], [3, 3, 3, 1])]
-    mbs = N.pack_microbatches(samples, cfg, pad_id=0)
+    # shared prompts: tests/test_attention.py
+    cfg = N.Config(micro_batch_tokens=10, share_prompts=False)
+    samples = [_sample(0, [5, 6, 7], [8, 9]), _sample(0, [5, 6, 7], [10]),
+               _sample(1, [4, 4], [3, 3, 3, 1])]
+    mbs = N.pack_microbatches(samples, cfg)
     # a sequence's last token is never an input (it predicts nothing): 4 + 3 positions, then 5
     assert [mb["input_ids"].numel() for mb in mbs] == [7, 5]
     mb = mbs[0]
@@ -142,14 +156,14 @@ def test_pack_microbatches_aligns_targets_masks_and_respects_the_token_budget():
     assert mb["behave_logprobs"][2:4].tolist() == pytest.approx([-0.1, -0.2])
     assert mb["seq_ids"].tolist() == [-1, -1, 0, 0, -1, -1, 1]
     assert mb["segments"].tolist() == [[0, 4, 0, 0], [4, 3, 0, 0]]
-    with pytest.raises(SystemExit, match="micro-batch-tokens"):
-        N.pack_microbatches([_sample(0, [1] * 8, [2] * 4)], cfg, pad_id=0)
+    with pytest.raises(UserError, match="micro-batch-tokens"):
+        N.pack_microbatches([_sample(0, [1] * 8, [2] * 4)], cfg)
 
 
 def test_mask_truncated_removes_truncated_responses_from_numerator_and_denominator():
     cfg = N.Config(mask_truncated=True, loss_aggregation="seq_mean")
     samples = [_sample(0, [5, 6], [8, 9], "length"), _sample(0, [5, 6], [10, 1])]
-    mb = N.pack_microbatches(samples, cfg, pad_id=0)[0]  # shared prefix [5], tails [6 8] and [6 10]
+    mb = N.pack_microbatches(samples, cfg)[0]  # shared prefix [5], tails [6 8] and [6 10]
     assert mb["loss_mask"].tolist() == [0, 0, 0, 1, 1]
     assert mb["denom_mask"].tolist() == mb["loss_mask"].tolist()
     assert mb["norm_weight"][3].item() == pytest.approx(0.5)
@@ -185,11 +199,14 @@ def test_group_advantages_match_a_naive_loop_for_ragged_interleaved_groups(estim
 
 
 def test_group_advantage_edge_cases():
-    # a group of one gets 0, an all-equal group gets 0 (not NaN); rewards (1, 0): mean 0.5, unbiased std sqrt(0.5)
+    # a group of one gets 0, an all-equal group gets 0 (not NaN); rewards (1, 0): mean 0.5, unbiased
+    # std sqrt(0.5)
     adv = N.group_advantages(torch.tensor([1.0, 0.5, 0.5, 1.0, 0.0]), torch.tensor([0, 1, 1, 2, 2]))
     assert adv[0] == 0 and adv[1] == 0 and adv[2] == 0
-    assert adv[3] == pytest.approx(0.5 / math.sqrt(0.5), rel=1e-5) and adv[4] == pytest.approx(-adv[3])
-    assert torch.isfinite(N.group_advantages(torch.tensor([]), torch.tensor([], dtype=torch.long))).all()
+    assert adv[3] == pytest.approx(0.5 / math.sqrt(0.5),
+                                   rel=1e-5) and adv[4] == pytest.approx(-adv[3])
+    empty = N.group_advantages(torch.tensor([]), torch.tensor([], dtype=torch.long))
+    assert torch.isfinite(empty).all()
 
 
 def test_zero_variance_groups_are_detected_per_sample():
@@ -215,43 +232,48 @@ def test_prompts_for_step_is_a_function_of_seed_and_step_and_covers_each_epoch()
     ('{"answer": "1"}', 'exactly one of "prompt"'),
     ('{"prompt": "x", "messages": [], "answer": "1"}', 'exactly one of "prompt"'),
     ('{"messages": [{"role": "user"}], "answer": "1"}', '"role" and "content"'),
-    ('{"prompt": "2+2="}', 'missing "answer"'),
+    ('{"prompt": "2+2=", "answer": [1]}', '"answer" must be a string or a number'),
 ])
 def test_malformed_jsonl_names_the_file_and_line(tmp_path, line, message):
     path = tmp_path / "data.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n' + line + "\n")
-    with pytest.raises(SystemExit, match=rf"data.jsonl:2: .*{message}"):
-        N.load_jsonl(str(path))
+    with pytest.raises(UserError, match=rf"data.jsonl:2: .*{message}"):
+        tasks.load_jsonl(str(path))
 
 
 def test_jsonl_prompts_and_messages_load():
-    rows = [{"prompt": "1+1=", "answer": 2}, {"messages": [{"role": "user", "content": "hi"}], "answer": "x"}]
+    rows = [{"prompt": "1+1=", "answer": 2}, {"messages": [{"role": "user", "content": "hi"}],
+                                              "answer": "x"}]
     import tempfile
 
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.write("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    items = N.load_jsonl(f.name)
-    assert items[0] == {"prompt": "1+1=", "answer": "2"} and items[1]["messages"][0]["content"] == "hi"
+    rows = tasks.load_jsonl(f.name)
+    # rows kept whole
+    assert rows[0] == {"prompt": "1+1=", "answer": 2} and rows[1]["messages"][0]["content"] == "hi"
 
 
 def test_gsm8k_reward_extracts_the_final_number():
-    assert N.reward_gsm8k("so 3 + 4 = 7. The answer is 1,234.", "#### 1234") == 1.0
-    assert N.reward_gsm8k("#### 42 and later 7", "42") == 1.0
-    assert N.reward_gsm8k("the answer is 41", "#### 42") == 0.0
-    assert N.reward_gsm8k("no number", "42") == 0.0
-    assert N.reward_gsm8k("-3.50", "-3.5") == 1.0
-    assert N.reward_exact_match(" 46 ", "46") == 1.0 and N.reward_exact_match("460", "46") == 0.0
+    gsm8k = lambda text, answer: tasks.gsm8k(text, {"answer": answer})[0]
+    assert gsm8k("so 3 + 4 = 7. The answer is 1,234.", "#### 1234") == 1.0
+    assert gsm8k("#### 42 and later 7", "42") == 1.0
+    assert gsm8k("the answer is 41", "#### 42") == 0.0
+    assert gsm8k("no number", "42") == 0.0
+    assert gsm8k("-3.50", "-3.5") == 1.0
+    assert tasks.exact_match(" 46 ", {"answer": 46}) == 1.0
+    assert tasks.exact_match("460", {"answer": "46"}) == 0.0
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--loss-aggregation", "constant", "--loss-aggregation-divisor", "-1"], "--loss-aggregation-divisor"),
+    (["--loss-aggregation", "constant", "--loss-aggregation-divisor", "-1"],
+     "--loss-aggregation-divisor"),
     (["--group-size", "1"], "--group-size 1"),
     (["--num-minibatches", "0"], "--num-minibatches"),
     (["--rollout-url", "http://127.0.0.1:1"], "--rollout-backend sglang"),
 ])
 def test_contradictory_options_fail_in_one_line_naming_the_flags(args, message):
     cfg = N.parse_config(args)
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(UserError, match=message):
         N.validate_config(cfg, world=1)
 
 
@@ -261,5 +283,5 @@ def test_config_file_supplies_defaults_and_flags_override(tmp_path):
     cfg = N.parse_config(["--config", str(path), "--lr", "0.25"])
     assert cfg.lr == 0.25 and cfg.loss_aggregation == "seq_mean"
     path.write_text("not_a_flag = 1\n")
-    with pytest.raises(SystemExit, match="unknown keys"):
+    with pytest.raises(UserError, match="unknown keys"):
         N.parse_config(["--config", str(path)])

@@ -1,7 +1,9 @@
-"""SGLang backends of rollout.py, on CPU: a stand-in SGLang HTTP server (tests/sglang_standin.py) for the remote
-backend, and a fake `sglang` module whose Engine enforces the colocated call sequence.
+"""SGLang backends of rollout.py, on CPU: a stand-in SGLang HTTP server (tests/sglang_standin.py)
+for the remote backend, and a fake `sglang` module whose Engine enforces the colocated call
+sequence.
 
-Neither is real SGLang: tests/gpu/check_sglang.py runs the same checks against the real thing on a GPU.
+Neither is real SGLang: tests/gpu/check_sglang.py runs the same checks against the real thing on
+a GPU.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # -----------------------------------------------------------------------------
-# fixtures: a throwaway tiny llama with a character tokenizer (llama model_type: see NOTES tokenizer pitfalls)
+# fixtures: a throwaway tiny llama with a character tokenizer (llama model_type: see NOTES tokenizer
+# pitfalls)
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +40,12 @@ def model_dir(tmp_path_factory):
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>",
+                                  unk_token="<unk>")
     tok.save_pretrained(out)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=1, pad_token_id=0)
     LlamaForCausalLM(cfg).save_pretrained(out)
@@ -60,7 +65,8 @@ def client(server_or_urls, model_dir, tmp_path, **kw) -> RemoteSGLangEngine:
     return RemoteSGLangEngine(urls, model_dir, str(tmp_path), **kw)
 
 
-PROMPTS = [[3 + i % 10, 13, 3 + (i * 7) % 10, 14] for i in range(6)]  # "a+b=" in the character vocabulary
+# "a+b=" in the character vocabulary
+PROMPTS = [[3 + i % 10, 13, 3 + (i * 7) % 10, 14] for i in range(6)]
 SAMPLING = SamplingParams(max_new_tokens=6, temperature=0.8, stop_token_ids=[1])
 
 
@@ -72,14 +78,16 @@ def test_remote_generate_returns_the_servers_tokens_and_logprobs(server, model_d
     eng = client(server, model_dir, tmp_path)
     seeds = list(range(len(PROMPTS)))
     got = eng.generate(PROMPTS, SAMPLING, seeds)
-    want = HFEngine(model_dir).generate(PROMPTS, SAMPLING, seeds)  # the stand-in's engine, same seeds
+    # the stand-in's engine, same seeds
+    want = HFEngine(model_dir).generate(PROMPTS, SAMPLING, seeds)
     assert [c.output_ids for c in got] == [c.output_ids for c in want]
     assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
     for g, w in zip(got, want):
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-6)
     body = server.generate_bodies[0]
     assert body["return_logprob"] is True and body["rid"]
-    assert body["sampling_params"]["max_new_tokens"] == 6 and body["sampling_params"]["stop_token_ids"] == [1]
+    params = body["sampling_params"]
+    assert params["max_new_tokens"] == 6 and params["stop_token_ids"] == [1]
     eng.shutdown()
 
 
@@ -134,7 +142,8 @@ def test_server_that_never_becomes_healthy_fails_fast_and_clearly(model_dir, tmp
     s = StandinSGLangServer(model_dir, start_delay=1e6).start()
     try:
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match=rf"{s.url} did not become healthy within 0.5s.*HTTP 503"):
+        with pytest.raises(RuntimeError,
+                           match=rf"{s.url} did not become healthy within 0.5s.*HTTP 503"):
             client(s, model_dir, tmp_path, health_timeout=0.5)
         assert time.monotonic() - t0 < 5
     finally:
@@ -154,13 +163,15 @@ def test_older_server_without_sampling_seed_is_still_served(server, model_dir, t
 # weight sync through the disk, round trip
 
 
-def _trainer_logprobs(model, prompt: list[int], completion: Completion, temperature: float) -> torch.Tensor:
+def _trainer_logprobs(model, prompt: list[int], completion: Completion,
+                      temperature: float) -> torch.Tensor:
     import nanoareal
 
     full = prompt + completion.output_ids
     ids = torch.tensor([full])
     with torch.no_grad():
-        lp, _ = nanoareal.policy_logprobs(model, ids, torch.arange(len(full))[None], torch.tensor(full[1:] + [0]),
+        lp, _ = nanoareal.policy_logprobs(model, ids, torch.arange(len(full))[None],
+                                          torch.tensor(full[1:] + [0]),
                                           temperature)
     return lp[len(prompt) - 1 : len(full) - 1]
 
@@ -179,22 +190,26 @@ def test_disk_sync_round_trip_stand_in_logprobs_equal_trainers(model_dir, tmp_pa
                 p.add_(0.05 * torch.randn_like(p))
         sampling = SamplingParams(max_new_tokens=8, temperature=0.7)
         before = eng.generate([PROMPTS[0]], sampling, [3])[0]
-        assert (_trainer_logprobs(model, PROMPTS[0], before, 0.7) - torch.tensor(before.logprobs)).abs().max() > 1e-3
+        assert (_trainer_logprobs(model, PROMPTS[0], before,
+                                  0.7) - torch.tensor(before.logprobs)).abs().max() > 1e-3
 
         eng.update_weights(model)
         after = eng.generate([PROMPTS[0]], sampling, [3])[0]
-        diff = (_trainer_logprobs(model, PROMPTS[0], after, 0.7) - torch.tensor(after.logprobs)).abs().max()
+        diff = (_trainer_logprobs(model, PROMPTS[0], after,
+                                  0.7) - torch.tensor(after.logprobs)).abs().max()
         assert diff < 1e-5
 
         sync = [c for c in s.calls if c not in ("/generate", "/health_generate")]
         if session:
-            assert sync == ["/begin_weight_update", "/update_weights_from_disk", "/end_weight_update", "/flush_cache"]
+            assert sync == ["/begin_weight_update", "/update_weights_from_disk",
+                            "/end_weight_update", "/flush_cache"]
         else:  # 404 on begin: an older server, so no end either
             assert sync == ["/begin_weight_update", "/update_weights_from_disk", "/flush_cache"]
         eng.update_weights(model)  # the second sync replaces the first directory
         root = tmp_path / "weights_sync"
         assert sorted(os.listdir(root)) == ["step_000002"]
-        assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(root / "step_000002"))
+        assert {"config.json", "model.safetensors",
+                "tokenizer.json"} <= set(os.listdir(root / "step_000002"))
     finally:
         s.stop()
 
@@ -204,7 +219,8 @@ def test_disk_sync_round_trip_stand_in_logprobs_equal_trainers(model_dir, tmp_pa
 
 
 def install_fake_sglang(monkeypatch, new: bool) -> list:
-    """new=True: SGLang >= 0.5.21 (begin/end_weight_update, cuda_graph tag, sampling_seed); False: older."""
+    """new=True: SGLang >= 0.5.21 (begin/end_weight_update, cuda_graph tag, sampling_seed); False:
+    older."""
     log: list = []
 
     class Engine:
@@ -218,10 +234,10 @@ def install_fake_sglang(monkeypatch, new: bool) -> list:
             assert not self.released, f"generate with released memory {self.released}"
             assert return_logprob and len(input_ids) == len(sampling_params)
             log.append(("generate", sampling_params))
-            return [{"output_ids": [1], "meta_info": {"id": str(i), "finish_reason": {"type": "stop", "matched": 1},
-                                                      "prompt_tokens": len(p), "completion_tokens": 1,
-                                                      "output_token_logprobs": [(-0.5, 1, None)]}}
-                    for i, p in enumerate(input_ids)]
+            meta = lambda i, p: {"id": str(i), "finish_reason": {"type": "stop", "matched": 1},
+                                 "prompt_tokens": len(p), "completion_tokens": 1,
+                                 "output_token_logprobs": [(-0.5, 1, None)]}
+            return [{"output_ids": [1], "meta_info": meta(i, p)} for i, p in enumerate(input_ids)]
 
         def release_memory_occupation(self, tags=None):
             assert not (set(tags) & self.released), "releasing a tag twice"
@@ -236,8 +252,9 @@ def install_fake_sglang(monkeypatch, new: bool) -> list:
         def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
             assert "weights" not in self.released, "weights must be resumed before an update"
             if new:
-                assert self.in_session, "SGLang >= 0.5.21: updates only inside begin/end_weight_update"
-            log.append(("update", [(n, tuple(t.shape), t.dtype) for n, t in named_tensors], flush_cache))
+                assert self.in_session, "SGLang >= 0.5.21: updates only inside begin/end"
+            log.append(("update", [(n, tuple(t.shape), t.dtype) for n, t in named_tensors],
+                        flush_cache))
 
         def flush_cache(self):
             log.append(("flush",))
@@ -256,7 +273,8 @@ def install_fake_sglang(monkeypatch, new: bool) -> list:
             self.in_session = False
             log.append(("end",))
 
-        Engine.begin_weight_update, Engine.end_weight_update = begin_weight_update, end_weight_update
+        Engine.begin_weight_update = begin_weight_update
+        Engine.end_weight_update = end_weight_update
 
     sglang = types.ModuleType("sglang")
     sglang.Engine = Engine
@@ -287,7 +305,8 @@ def test_colocated_engine_call_sequence_and_buckets(monkeypatch, model_dir, new)
     from transformers import AutoModelForCausalLM
 
     log = install_fake_sglang(monkeypatch, new)
-    eng = SGLangEngine(model_dir, gpu_id=0, device="cpu", bucket_mb=0.005)  # ~5 kB buckets: several of them
+    # ~5 kB buckets: several of them
+    eng = SGLangEngine(model_dir, gpu_id=0, device="cpu", bucket_mb=0.005)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
 
     out = eng.generate(PROMPTS[:2], SAMPLING, [7, 8])
@@ -302,7 +321,8 @@ def test_colocated_engine_call_sequence_and_buckets(monkeypatch, model_dir, new)
     kinds = [e[0] for e in log]
     first_update, last_update = kinds.index("update"), len(kinds) - 1 - kinds[::-1].index("update")
     expected = (["init", "generate", "release", "resume"] + (["begin"] if new else []) + ["update"]
-                * (last_update - first_update + 1) + (["end"] if new else []) + ["resume", "flush", "generate",
+                * (last_update - first_update + 1) + (["end"] if new else []) + ["resume", "flush",
+                                                                                 "generate",
                                                                                     "shutdown"])
     assert kinds == expected
     assert log[2] == ("release", ["kv_cache", "weights", *graph])
@@ -314,7 +334,8 @@ def test_colocated_engine_call_sequence_and_buckets(monkeypatch, model_dir, new)
 
     updates = [e for e in log if e[0] == "update"]
     assert len(updates) > 2
-    assert [e[2] for e in updates] == [False] * (len(updates) - 1) + [True]  # flush only with the last bucket
+    # flush only with the last bucket
+    assert [e[2] for e in updates] == [False] * (len(updates) - 1) + [True]
     sent = [item for e in updates for item in e[1]]
     state = model.state_dict()
     assert sorted(n for n, _, _ in sent) == sorted(state)  # every tensor exactly once
@@ -334,19 +355,21 @@ def test_iter_buckets_respects_the_budget_and_marks_the_last():
 # the real training loop through the remote backend
 
 
-def test_training_loop_runs_through_the_remote_backend_with_faults(server, model_dir, tmp_path, monkeypatch):
+def test_training_loop_runs_through_the_remote_backend_with_faults(server, model_dir, tmp_path,
+                                                                   monkeypatch):
     server.abort_after = (2, 1)  # two aborted requests are resubmitted
     server.fail_5xx = 1  # one 5xx is retried
     run_dir = tmp_path / "run"
-    argv = ["--rollout-backend", "sglang", "--rollout-url", server.url, "--model", model_dir, "--run-dir",
-            str(run_dir), "--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4",
-            "--eval-every", "0", "--device", "cpu", "--rollout-retries", "2"]
-    # In-process (the same argv the CLI parses) to spare a second import of torch + transformers; the loop sets up
-    # and tears down its own one-rank process group.
+    argv = ["--rollout-backend", "sglang", "--rollout-url", server.url, "--model", model_dir,
+            "--run-dir", str(run_dir), "--steps", "2", "--prompts-per-step", "4", "--group-size",
+            "4", "--max-new-tokens", "4", "--eval-every", "0", "--device", "cpu",
+            "--rollout-retries", "2"]
+    # In-process (the same argv the CLI parses) to spare a second import of torch + transformers;
+    # the loop sets up and tears down its own one-rank process group.
     import nanoareal
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    nanoareal.main(argv)
+    assert nanoareal.run(argv) == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if "reward" in row] == [1, 2]
     assert server.calls.count("/update_weights_from_disk") == 2

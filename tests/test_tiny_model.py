@@ -1,4 +1,5 @@
-"""The shipped warm-start model (assets/tiny-arith) loads with Auto* classes and sits in the GRPO-able band.
+"""The shipped warm-start model (assets/tiny-arith) loads with Auto* classes and sits in the
+GRPO-able band.
 
 Rebuild it with `python scripts/make_tiny_model.py --out assets/tiny-arith`.
 """
@@ -12,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nanoareal import make_arithmetic_task
+from tasks import make_arithmetic_task
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-arith"
 
@@ -38,7 +39,8 @@ def test_tokenizer_round_trip(tok):
     ids = tok("12+34=46")["input_ids"]
     assert len(ids) == len("12+34=46")  # one token per char, no bos/eos added
     assert tok.decode(ids) == "12+34=46"
-    assert tok.decode(ids + [tok.eos_token_id, tok.pad_token_id], skip_special_tokens=True) == "12+34=46"
+    assert tok.decode(ids + [tok.eos_token_id, tok.pad_token_id],
+                      skip_special_tokens=True) == "12+34=46"
     assert tok("12+34=46", add_special_tokens=True)["input_ids"] == ids
     assert tok.decode(tok(" 7 + 8 = 15")["input_ids"]) == " 7 + 8 = 15"  # spaces survive
     assert tok.eos_token_id is not None and tok.pad_token_id is not None
@@ -60,7 +62,8 @@ def test_model_config(model, tok):
 
 
 def _build_script():
-    """scripts/make_tiny_model.py as a module: its greedy decoder is what measured build_info's accuracy."""
+    """scripts/make_tiny_model.py as a module: its greedy decoder is what measured build_info's
+    accuracy."""
     import importlib.util
 
     path = MODEL_DIR.parents[1] / "scripts" / "make_tiny_model.py"

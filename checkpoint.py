@@ -1,0 +1,227 @@
+"""Checkpoints, resume and the final export: what a run leaves on disk, written so that a kill at
+any moment never leaves a half-written file that a later run would trust.
+
+A checkpoint is run_dir/checkpoints/step_000010/: torch DCP shards of the model and the optimizer
+(each rank writes its own), each rank's RNG states (rng_rank{r}.pt) and meta.json (step,
+scheduler, config, ...), which rank 0 writes last. Everything goes into step_000010.tmp/ first
+and is renamed when complete, so a save killed midway is never picked up. The data position needs
+no saving: the trainer's prompts and sampling noise are functions of (seed, step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to path.tmp, fsync, rename over `path`: readers see the old file or the new one, never
+    a part."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's complete checkpoints, oldest first (a `.tmp` directory, or one without meta.json,
+    is not one)."""
+    found = [p for p in (Path(run_dir) / "checkpoints").glob("step_*")
+             if p.name.removeprefix("step_").isdigit() and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step_")))
+
+
+def rng_states() -> dict:
+    """Every RNG this process has, as tensors and plain lists (loadable with weights_only=True)."""
+    import numpy as np
+
+    version, words, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(words), gauss], "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]}
+
+
+def set_rng_states(state: dict) -> None:
+    import numpy as np
+
+    version, words, gauss = state["python"]
+    random.setstate((version, tuple(words), gauss))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype("uint32"), *rest))
+
+
+def write_meta(tmp: Path, meta: dict) -> None:
+    """The last file of a checkpoint; its presence (after the rename) marks the checkpoint complete.
+    """
+    atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1))
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, meta: dict,
+                    keep: int) -> Path:
+    """Collective (every rank calls it): DCP shards + RNGs into step_N.tmp/, barrier, rank 0 writes
+    meta.json ({"step": step} | meta), renames the directory and deletes the oldest beyond `keep`
+    (0 keeps all)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    rank = dist.get_rank()
+    final = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)  # fsyncs its files
+    torch.save(rng_states(), tmp / f"rng_rank{rank}.pt")
+    dist.barrier()  # every rank's files are written
+    if rank == 0:
+        write_meta(tmp, {"step": step} | meta)
+        shutil.rmtree(final, ignore_errors=True)  # only there when resumed from an older checkpoint
+        tmp.rename(final)
+        _fsync_dir(final.parent)
+        older = [p for p in complete_checkpoints(run_dir)
+                 if int(p.name.removeprefix("step_")) < step]
+        for old in older[: max(len(older) - keep + 1, 0)] if keep > 0 else []:
+            shutil.rmtree(old)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: Path, model, optimizer) -> dict:
+    """Load model, optimizer and this rank's RNG states from a checkpoint (collective); returns its
+    meta."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    meta = json.loads((path / "meta.json").read_text())
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, storage_reader=safe_dcp_reader(path), planner=safe_dcp_planner())
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    # a run resumed on more ranks than it saved with: rank 0's
+    rng = path / f"rng_rank{dist.get_rank()}.pt"
+    set_rng_states(torch.load(rng if rng.exists() else path / "rng_rank0.pt", weights_only=True))
+    return meta
+
+
+def remove_unfinished_saves(run_dir: str | Path) -> None:
+    """Delete step_N.tmp/ directories: saves that were killed before they completed (never trusted).
+    """
+    for stale in (Path(run_dir) / "checkpoints").glob("*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the metrics lines of steps <= `step` (a resumed run writes the rest again), atomically.
+    """
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # a line cut short by a kill
+    atomic_write_text(path, "".join(keep))
+
+
+def safe_dcp_reader(path: Path):
+    """DCP's FileSystemReader unpickles `.metadata` with plain pickle: check it first with an
+    unpickler that only knows DCP's metadata classes, torch sizes and dtypes (tensors themselves
+    load with weights_only=True)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    allowed = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("pathlib", "WindowsPath"), ("torch.distributed.checkpoint.filesystem",
+                                            "_StorageInfo")}
+
+    class MetadataUnpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            ok = (module, name) in allowed or (module == "torch" and isinstance(getattr(torch,
+                                                                                        name, None),
+                                                                                 torch.dtype))
+            dcp_meta = module == "torch.distributed.checkpoint.metadata"
+            ok |= dcp_meta and "." not in name and name[:1].isupper()
+            ok |= dcp_meta and name == "_MEM_FORMAT_ENCODING"
+            if not ok:
+                raise pickle.UnpicklingError(f"{path}/.metadata: refusing to unpickle "
+                                             f"{module}.{name}")
+            return super().find_class(module, name)
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(Path(path) / ".metadata", "rb") as f:
+                MetadataUnpickler(f).load()
+            return super().read_metadata(*args, **kwargs)
+
+    return Reader(path)
+
+
+def safe_dcp_planner():
+    """DCP loads non-tensor values (the optimizer's param_groups) with
+    torch.load(weights_only=False): check each with weights_only=True first (plain numbers,
+    strings, lists pass)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            torch.load(value, weights_only=True)
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return Planner()
+
+
+def export_hf(model, tokenizer, src: str, out_dir: Path) -> None:
+    """Write a `from_pretrained`-loadable safetensors copy (and so SGLang-loadable). Collective: all
+    ranks call it; rank 0 writes into a temporary directory renamed when complete, so a crash
+    never leaves half a model."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoConfig
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                 cpu_offload=True))
+    if dist.get_rank() != 0:
+        return
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # tied weights (input and output embeddings) share storage; safetensors refuses shared tensors,
+    # and from_pretrained re-ties them: keep the first name of each storage
+    seen, tensors = set(), {}
+    for name, t in state.items():
+        if t.numel() == 0 or t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            tensors[name] = t.contiguous()
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    AutoConfig.from_pretrained(src).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if (Path(src) / "generation_config.json").exists():
+        shutil.copy(Path(src) / "generation_config.json", tmp / "generation_config.json")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)

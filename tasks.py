@@ -1,0 +1,255 @@
+"""Tasks and rewards: the built-in tasks (generated here, never downloaded), JSONL datasets, reward
+functions.
+
+A dataset is a list of rows, dicts with "prompt" (a string) or "messages" (a chat), plus whatever
+else the reward needs ("answer" for the built-in rewards). A reward is any function
+
+    def my_reward(completion: str, row: dict) -> float | tuple[float, dict[str, float]]
+
+that gets the decoded completion and the WHOLE dataset row. Returning (reward, metrics) logs the
+mean of each metric as reward/<name>; a "correct" entry (a bool) defines accuracy. Without one, a
+response is correct when it equals the row's "answer" (stripped), so a shaped reward never
+changes what accuracy means. Plug one in with `--reward path/to/file.py:my_reward`; nothing in
+the trainer needs editing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import queue
+import random
+import re
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from logs import UserError
+
+# -----------------------------------------------------------------------------
+# built-in rewards
+
+
+def exact_match(completion: str, row: dict) -> float:
+    """1 if the stripped completion equals the row's "answer", else 0."""
+    return float(completion.strip() == str(row["answer"]).strip())
+
+
+def final_number(text: str) -> str | None:
+    """The number after the last '#### ', else the last number in the text; commas and a trailing
+    dot dropped."""
+    m = re.search(r"####\s*(-?[\d,]*\.?\d+)", text)
+    nums = [m.group(1)] if m else re.findall(r"-?[\d,]*\.?\d+", text)
+    return nums[-1].replace(",", "").rstrip(".") if nums else None
+
+
+def gsm8k(completion: str, row: dict) -> tuple[float, dict]:
+    """GSM8K style: 1 if the completion's final number (a '#### x' wins over the last number) equals
+    the answer's; the completion is correct exactly when it scores 1."""
+    got, want = final_number(completion), final_number(str(row["answer"]))
+    try:
+        ok = got is not None and want is not None and abs(float(got) - float(want)) < 1e-6
+    except ValueError:
+        ok = False
+    return float(ok), {"correct": ok}
+
+
+REWARDS: dict[str, Callable] = {"exact_match": exact_match, "gsm8k": gsm8k}
+NEEDS_ANSWER = {"exact_match", "gsm8k"}  # built-in rewards that read row["answer"]
+
+
+# -----------------------------------------------------------------------------
+# built-in tasks: name -> (train rows, held-out rows, default reward)
+
+
+def make_arithmetic_task(seed: int = 0, max_operand: int = 50,
+                         heldout_size: int = 256) -> tuple[list, list]:
+    """All sums a+b with 0 <= a, b < max_operand, split deterministically into (train, heldout).
+
+    Each row is {"prompt": "12+34=", "answer": "46"}. The split depends only on `seed`, so the
+    SFT warm start, every GRPO run and every test see the same held-out set.
+    """
+    pairs = [(a, b) for a in range(max_operand) for b in range(max_operand)]
+    random.Random(seed).shuffle(pairs)
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+    return rows[heldout_size:], rows[:heldout_size]
+
+
+@dataclass(frozen=True)
+class Task:
+    make: Callable[[], tuple[list, list]]
+    reward: str
+
+
+TASKS: dict[str, Task] = {"arithmetic": Task(make_arithmetic_task, "exact_match")}
+
+
+# -----------------------------------------------------------------------------
+# datasets
+
+
+def load_jsonl(path: str) -> list[dict]:
+    """Rows of {"prompt": str} or {"messages": [{"role", "content"}, ...]} plus any other fields,
+    kept whole."""
+    rows = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not a UTF-8 text file (expected JSON lines)") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+        has_prompt, has_messages = isinstance(row.get("prompt"),
+                                              str), isinstance(row.get("messages"), list)
+        if has_prompt == has_messages:
+            raise UserError(f'{path}:{n}: needs exactly one of "prompt" (string) or "messages" '
+                            '(list)')
+        if has_messages and not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
+                                    for m in row["messages"]):
+            raise UserError(f'{path}:{n}: every message needs "role" and "content"')
+        if "answer" in row and not isinstance(row["answer"], (str, int, float)):
+            raise UserError(f'{path}:{n}: "answer" must be a string or a number')
+        rows.append(row)
+    if not rows:
+        raise UserError(f"{path}: no rows")
+    return rows
+
+
+def load_dataset(dataset: str, eval_dataset: str | None, reward: str) -> tuple[list[dict],
+                                                                               list[dict]]:
+    """(train rows, held-out rows) of a built-in task or of JSONL files. A built-in reward that
+    reads "answer" gets it in every row, or the run stops here naming the first row without one."""
+    if dataset in TASKS:
+        return TASKS[dataset].make()
+    train = load_jsonl(dataset)
+    held = load_jsonl(eval_dataset) if eval_dataset else []
+    if reward in NEEDS_ANSWER:
+        for path, rows in ((dataset, train), (eval_dataset, held)):
+            missing = next((i for i, row in enumerate(rows, 1) if "answer" not in row), None)
+            if missing is not None:
+                raise UserError(f'{path}: row {missing} has no "answer", which --reward {reward} '
+                                'compares with')
+    return train, held
+
+
+def encode_prompt(row: dict, tokenizer, chat_template: bool) -> list[int]:
+    if "messages" in row or chat_template:
+        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    else:
+        text = row["prompt"]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# -----------------------------------------------------------------------------
+# reward functions: built-in names or path/to/file.py:function
+
+
+def resolve_reward_name(reward: str, dataset: str) -> str:
+    """--reward auto: the built-in task's own reward, exact_match for a JSONL dataset."""
+    if reward != "auto":
+        return reward
+    return TASKS[dataset].reward if dataset in TASKS else "exact_match"
+
+
+def load_reward(spec: str) -> Callable:
+    """A built-in reward by name, or `path/to/file.py:function` loaded from that file."""
+    if spec in REWARDS:
+        return REWARDS[spec]
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path.endswith(".py") or not name:
+        raise UserError(f"--reward {spec}: not a built-in reward ({', '.join(REWARDS)}) nor "
+                        "path/to/file.py:function")
+    if not Path(path).is_file():
+        raise UserError(f"--reward {spec}: no such file {path}")
+    module_name = f"nanoareal_reward_{abs(hash(str(Path(path).resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    # so the reward can be pickled or inspected like a normal module
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        raise UserError(f"--reward {spec}: importing {path} failed ({type(e).__name__}: {e})"
+                        ) from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise UserError(f"--reward {spec}: {path} has no function {name!r}")
+    return fn
+
+
+@dataclass
+class Score:
+    reward: float
+    correct: bool | None
+    """None: no verdict (the reward said nothing and the row has no "answer"; or the reward failed).
+    """
+    metrics: dict[str, float]
+
+
+def score_one(reward_fn: Callable, completion: str, row: dict) -> Score:
+    """Run a reward and normalise what it returns: a float, or (float, dict of metrics incl.
+    "correct")."""
+    out, metrics = reward_fn(completion, row), {}
+    if isinstance(out, tuple):
+        if len(out) != 2 or not isinstance(out[1], dict):
+            raise TypeError(f"a reward returns a float or (float, dict), got a tuple of {len(out)}")
+        out, metrics = out[0], dict(out[1])
+    reward = float(out)
+    if not math.isfinite(reward):
+        raise ValueError(f"the reward is {reward}")
+    correct = metrics.pop("correct", None)
+    if correct is None and "answer" in row:
+        correct = completion.strip() == str(row["answer"]).strip()
+    return Score(reward, None if correct is None else bool(correct), {k: float(v) for k,
+                                                                      v in metrics.items()})
+
+
+def compute_rewards(reward_fn: Callable, texts: list[str], rows: list[dict],
+                    timeout: float) -> tuple[list[Score], int, str | None]:
+    """Score every completion on a daemon worker thread -> (scores, errors, first error message).
+
+    A call that raises, returns something unusable or takes longer than `timeout` seconds scores
+    0 (no verdict) and counts as an error; after a timeout the rest of the batch continues on a
+    fresh thread. A thread cannot be killed: a hung pure-Python reward keeps its daemon thread
+    busy (it never blocks exit), and one stuck in C code holding the GIL stalls us too. That is
+    fine for short string checks; a reward that runs untrusted code wants a process of its own.
+    """
+    failed = Score(0.0, None, {})
+
+    def work(start: int, out: queue.Queue) -> None:
+        for i in range(start, len(texts)):
+            try:
+                out.put((i, score_one(reward_fn, texts[i], rows[i]), None))
+            except Exception as e:
+                out.put((i, None, f"{type(e).__name__}: {e}"))
+
+    scores, errors, first_error, i = [failed] * len(texts), 0, None, 0
+    while i < len(texts):
+        results: queue.Queue = queue.Queue()
+        threading.Thread(target=work, args=(i, results), daemon=True).start()
+        while i < len(texts):
+            try:
+                j, score, error = results.get(timeout=timeout)
+            except queue.Empty:  # call i hangs: it scores 0, the next calls run on a new thread
+                errors, i = errors + 1, i + 1
+                first_error = first_error or f"a call took over --reward-timeout {timeout:g}s"
+                break
+            if score is None:
+                errors += 1
+                first_error = first_error or error
+            else:
+                scores[j] = score
+            i = j + 1
+    return scores, errors, first_error
