@@ -15,10 +15,36 @@ import os
 import pickle
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from logs import UserError
+
+
+@dataclass
+class CheckpointConfig:
+    """The checkpoint flags. The trainer's Config inherits them: they are --flags like the rest."""
+
+    # checkpoints
+    ckpt_every: int = 0
+    """Save a checkpoint (model, optimizer, scheduler, RNGs) every N steps and at the end."""
+    keep_ckpts: int = 2
+    """Keep the newest N complete checkpoints of the run (0 keeps all)."""
+    resume: str = "auto"
+    """auto: continue from the run directory's newest complete checkpoint, if any; none: start
+    fresh; or the path of a checkpoint."""
+
+
+def check_checkpoint_config(c: CheckpointConfig) -> None:
+    if c.ckpt_every < 0 or c.keep_ckpts < 0:
+        raise UserError("config error: --ckpt-every and --keep-ckpts must be >= 0")
+    if c.resume not in ("auto", "none") and not (Path(c.resume) / "meta.json").is_file():
+        raise UserError(f"config error: --resume {c.resume} is not a complete checkpoint (no such "
+                        "directory, or no meta.json: a save that never finished); use --resume "
+                        "auto or none")
 
 
 def atomic_write_text(path: Path, text: str) -> None:

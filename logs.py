@@ -6,7 +6,22 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+
+@dataclass
+class LogConfig:
+    """The logging flags. The trainer's Config inherits them: they are --flags like the rest."""
+
+    # logging
+    log_every: int = 1
+    """Print a console line every N steps (metrics.jsonl gets every step)."""
+    wandb_project: str | None = None
+    """Also log to this Weights & Biases project (WANDB_MODE=offline works without a network)."""
+    wandb_run_name: str | None = None
+    """Weights & Biases run name (default: wandb's own)."""
+
 
 
 class UserError(Exception):

@@ -13,7 +13,7 @@ top to bottom: the config, the loop (generate -> reward -> advantages -> loss ->
 The rest is plumbing in flat files that never import this one: loss.py (aggregation modes,
 surrogates and the LossReduction contract that makes gradients independent of micro-batching and
 world size), rollout.py (generation engines), tasks.py (built-in tasks, datasets, rewards),
-attention.py (packed attention and Ulysses context parallel), checkpoint.py (checkpoints, resume,
+modeling.py (packed attention and Ulysses context parallel), checkpoint.py (checkpoints, resume,
 export), logs.py (console and metrics).
 
 Left out on purpose: a critic (GRPO needs none), multi-turn tool use, tensor/pipeline parallel in
@@ -24,6 +24,7 @@ class hierarchies.
 from __future__ import annotations
 
 import faulthandler
+import inspect
 import json
 import math
 import os
@@ -39,19 +40,20 @@ import torch
 import torch.distributed as dist
 import tyro
 
-import attention
 import checkpoint
+import logs
 import loss
+import modeling
 import rollout
 import tasks
 from logs import Logger, UserError, format_line, print0, reduce_sums, step_metrics
 from rollout import Completion, SamplingParams, mix_seed
 
 # -----------------------------------------------------------------------------
-# config: one flat set of flags, `--help` is its documentation. The trainer's flags are here; the
-# loss flags (--loss-aggregation, --policy-loss, --eps-low, --kl-coef, ...) are loss.py's
-# LossConfig, next to the formulas they parametrise, and the rollout flags (--rollout-backend,
-# --rollout-url, ...) are rollout.py's RolloutConfig.
+# config: one flat set of flags, `--help` is its documentation. The trainer's flags are here; each
+# helper file defines the flags it reads: the loss flags (--loss-aggregation, --policy-loss,
+# --eps-low, --kl-coef, ...) are loss.py's LossConfig, next to the formulas they parametrise, and
+# rollout.py, checkpoint.py and logs.py have theirs.
 
 
 DATASET_HELP = (f"A built-in task ({', '.join(tasks.TASKS)}) or a JSONL file of rows with "
@@ -117,9 +119,9 @@ class TrainConfig:
 
     # optimization
     lr: float = 1e-4
-    """AdamW learning rate after warm-up."""
+    """AdamW learning rate, reached after --warmup-steps and then kept or decayed."""
     weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
+    """AdamW's decoupled weight decay: each step shrinks the weights by lr times this factor."""
     beta1: float = 0.9
     """AdamW decay rate of the first moment (the gradient's running mean)."""
     beta2: float = 0.99
@@ -146,26 +148,12 @@ class TrainConfig:
     """Tokens per chunk when hidden states become log-probs: a large vocabulary never holds fp32
     logits for a whole micro-batch."""
 
-    # eval and logging
+    # eval
     eval_every: int = 10
     """Greedy held-out evaluation every N steps, at step 0 and at the end; 0 turns it off."""
     eval_size: int = 256
     """Held-out rows evaluated (the first N of the split)."""
-    log_every: int = 1
-    """Print a console line every N steps (metrics.jsonl gets every step)."""
-    wandb_project: str | None = None
-    """Also log to this Weights & Biases project (WANDB_MODE=offline works without a network)."""
-    wandb_run_name: str | None = None
-    """Weights & Biases run name (default: wandb's own)."""
-
-    # checkpoints and failures
-    ckpt_every: int = 0
-    """Save a checkpoint (model, optimizer, scheduler, RNGs) every N steps and at the end."""
-    keep_ckpts: int = 2
-    """Keep the newest N complete checkpoints of the run (0 keeps all)."""
-    resume: str = "auto"
-    """auto: continue from the run directory's newest complete checkpoint, if any; none: start
-    fresh; or the path of a checkpoint."""
+    # failures
     max_bad_steps: int = 3
     """Stop after this many steps in a row with a non-finite loss or gradient norm (skipped)."""
     reward_timeout: float = 5.0
@@ -187,8 +175,9 @@ class TrainConfig:
 
 
 @dataclass
-class Config(loss.LossConfig, rollout.RolloutConfig, TrainConfig):
-    """Every flag: the trainer's, then the rollout engine's, then the loss's."""
+class Config(loss.LossConfig, rollout.RolloutConfig, checkpoint.CheckpointConfig, logs.LogConfig,
+             TrainConfig):
+    """Every flag: the trainer's, then logging, checkpoints, the rollout engine and the loss."""
 
 
 # -----------------------------------------------------------------------------
@@ -199,15 +188,15 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(argv)  # flags and --config TOML
     ranks, device = setup_distributed(cfg)  # torchrun's environment, or a world of one
     validate_config(cfg, ranks.world)  # every check of the flags, before anything heavy loads
+    reward_fn = tasks.load_reward(cfg.reward)
     torch.manual_seed(cfg.seed)
 
-    # data: the task's rows, every prompt tokenized once, and the reward function
+    # data: the task's rows, every prompt tokenized once
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     train_rows, eval_rows = tasks.load_dataset(cfg.dataset, cfg.eval_dataset, cfg.reward)
     eval_rows = eval_rows[: cfg.eval_size]
-    reward_fn = tasks.load_reward(cfg.reward)
     encoded = [tasks.encode_prompt(row, tokenizer, cfg.chat_template) for row in train_rows]
     check_token_budget(encoded, cfg)
 
@@ -287,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def parse_config(argv: list[str] | None = None) -> Config:
     argv = sys.argv[1:] if argv is None else argv
+    _flowing_help()
     defaults = Config()
     if "--config" in argv:  # a TOML file supplies defaults, the command line overrides them
         import tomllib
@@ -303,6 +293,16 @@ def parse_config(argv: list[str] | None = None) -> Config:
             raise UserError(f"--config {path}: unknown keys {unknown}")
         defaults = Config(**{k.replace("-", "_"): v for k, v in values.items()})
     return tyro.cli(Config, args=argv, default=defaults)
+
+
+def _flowing_help() -> None:
+    """tyro keeps the line breaks of a field docstring whose continuation lines are indented (it
+    expects dedented text): clean each docstring first, so --help shows one flowing paragraph."""
+    strings = getattr(tyro, "_strings", None)
+    join = getattr(strings, "remove_single_line_breaks", None)
+    if join is not None and not getattr(join, "flowing", False):
+        strings.remove_single_line_breaks = lambda text: join(inspect.cleandoc(text))
+        strings.remove_single_line_breaks.flowing = True
 
 
 def validate_config(cfg: Config, world: int) -> Config:
@@ -338,11 +338,9 @@ def validate_config(cfg: Config, world: int) -> Config:
         bad(f"--cp-size {cfg.cp_size} must divide the number of ranks ({world})")
     if cfg.micro_batch_tokens < 1 or cfg.logprob_chunk_tokens < 1:
         bad("--micro-batch-tokens and --logprob-chunk-tokens must be positive")
-    if min(cfg.ckpt_every, cfg.keep_ckpts, cfg.max_bad_steps) < 0 or not cfg.reward_timeout > 0:
-        bad("--ckpt-every, --keep-ckpts and --max-bad-steps must be >= 0 and --reward-timeout > 0")
-    if cfg.resume not in ("auto", "none") and not (Path(cfg.resume) / "meta.json").is_file():
-        bad(f"--resume {cfg.resume} is not a complete checkpoint (no such directory, or no "
-            "meta.json: a save that never finished); use --resume auto or none")
+    if cfg.max_bad_steps < 0 or not cfg.reward_timeout > 0:
+        bad("--max-bad-steps must be >= 0 and --reward-timeout > 0")
+    checkpoint.check_checkpoint_config(cfg)
     return cfg
 
 
@@ -644,7 +642,7 @@ def pack_microbatches(samples: list[Sample], cfg: Config) -> list[dict]:
     token) once; each sample feeds only its tail (last prompt token + completion minus its last
     token) at positions p-1.. and attends to the shared prefix. Exact: under causal attention the
     prefix's hidden states depend on the prefix alone, and backward sums every sample's gradient
-    into the one copy. `segments` [R, 4] says who attends to what (attention.py).
+    into the one copy. `segments` [R, 4] says who attends to what (modeling.py).
     """
     lengths = [len(s.completion.output_ids) for s in samples]
     dropped = [cfg.mask_truncated and s.completion.finish_reason == "length" for s in samples]
@@ -763,11 +761,11 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
                             f"{heads} attention heads")
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(device)
     model.config.use_cache = False
-    # every layer's attention: packed rows by segments (attention.py), flash-attn varlen for bf16
+    # every layer's attention: packed rows by segments (modeling.py), flash-attn varlen for bf16
     # on a GPU
-    AttentionInterface.register("packed", attention.packed_attention)
+    AttentionInterface.register("packed", modeling.packed_attention)
     model.set_attn_implementation("packed")
-    model.flash_varlen = attention.load_flash_varlen() if device.type == "cuda" else None
+    model.flash_varlen = modeling.load_flash_varlen() if device.type == "cuda" else None
     mixed = device.type == "cuda" and cfg.dtype == "auto"
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mp = {"mp_policy": bf16} if mixed else {}
@@ -775,7 +773,7 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, **mp)
     fully_shard(model, mesh=mesh, **mp)
-    model.policy_logprobs = types.MethodType(policy_logprobs, model)
+    model.policy_logprobs = types.MethodType(modeling.policy_logprobs, model)
     register_fsdp_forward_method(model, "policy_logprobs")  # the root's parameters are gathered
     loss.fsdp_sum_gradients(model)  # LossReduction divides by the *global* normalizer: sum ranks
     model.train(trainable)
@@ -783,47 +781,11 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
     return model
 
 
-def policy_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0,
-                    chunk: int = 1024, segments: torch.Tensor | None = None,
-                    layout: dict | None = None):
-    """log pi(target_t | prefix) and the entropy at every position of a packed row -> ([T], [T]).
-
-    `segments` is the row's attention layout (pack_microbatches); without it, every run of
-    position_ids from 0 is a sequence of its own. Context parallel passes the whole row's `layout`
-    instead. Logits exist only `chunk` tokens at a time and are recomputed in backward (activation
-    checkpointing), so a 150k vocabulary never holds fp32 logits for a whole micro-batch.
-    """
-    if layout is None:
-        if segments is None:
-            segments = attention.segments_from_positions(position_ids.cpu())
-        layout = attention.attention_layout(segments, input_ids.shape[-1], input_ids.device,
-                                            flash=getattr(model, "flash_varlen", None))
-    hidden = model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                         layout=layout).last_hidden_state[0]
-    weight = model.lm_head.weight
-    out = [torch.utils.checkpoint.checkpoint(_chunk_logprobs, hidden[i : i + chunk], weight,
-                                             targets[i : i + chunk], temperature,
-                                             use_reentrant=False)
-           for i in range(0, hidden.shape[0], chunk)]
-    return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
-
-
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                    temperature: float):
-    logits = hidden @ weight.T
-    half = logits.dtype in (torch.float16, torch.bfloat16)
-    logits = (logits.float() if half else logits) / temperature  # softmax in fp32 at least
-    logz = torch.logsumexp(logits, -1)
-    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
-    entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1)
-    return logprobs, entropy
-
-
 def microbatch_forward(model, mb: dict, cfg: Config, device: torch.device, ranks: Ranks,
                        grad: bool = False):
     """(log-probs, entropy) of a packed micro-batch's positions."""
     ids, pos, targets = mb["input_ids"][0], mb["position_ids"][0], mb["targets"]
-    segments = mb["segments"] if "segments" in mb else attention.segments_from_positions(pos)
+    segments = mb["segments"] if "segments" in mb else modeling.segments_from_positions(pos)
     temperature, chunk = cfg.temperature or 1.0, cfg.logprob_chunk_tokens
     with torch.set_grad_enabled(grad):
         if ranks.cp_size == 1:
@@ -831,10 +793,10 @@ def microbatch_forward(model, mb: dict, cfg: Config, device: torch.device, ranks
                                          targets.to(device), temperature, chunk, segments=segments)
         # Ulysses: this rank's contiguous 1/N of the row goes through the model; the log-probs of
         # the whole row are gathered on every CP rank
-        inputs, layout = attention.ulysses_chunk(ids, pos, targets, segments, ranks.cp_group,
+        inputs, layout = modeling.ulysses_chunk(ids, pos, targets, segments, ranks.cp_group,
                                                  device, flash=getattr(model, "flash_varlen", None))
         logprobs, entropy = model.policy_logprobs(*inputs, temperature, chunk, layout=layout)
-        return attention.gather_row(logprobs, entropy, ranks.cp_group, len(ids))
+        return modeling.gather_row(logprobs, entropy, ranks.cp_group, len(ids))
 
 
 # -----------------------------------------------------------------------------

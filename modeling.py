@@ -193,6 +193,42 @@ def gather_row(logprobs, entropy, group, num_tokens: int) -> tuple:
     return full[0], full[1]
 
 
+def policy_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0,
+                    chunk: int = 1024, segments: torch.Tensor | None = None,
+                    layout: dict | None = None):
+    """log pi(target_t | prefix) and the entropy at every position of a packed row -> ([T], [T]).
+
+    `segments` is the row's attention layout (pack_microbatches); without it, every run of
+    position_ids from 0 is a sequence of its own. Context parallel passes the whole row's `layout`
+    instead. Logits exist only `chunk` tokens at a time and are recomputed in backward (activation
+    checkpointing), so a 150k vocabulary never holds fp32 logits for a whole micro-batch.
+    """
+    if layout is None:
+        if segments is None:
+            segments = segments_from_positions(position_ids.cpu())
+        layout = attention_layout(segments, input_ids.shape[-1], input_ids.device,
+                                            flash=getattr(model, "flash_varlen", None))
+    hidden = model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                         layout=layout).last_hidden_state[0]
+    weight = model.lm_head.weight
+    out = [torch.utils.checkpoint.checkpoint(_chunk_logprobs, hidden[i : i + chunk], weight,
+                                             targets[i : i + chunk], temperature,
+                                             use_reentrant=False)
+           for i in range(0, hidden.shape[0], chunk)]
+    return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
+
+
+def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                    temperature: float):
+    logits = hidden @ weight.T
+    half = logits.dtype in (torch.float16, torch.bfloat16)
+    logits = (logits.float() if half else logits) / temperature  # softmax in fp32 at least
+    logz = torch.logsumexp(logits, -1)
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
+    entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1)
+    return logprobs, entropy
+
+
 def load_flash_varlen():
     """flash_attn_varlen_func, or None when flash-attn is not installed."""
     try:
