@@ -55,6 +55,7 @@ hyper-parameter.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 from collections.abc import Callable
@@ -360,6 +361,17 @@ def sanitize_log_ratio(x: Tensor) -> Tensor:
     return torch.nan_to_num(x, nan=0.0, posinf=math.inf, neginf=-math.inf)
 
 
+LOG_RATIO_BOUND = 20.0
+
+
+def log_ratio(logp: Tensor, other: Tensor) -> Tensor:
+    """log(p / other), sanitised and clamped to +-20 before anything exponentiates it: one token
+    at log-ratio 95 would overflow exp() to inf, and inf * 0 in the branch a clip does not select
+    turns the whole step's gradient into NaN. exp(20) ~ 5e8 is still far beyond any clip or cap,
+    so masks and caps reject such a token as before; beyond the bound its gradient is 0."""
+    return sanitize_log_ratio(logp - other).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
 def ppo_surrogate(logprobs: Tensor, prox_logprobs: Tensor, advantages: Tensor, *,
                   eps_low: float = 0.2,
                   eps_high: float = 0.2, dual_clip: float | None = None
@@ -367,7 +379,7 @@ def ppo_surrogate(logprobs: Tensor, prox_logprobs: Tensor, advantages: Tensor, *
     """l = max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), r = exp(logp - logp_prox) (Schulman et al.
     2017); eps_high > eps_low is DAPO's clip-higher. Dual clip c > 1 (Ye et al. 2020): for A < 0,
     l = min(l, -c A)."""
-    ratio = torch.exp(sanitize_log_ratio(logprobs - prox_logprobs))
+    ratio = torch.exp(log_ratio(logprobs, prox_logprobs))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     loss = torch.maximum(unclipped, clipped)
@@ -391,10 +403,9 @@ def gspo_surrogate(logprobs: Tensor, prox_logprobs: Tensor, advantages: Tensor, 
     is_resp = (seq_ids >= 0) & (mask > 0)
     idx = seq_ids.clamp(min=0)
     n_seq = max(int(seq_ids.max()) + 1 if seq_ids.numel() else 0, 1)  # all -1: slot 0, masked out
-    log_ratio = torch.where(is_resp, sanitize_log_ratio(logprobs - prox_logprobs).detach(), 0.0)
-    sums = torch.zeros(n_seq, dtype=log_ratio.dtype).index_add_(0, idx, log_ratio)
-    counts = torch.zeros(n_seq, dtype=log_ratio.dtype).index_add_(0, idx,
-                                                                  is_resp.to(log_ratio.dtype))
+    token = torch.where(is_resp, log_ratio(logprobs, prox_logprobs).detach(), 0.0)
+    sums = torch.zeros(n_seq, dtype=token.dtype).index_add_(0, idx, token)
+    counts = torch.zeros(n_seq, dtype=token.dtype).index_add_(0, idx, is_resp.to(token.dtype))
     seq_log_ratio = sums / counts.clamp(min=1.0)
     seq_ratio = torch.exp(torch.where(seq_ids >= 0, seq_log_ratio[idx], 0.0))
     ratio = seq_ratio * torch.exp(logprobs - logprobs.detach())
@@ -408,7 +419,7 @@ def cispo_surrogate(logprobs: Tensor, prox_logprobs: Tensor, advantages: Tensor,
                     eps_high: float = 0.2) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, 2025): l = -sg(clip(r, 0, 1+eps_high)) A logp: the clipped importance
     weight scales a REINFORCE gradient, so clipped tokens still get gradient."""
-    ratio = torch.exp(sanitize_log_ratio(logprobs - prox_logprobs)).detach()
+    ratio = torch.exp(log_ratio(logprobs, prox_logprobs)).detach()
     weight = torch.clamp(ratio, 0.0, 1.0 + eps_high)
     loss = -weight * advantages * logprobs
     return loss, {"clipped": (ratio > 1.0 + eps_high).to(logprobs.dtype)}
@@ -419,7 +430,7 @@ def sapo_surrogate(logprobs: Tensor, prox_logprobs: Tensor, advantages: Tensor, 
                    tau_neg: float = 1.05) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO (Qwen, 2025): l = -(4/tau) sigmoid(tau (r - 1)) A with tau = tau_pos if A > 0 else
     tau_neg: a soft trust region instead of a hard clip; at r = 1 its gradient equals PPO's."""
-    ratio = torch.exp(sanitize_log_ratio(logprobs - prox_logprobs))
+    ratio = torch.exp(log_ratio(logprobs, prox_logprobs))
     tau = torch.full_like(advantages, tau_neg).masked_fill(advantages > 0, tau_pos)
     loss = -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * advantages
     return loss, {}
@@ -430,7 +441,7 @@ def behaviour_weights(prox_logprobs: Tensor, behave_logprobs: Tensor, *, cap: fl
     """Decoupled PPO (Hilton et al. 2022): w_t = pi_prox / pi_behave (detached). truncate: w =
     min(w, cap), nothing rejected; mask: tokens with w > cap are rejected (caller sets m_t = 0,
     keeps d_t), the rest keep w. Returns (weights, rejected 0/1)."""
-    w = torch.exp(sanitize_log_ratio(prox_logprobs - behave_logprobs)).detach()
+    w = torch.exp(log_ratio(prox_logprobs, behave_logprobs)).detach()
     if mode == "truncate":
         return torch.clamp(w, max=cap), torch.zeros_like(w)
     rejected = w > cap
@@ -449,8 +460,6 @@ def m2po_mask(prox_logprobs: Tensor, behave_logprobs: Tensor, loss_mask: Tensor,
     is found by bisection over the bit patterns of float64 (monotone for x >= 0), ~64 all_reduces
     of (sum, count).
     """
-    if threshold < 0:
-        raise ValueError(f"--m2po-threshold must be >= 0, got {threshold}")
     x = sanitize_log_ratio(prox_logprobs.detach() - behave_logprobs.detach()).to(torch.float64) ** 2
     valid = loss_mask > 0
 
@@ -477,21 +486,26 @@ def m2po_mask(prox_logprobs: Tensor, behave_logprobs: Tensor, loss_mask: Tensor,
     return loss_mask * (x <= value(lo)).to(loss_mask.dtype)
 
 
-# KL estimators of KL(pi || ref) from samples of pi, with L = logp - logp_ref (Schulman 2020)
+# KL penalties to a reference policy. With L = log pi - log pi_ref on tokens sampled from pi, each
+# estimator's *value* estimates KL(pi || ref) (Schulman, "Approximating KL divergence", 2020), but
+# as a loss only its gradient counts, and those differ:
+#   k1 = L             gradient E_pi[grad L] = E_pi[grad log pi] = 0: pure noise, so not offered;
+#   k2 = L^2 / 2       gradient E_pi[L grad log pi] = grad KL(pi || ref)   (reverse KL);
+#   k3 = e^-L - 1 + L  gradient E_pi[(1 - pi_ref/pi) grad log pi] = grad KL(ref || pi)  (forward
+#                      KL; GRPO's and verl's low_var_kl choice), never negative.
+# L is clamped like every log-ratio, and k3's value, whose e^-L explodes where pi_ref >> pi, at 10.
 KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
-    "k1": lambda L: L,
     "k2": lambda L: 0.5 * L**2,
-    "k3": lambda L: torch.exp(-L) - 1.0 + L,
+    "k3": lambda L: (torch.exp(-L) - 1.0 + L).clamp(max=10.0),
 }
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
-    """Per-token KL(pi || pi_ref) estimates, with L = logp - logp_ref (Schulman's k1/k2/k3): k1 = L;
-    k2 = L^2 / 2; k3 = exp(-L) - 1 + L (non-negative, unbiased)."""
+    """Per-token KL penalty (KL_ESTIMATORS) of log-probs against reference log-probs."""
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"--kl-estimator: unknown estimator {estimator!r}; choose one of "
                          f"{tuple(KL_ESTIMATORS)}")
-    return KL_ESTIMATORS[estimator](sanitize_log_ratio(logprobs - ref_logprobs))
+    return KL_ESTIMATORS[estimator](log_ratio(logprobs, ref_logprobs))
 
 
 # -----------------------------------------------------------------------------
@@ -501,11 +515,12 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") ->
 @dataclass(frozen=True)
 class Surrogate:
     """A policy surrogate as the trainer calls it: fn(mb, logp, prox, adv, cfg) -> (token_loss,
-    stats), with its default clip range."""
+    stats), and its defaults for --eps-low, --eps-high and --loss-aggregation."""
 
     fn: Callable
-    eps_low: float
-    eps_high: float
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    aggregation: str = "token_mean"
 
 
 def _ppo(mb, logp, prox, adv, c):
@@ -526,43 +541,45 @@ def _sapo(mb, logp, prox, adv, c):
     return sapo_surrogate(logp, prox, adv, tau_pos=c.sapo_tau_pos, tau_neg=c.sapo_tau_neg)
 
 
+# GSPO clips a sequence-level ratio, a geometric mean that moves far less than token ratios: the
+# paper uses 3e-4 / 4e-4 with a per-sequence mean (seq_mean), as does verl's recipe
 SURROGATES: dict[str, Surrogate] = {
-    "ppo": Surrogate(_ppo, 0.2, 0.2), "gspo": Surrogate(_gspo, 0.2, 0.2),
-    "cispo": Surrogate(_cispo, 0.2, 0.2), "sapo": Surrogate(_sapo, 0.2, 0.2)}
+    "ppo": Surrogate(_ppo), "gspo": Surrogate(_gspo, 3e-4, 4e-4, "seq_mean"),
+    "cispo": Surrogate(_cispo), "sapo": Surrogate(_sapo)}
 STAT_NAMES = {"clipped": "policy/clip_frac", "dual_clipped": "policy/dual_clip_frac"}
 
 
 @dataclass
 class LossConfig:
-    """The loss flags. The trainer's Config inherits them, so they are --flags like every other
-    option."""
+    """The loss flags. The trainer's Config inherits them: they are --flags like the rest."""
 
     # loss
-    loss_aggregation: Literal[tuple(MODES)] = "token_mean"  # type: ignore[valid-type]
+    loss_aggregation: Literal[("auto", *MODES)] = "auto"  # type: ignore[valid-type]
     """How token losses are averaged over the mini-batch: token_mean (DAPO), seq_mean (GRPO),
-    prompt_mean, or constant (Dr. GRPO); each mode's formula is in loss.py and the README."""
+    prompt_mean or constant (Dr. GRPO); auto is the surrogate's own (seq_mean for gspo, else
+    token_mean). The formulas are in loss.py and the README."""
     loss_aggregation_divisor: float | None = None
-    """The constant C of --loss-aggregation constant (objective = token-loss sum / (responses x C));
-    defaults to --max-new-tokens."""
+    """The constant C of --loss-aggregation constant (objective = token-loss sum / (responses x
+    C)); defaults to --max-new-tokens."""
     policy_loss: Literal[tuple(SURROGATES)] = "ppo"  # type: ignore[valid-type]
-    """Policy surrogate: ppo (clipped ratio), gspo (sequence-level ratio), cispo (clipped importance
-    weight on a REINFORCE gradient) or sapo (soft sigmoid gate instead of a clip)."""
-    eps_low: float = 0.2
-    """Lower clip range: the probability ratio is clipped below at 1 - eps_low (PPO, GSPO)."""
-    eps_high: float = 0.2
-    """Upper clip range: the ratio is clipped above at 1 + eps_high; a value above eps_low is DAPO's
-    clip-higher (also CISPO's weight cap)."""
+    """Policy surrogate: ppo (clipped ratio), gspo (sequence-level ratio), cispo (clipped
+    importance weight on a REINFORCE gradient) or sapo (soft sigmoid gate instead of a clip)."""
+    eps_low: float | None = None
+    """Lower clip range: the ratio is clipped below at 1 - eps_low; default 0.2, and 3e-4 for
+    gspo (its paper's value for a sequence-level ratio)."""
+    eps_high: float | None = None
+    """Upper clip range: the ratio is clipped above at 1 + eps_high (above eps_low: DAPO's
+    clip-higher; CISPO's weight cap); default 0.2, and 4e-4 for gspo."""
     dual_clip: float | None = None
-    """Dual-clip constant c > 1 (Ye et al. 2020): caps the loss of a negative-advantage token at -c
-    A; off by default."""
+    """Dual-clip constant c > 1 (Ye et al. 2020): caps the loss of a negative-advantage token at
+    -c A; off by default."""
     sapo_tau_pos: float = 1.0
-    """SAPO's gate temperature for tokens with positive advantage (higher is a harder trust region).
-    """
+    """SAPO's gate temperature for tokens with positive advantage (higher: harder trust region)."""
     sapo_tau_neg: float = 1.05
     """SAPO's gate temperature for tokens with negative advantage."""
     behaviour_cap: float | None = None
-    """Decoupled PPO: multiply each token's loss by pi_prox/pi_behave (the rollout engine's policy),
-    capped at this value; off by default."""
+    """Decoupled PPO: multiply each token's loss by pi_prox/pi_behave (the rollout engine's
+    policy), capped at this value; off by default."""
     behaviour_cap_mode: Literal["truncate", "mask"] = "truncate"
     """What --behaviour-cap does to a token above the cap: truncate its weight, or mask it out of
     the numerator (it stays in the denominator)."""
@@ -570,25 +587,38 @@ class LossConfig:
     """M2PO: mask the tokens with the largest (log pi_prox/pi_behave)^2 until their mean over the
     kept tokens is at most this value; off by default."""
     entropy_coef: float = 0.0
-    """Weight of an entropy bonus (the token mean of the policy's entropy, subtracted from the
-    loss)."""
+    """Weight of an entropy bonus (the token mean of the policy's entropy, subtracted)."""
     kl_coef: float = 0.0
     """Weight of a KL penalty to the initial policy (token mean; loads a frozen reference copy of
     the model)."""
     kl_estimator: Literal[tuple(KL_ESTIMATORS)] = "k3"  # type: ignore[valid-type]
-    """Per-token KL estimator with L = log pi - log pi_ref: k1 = L, k2 = L^2/2, k3 = exp(-L) - 1 +
-    L."""
+    """KL penalty with L = log pi - log pi_ref: k2 = L^2/2 has the gradient of KL(pi||ref), k3 =
+    exp(-L) - 1 + L that of KL(ref||pi); k1 = L is not offered (its gradient is 0 on average)."""
+
+
+def resolved(c: LossConfig) -> LossConfig:
+    """A copy of the loss flags with the surrogate's defaults filled in: the aggregation mode for
+    auto, the clip range for an unset --eps-low / --eps-high."""
+    if c.policy_loss not in SURROGATES:
+        raise ValueError(f"--policy-loss: unknown surrogate {c.policy_loss!r}; choose one of "
+                         f"{tuple(SURROGATES)}")
+    s = SURROGATES[c.policy_loss]
+    mode = s.aggregation if c.loss_aggregation == "auto" else c.loss_aggregation
+    return dataclasses.replace(c, loss_aggregation=mode,
+                               eps_low=s.eps_low if c.eps_low is None else c.eps_low,
+                               eps_high=s.eps_high if c.eps_high is None else c.eps_high)
 
 
 def check_loss_config(c: LossConfig) -> None:
     """Every loss flag's range, in one place; raises ValueError naming the flag."""
+    c = resolved(c)
     check_mode(c.loss_aggregation, c.loss_aggregation_divisor)
     if c.loss_aggregation != "constant" and c.loss_aggregation_divisor is not None:
         raise ValueError(f"--loss-aggregation-divisor is only used by --loss-aggregation constant "
                          f"(not {c.loss_aggregation})")
-    if c.policy_loss not in SURROGATES:
-        raise ValueError(f"--policy-loss: unknown surrogate {c.policy_loss!r}; choose one of "
-                         f"{tuple(SURROGATES)}")
+    if not (0 <= c.eps_low < 1 and c.eps_high >= 0):
+        raise ValueError(f"--eps-low must be in [0, 1) and --eps-high >= 0, got {c.eps_low} and "
+                         f"{c.eps_high}")
     if c.kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"--kl-estimator: unknown estimator {c.kl_estimator!r}; choose one of "
                          f"{tuple(KL_ESTIMATORS)}")
@@ -601,6 +631,8 @@ def check_loss_config(c: LossConfig) -> None:
                          f"{c.behaviour_cap_mode!r}")
     if c.m2po_threshold is not None and c.m2po_threshold < 0:
         raise ValueError(f"--m2po-threshold must be >= 0, got {c.m2po_threshold}")
+    if min(c.sapo_tau_pos, c.sapo_tau_neg) <= 0 or c.kl_coef < 0:
+        raise ValueError("--sapo-tau-pos and --sapo-tau-neg must be > 0 and --kl-coef >= 0")
 
 
 def masked_sum(values: Tensor, mask: Tensor, weight: Tensor | None = None,
@@ -627,6 +659,7 @@ def build_loss(cfg: LossConfig, group=None, cp_factor: int = 1) -> LossReduction
     policy/behave_reject_frac (over d).
     """
     check_loss_config(cfg)
+    cfg = resolved(cfg)
     surrogate = SURROGATES[cfg.policy_loss]
 
     def policy_fn(mb: dict) -> Tensor:

@@ -108,7 +108,8 @@ class TrainConfig:
     """Baseline subtracted from a sample's reward: grpo, the group's mean; rloo, the mean of the
     other samples of its group (leave-one-out)."""
     adv_std: bool = True
-    """Divide advantages by the group's reward std (GRPO); --no-adv-std is Dr. GRPO's fix."""
+    """Divide grpo advantages by the group's reward std; --no-adv-std is Dr. GRPO's fix (rloo
+    never divides: its advantage is the plain leave-one-out difference)."""
     adv_eps: float = 1e-6
     """Added to the group's std before dividing, so a group with a tiny spread cannot explode."""
     filter_zero_variance: bool = False
@@ -131,7 +132,8 @@ class TrainConfig:
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """Learning rate after warm-up: constant, or cosine decay to 0 at --steps."""
     grad_clip: float = 1.0
-    """Clip the global gradient norm to this value before each optimizer step."""
+    """Clip the global gradient norm to this value before each optimizer step; 0 turns clipping
+    off (the norm is still logged)."""
     num_minibatches: int = 1
     """Optimizer steps per rollout batch, each on a share of its groups; more than one recomputes
     the proximal log-probs with one extra forward pass."""
@@ -165,8 +167,11 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: auto picks CUDA when it is available, else the CPU."""
     dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
-    """Training precision: auto is bf16 mixed precision on a GPU and fp32 on a CPU; float64 is for
-    exactness tests."""
+    """Compute precision: bfloat16 computes in bf16 with fp32 master weights and optimizer state;
+    auto is bfloat16 on a GPU and float32 on a CPU; float64 is for exactness tests."""
+    attention: Literal[tuple(modeling.ATTENTION_PATHS)] = "auto"  # type: ignore[valid-type]
+    """Attention kernel for packed rows: auto picks flash-attn varlen, else PyTorch's varlen_attn,
+    for bf16 on a GPU, and the padded per-segment path otherwise; an impossible one is an error."""
     threads: int = 1
     """PyTorch CPU threads per rank (1 is the stable choice on small machines)."""
     cp_size: int = 1
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
         # (every dp_size-th of the step's list: a group never straddles ranks); a context-parallel
         # group shares one rollout
         prompts = prompts_for_step(len(train_rows), cfg.prompts_per_step, step, cfg.seed)
-        prompts = prompts[ranks.dp_rank :: ranks.dp_size]
+        prompts = list(enumerate(prompts))[ranks.dp_rank :: ranks.dp_size]  # (slot, row)
         samples = generate(engine, encoded, prompts, step, cfg, tokenizer) if ranks.cp_rank == 0 \
             else None
         samples = cp_broadcast(samples, ranks)
@@ -242,8 +247,8 @@ def main(argv: list[str] | None = None) -> None:
         engine.release_memory()
         train_sums, train_stats = train_on_samples(model, ref_model, optimizer, reduction, samples,
                                                    cfg, device, ranks)
+        lr = scheduler.get_last_lr()[0]  # the one this step used
         scheduler.step()
-        lr = optimizer.param_groups[0]["lr"]
         engine.resume_memory()
         t2 = time.perf_counter()
         # sync: the engine generates the next batch with the new weights
@@ -310,18 +315,21 @@ def validate_config(cfg: Config, world: int) -> Config:
     def bad(msg: str):
         raise UserError(f"config error: {msg}")
 
-    if cfg.loss_aggregation == "constant" and cfg.loss_aggregation_divisor is None:
-        cfg.loss_aggregation_divisor = float(cfg.max_new_tokens)
     try:
+        resolved = loss.resolved(cfg)  # the surrogate's defaults for auto aggregation, clip range
+        cfg.loss_aggregation, cfg.eps_low, cfg.eps_high = (resolved.loss_aggregation,
+                                                           resolved.eps_low, resolved.eps_high)
+        if cfg.loss_aggregation == "constant" and cfg.loss_aggregation_divisor is None:
+            cfg.loss_aggregation_divisor = float(cfg.max_new_tokens)
         loss.check_loss_config(cfg)
     except ValueError as e:
         bad(str(e))
     cfg.reward = tasks.resolve_reward_name(cfg.reward, cfg.dataset)
     if cfg.group_size < 1 or cfg.prompts_per_step < 1 or cfg.max_new_tokens < 1:
         bad("--group-size, --prompts-per-step and --max-new-tokens must be positive")
-    if cfg.group_size == 1 and cfg.adv_std:
-        bad("--group-size 1 with --adv-std: a one-sample group has no std (every advantage "
-            "would be 0); use --group-size >= 2")
+    if cfg.group_size == 1:
+        bad("--group-size 1: a sample alone in its group has no baseline to compare with (every "
+            "advantage would be 0); use --group-size >= 2")
     if cfg.num_minibatches < 1 or cfg.num_minibatches > cfg.prompts_per_step:
         bad("--num-minibatches must be in [1, --prompts-per-step]")
     if cfg.m2po_threshold is not None:  # it needs the whole mini-batch's pi_prox before training
@@ -330,8 +338,13 @@ def validate_config(cfg: Config, world: int) -> Config:
         print0("warning: --reuse-train-logprobs is only valid with one mini-batch; recomputing "
                "pi_prox instead")
         cfg.reuse_train_logprobs = False
-    if cfg.temperature < 0:
-        bad("--temperature must be >= 0")
+    if not cfg.temperature > 0:
+        bad(f"--temperature {cfg.temperature}: rollouts must sample (> 0); at 0 every sample of a "
+            "group is the same and every advantage is 0 (held-out eval is always greedy)")
+    if not 0 < cfg.top_p <= 1 or (cfg.top_k < 1 and cfg.top_k != -1):
+        bad("--top-p must be in (0, 1] and --top-k -1 (off) or >= 1")
+    if cfg.grad_clip < 0:
+        bad(f"--grad-clip {cfg.grad_clip}: must be > 0, or 0 to turn clipping off")
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     rollout.check_rollout_config(cfg, cuda)
     if cfg.cp_size < 1 or world % cfg.cp_size:
@@ -422,24 +435,27 @@ def lr_factor(step: int, cfg: Config) -> float:
 
 
 def prompts_for_step(num_rows: int, per_step: int, step: int, seed: int) -> list[int]:
-    """Row indices of a step: consecutive slices of per-epoch seeded permutations. A function of
-    (seed, step) only, so resuming needs no data-loader state and every world size sees the same
-    prompts in the same order."""
-    out, pos = [], step * per_step
-    while len(out) < per_step:
-        epoch, offset = divmod(pos, num_rows)
+    """Row indices of a step's prompts, in slot order. An epoch is a seeded permutation cut into
+    num_rows // per_step steps (the few rows left over sit out that epoch), so a step never holds
+    a row twice. With fewer rows than --prompts-per-step each step concatenates fresh
+    permutations. A function of (seed, step) only: resuming needs no data-loader state and every
+    world size sees the same prompts in the same order."""
+    def permutation(epoch: int) -> list[int]:
         perm = list(range(num_rows))
         random.Random(mix_seed(seed, 0xDA7A, epoch)).shuffle(perm)
-        take = perm[offset : offset + per_step - len(out)]
-        out += take
-        pos += len(take)
-    return out
+        return perm
+
+    if per_step > num_rows:
+        per = -(-per_step // num_rows)  # permutations per step
+        return sum((permutation(step * per + j) for j in range(per)), [])[:per_step]
+    epoch, k = divmod(step, num_rows // per_step)
+    return permutation(epoch)[k * per_step : (k + 1) * per_step]
 
 
 @dataclass
 class Sample:
     group: int
-    """The GRPO group (the prompt's index in the step): advantages compare samples of one group."""
+    """The GRPO group (the prompt's slot in the step): advantages compare samples of one group."""
     prompt_ids: list[int]
     completion: Completion
     reward: float = 0.0
@@ -451,17 +467,18 @@ class Sample:
     correct: bool | None = None
 
 
-def generate(engine, encoded: list[list[int]], prompts: list[int], step: int, cfg: Config,
-             tokenizer) -> list[Sample]:
-    """group_size completions of each prompt; a sample the engine aborted is dropped. Each sample's
-    sampling seed depends on (seed, step, prompt, k) only: not on the rank, the batch or the
-    world size."""
+def generate(engine, encoded: list[list[int]], prompts: list[tuple[int, int]], step: int,
+             cfg: Config, tokenizer) -> list[Sample]:
+    """group_size completions of each (slot, row) prompt; a sample the engine aborted is dropped.
+    The slot is the group id, and with k it keys the sampling seed: a function of (seed, step,
+    slot, k) only, not of the rank, the batch or the world size."""
     sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k,
                               [tokenizer.eos_token_id])
-    groups = [g for g in prompts for _ in range(cfg.group_size)]
-    seeds = [mix_seed(cfg.seed, step, g, k) for g in prompts for k in range(cfg.group_size)]
-    completions = engine.generate([encoded[g] for g in groups], sampling, seeds)
-    return [Sample(g, encoded[g], c, row=g) for g, c in zip(groups, completions)
+    slots = [(slot, row) for slot, row in prompts for _ in range(cfg.group_size)]
+    seeds = [mix_seed(cfg.seed, step, slot, k) for slot, _ in prompts
+             for k in range(cfg.group_size)]
+    completions = engine.generate([encoded[row] for _, row in slots], sampling, seeds)
+    return [Sample(slot, encoded[row], c, row=row) for (slot, row), c in zip(slots, completions)
             if c.finish_reason != "abort"]
 
 
@@ -498,7 +515,8 @@ def score(samples: list[Sample], rows: list[dict], reward_fn, tokenizer, cfg: Co
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo",
                      use_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """Per-sample advantages from rewards and group ids (any sizes, any order; a group of one gets
-    0): A_i = (R_i - baseline_i) / (std_g R + eps), dividing by the (unbiased) std with use_std."""
+    0): A_i = (R_i - baseline_i) / (std_g R + eps), divided by the (unbiased) std only with
+    use_std and an estimator that scales."""
     rewards = rewards.double()
     _, inv = torch.unique(group_ids, return_inverse=True)
     n = torch.zeros(int(inv.max()) + 1 if len(inv) else 0, dtype=torch.float64)
@@ -506,16 +524,17 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: 
     total = torch.zeros_like(n).index_add_(0, inv, rewards)
     squares = torch.zeros_like(n).index_add_(0, inv, (rewards - (total / n)[inv]) ** 2)
     std = (squares / (n - 1).clamp(min=1)).sqrt()
-    adv = rewards - ADVANTAGE_ESTIMATORS[estimator](rewards, total[inv], n[inv])
-    if use_std:
+    baseline, scaled = ADVANTAGE_ESTIMATORS[estimator]
+    adv = rewards - baseline(rewards, total[inv], n[inv])
+    if use_std and scaled:
         adv = adv / (std[inv] + eps)
     return torch.where(n[inv] > 1, adv, torch.zeros_like(adv)).float()
 
 
-# baseline_i from (R_i, the sum of its group's rewards, the group's size)
+# name -> (baseline_i from R_i, its group's reward sum and size; whether --adv-std divides by std)
 ADVANTAGE_ESTIMATORS = {
-    "grpo": lambda r, total, n: total / n,  # the group's mean (Shao et al. 2024)
-    "rloo": lambda r, total, n: (total - r) / (n - 1).clamp(min=1),  # leave-one-out (Ahmadian 2024)
+    "grpo": (lambda r, total, n: total / n, True),  # the group's mean (Shao et al. 2024)
+    "rloo": (lambda r, total, n: (total - r) / (n - 1).clamp(min=1), False),  # leave-one-out
 }
 
 
@@ -620,7 +639,8 @@ def train_minibatch(model, optimizer, reduction: loss.LossReduction, mbs: list[d
         # engine holds the same weights; large values mean a stale or broken weight sync
         mismatch = (logprobs.detach() - batch["behave_logprobs"]).abs()
         mismatch_sum = mismatch_sum + (mismatch * batch["denom_mask"]).sum()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # 0: measure, do not clip
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     skipped = not math.isfinite(grad_norm)
     if not skipped:  # a non-finite norm is global, hence the same on every rank: all skip together
@@ -648,8 +668,8 @@ def pack_microbatches(samples: list[Sample], cfg: Config) -> list[dict]:
     dropped = [cfg.mask_truncated and s.completion.finish_reason == "length" for s in samples]
     denom = torch.tensor([0.0 if d else n for n, d in zip(lengths, dropped)], dtype=torch.float64)
     groups = torch.tensor([s.group for s in samples], dtype=torch.long)
-    weights, norm_weights = loss.response_weights(cfg.loss_aggregation, denom, groups,
-                                                  cfg.loss_aggregation_divisor)
+    mode = loss.resolved(cfg).loss_aggregation
+    weights, norm_weights = loss.response_weights(mode, denom, groups, cfg.loss_aggregation_divisor)
     keys = [tuple(s.prompt_ids[:-1]) for s in samples]  # what a sample can share with its group
     out = []
     for idx in split_by_budget(samples, keys, lengths, cfg):
@@ -743,40 +763,48 @@ def even_out_microbatches(mbs: list[dict]) -> list[dict]:
 
 
 def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool = True):
-    """An HF causal LM sharded with FSDP2 over every rank: one unit per decoder layer + the root."""
+    """An HF causal LM sharded with FSDP2 over every rank: one unit per decoder layer + the root.
+    Master weights and optimizer state stay fp32 (fp64 with --dtype float64); bf16 is compute."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
         MixedPrecisionPolicy,
         fully_shard,
         register_fsdp_forward_method,
     )
-    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+    from transformers import AttentionInterface, AutoModelForCausalLM
 
-    dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float64": torch.float64}[cfg.dtype]
-    if ranks.cp_size > 1:  # each CP rank attends with H/N whole query heads
-        heads = AutoConfig.from_pretrained(cfg.model).get_text_config().num_attention_heads
-        if heads % ranks.cp_size:
-            raise UserError(f"config error: --cp-size {ranks.cp_size} must divide the model's "
-                            f"{heads} attention heads")
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.model, dtype=torch.float64 if cfg.dtype == "float64" else torch.float32).to(device)
+    text = model.config.get_text_config()
+    if text.num_attention_heads % ranks.cp_size:  # each CP rank attends with H/N whole heads
+        raise UserError(f"config error: --cp-size {ranks.cp_size} must divide the model's "
+                        f"{text.num_attention_heads} attention heads")
     model.config.use_cache = False
-    # every layer's attention: packed rows by segments (modeling.py), flash-attn varlen for bf16
-    # on a GPU
+    model.eval()  # dropout off: the trainer's log-probs must be those the sampler drew from
+    # every layer's attention: packed rows by segments (modeling.py), checked against the model's
+    # own forward once, then run with the fastest kernel that can
     AttentionInterface.register("packed", modeling.packed_attention)
     model.set_attn_implementation("packed")
-    model.flash_varlen = modeling.load_flash_varlen() if device.type == "cuda" else None
-    mixed = device.type == "cuda" and cfg.dtype == "auto"
+    if trainable and (problem := modeling.check_model(model, text.vocab_size)):
+        raise UserError(f"--model {cfg.model} ({text.model_type}) is not supported: {problem}")
+    mixed = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
+    try:
+        path, model.attention_kernel, why = modeling.choose_attention(
+            cfg.attention, device, mixed, bool(getattr(text, "attn_logit_softcapping", None)))
+    except ValueError as e:
+        raise UserError(f"config error: {e}") from None
+    if trainable:
+        compute = "bf16 (fp32 master weights)" if mixed else str(model.dtype).removeprefix("torch.")
+        print0(f"attention: {path}{f' ({why})' if why else ''}; compute: {compute}")
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mp = {"mp_policy": bf16} if mixed else {}
     mesh = init_device_mesh(device.type, (ranks.world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, **mp)
+    for block in modeling.decoder_layers(model):
+        fully_shard(block, mesh=mesh, **mp)
     fully_shard(model, mesh=mesh, **mp)
     model.policy_logprobs = types.MethodType(modeling.policy_logprobs, model)
     register_fsdp_forward_method(model, "policy_logprobs")  # the root's parameters are gathered
     loss.fsdp_sum_gradients(model)  # LossReduction divides by the *global* normalizer: sum ranks
-    model.train(trainable)
     model.requires_grad_(trainable)
     return model
 
@@ -794,7 +822,7 @@ def microbatch_forward(model, mb: dict, cfg: Config, device: torch.device, ranks
         # Ulysses: this rank's contiguous 1/N of the row goes through the model; the log-probs of
         # the whole row are gathered on every CP rank
         inputs, layout = modeling.ulysses_chunk(ids, pos, targets, segments, ranks.cp_group,
-                                                 device, flash=getattr(model, "flash_varlen", None))
+                                                device, getattr(model, "attention_kernel", None))
         logprobs, entropy = model.policy_logprobs(*inputs, temperature, chunk, layout=layout)
         return modeling.gather_row(logprobs, entropy, ranks.cp_group, len(ids))
 

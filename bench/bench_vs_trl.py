@@ -134,7 +134,7 @@ def train_only(args, nano: NanoRun, trainer, step: int) -> tuple[list[float], li
     from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
     samples, _ = nano.rollout(step)
-    prompts = {g: nano.encoded[g] for g in {s.group for s in samples}}
+    prompts = {s.group: nano.encoded[s.row] for s in samples}
     by_order = list(samples)
 
     def rollout_func(prompts_text, trainer_):
@@ -143,8 +143,8 @@ def train_only(args, nano: NanoRun, trainer, step: int) -> tuple[list[float], li
                 for s in by_order], "logprobs": [s.completion.logprobs for s in by_order]}
 
     assert all(p == prompts[s.group] for s, p in zip(samples, [s.prompt_ids for s in samples]))
-    batch = [{"prompt": nano.train_items[s.group]["prompt"],
-              "answer": nano.train_items[s.group]["answer"]}
+    batch = [{"prompt": nano.train_items[s.row]["prompt"],
+              "answer": nano.train_items[s.row]["answer"]}
              for s in samples]
     trainer.rollout_func = rollout_func
     trainer.model.train()

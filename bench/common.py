@@ -72,8 +72,8 @@ class NanoRun:
     def rollout(self, step: int) -> tuple[list[N.Sample], dict]:
         """generate -> reward -> advantages, as main's loop: the samples train_on_samples takes,
         and this step's rollout sums."""
-        samples = N.generate(self.engine, self.encoded, self.prompts(step), step, self.cfg,
-                             self.tokenizer)
+        slots = list(enumerate(self.prompts(step)))
+        samples = N.generate(self.engine, self.encoded, slots, step, self.cfg, self.tokenizer)
         sums = N.score(samples, self.train_items, self.reward_fn, self.tokenizer, self.cfg)
         return samples, sums | N.set_advantages(samples, self.cfg)
 

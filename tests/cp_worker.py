@@ -20,8 +20,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(1)
 
-import attention  # noqa: E402
 import loss as L  # noqa: E402
+import modeling  # noqa: E402
 import nanoareal as na  # noqa: E402
 from rollout import Completion  # noqa: E402
 
@@ -63,24 +63,25 @@ class GradCapture:
 
 
 def row_logits(model, model_dir: str, dtype, ranks):
-    """Logits [T, V] of the fixed row. Without CP: plain transformers (sdpa, which finds the packed
-    sequences in position_ids when use_cache=False), independent of nanoareal's attention. With
-    CP: each rank runs its chunk of the FSDP-sharded model, then the chunks are gathered."""
+    """Logits [T, V] of the fixed row. Without CP: plain transformers (eager attention, which
+    finds the packed sequences in position_ids when use_cache=False), independent of nanoareal's
+    attention. With CP: each rank runs its chunk of the FSDP-sharded model, then the chunks are
+    gathered."""
     ids, pos = torch.tensor(ROW_IDS), torch.tensor(ROW_POS)
     with torch.no_grad():
         if ranks.cp_size == 1:
             from transformers import AutoModelForCausalLM
 
             plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                         attn_implementation="sdpa")
+                                                         attn_implementation="eager").eval()
             return plain(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
         T, n = ids.shape[1], ranks.cp_size
         pad = -T % n
         ids, pos = torch.nn.functional.pad(ids, (0, pad)), torch.cat([pos,
                                                                       torch.arange(pad)[None]], 1)
         mine = slice(ranks.cp_rank * (T + pad) // n, (ranks.cp_rank + 1) * (T + pad) // n)
-        layout = attention.attention_layout(attention.segments_from_positions(pos), T + pad,
-                                            cp_group=ranks.cp_group)
+        layout = modeling.attention_layout(modeling.segments_from_positions(pos), T + pad,
+                                           cp_group=ranks.cp_group)
         logits = model(input_ids=ids[:, mine], position_ids=pos[:, mine], use_cache=False,
                        layout=layout).logits[0]
         parts = [torch.empty_like(logits) for _ in range(n)]

@@ -1,35 +1,46 @@
-"""Packed attention by segments: whole sequences, shared prompts, and the flash-attn varlen encoding
-of the same rows.
+"""Packed attention by segments: whole sequences, shared prompts, sliding windows and softcaps,
+on every path (the padded batch, and the varlen encoding run through references of flash-attn's and
+PyTorch's documented kernel semantics), and the choice of path.
 
-Every check is against the plain HF model run on one sequence at a time (its own sdpa attention),
-in float64.
+Every check is against the plain HF model run on one sequence at a time (its own attention), in
+float64.
 """
 
 import random
+import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
-import attention
 import loss as L
+import modeling
 import nanoareal as N
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "assets" / "tiny-arith")
+GEMMA2 = dict(vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+              attn_logit_softcapping=0.05, final_logit_softcapping=0.5, query_pre_attn_scalar=8,
+              max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=None)
 
 
-def tiny_model():
+def tiny_model(family: str = "llama"):
+    """The shipped Llama, or a tiny random Gemma 2 whose sliding window (4) is shorter than the
+    sequences and whose softcaps are small enough to bend random-init logits."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float64)
-    AttentionInterface.register("packed", attention.packed_attention)
-    return model
+    AttentionInterface.register("packed", modeling.packed_attention)
+    if family == "llama":
+        return AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float64).eval()
+    config = AutoConfig.for_model("gemma2", **GEMMA2)
+    return AutoModelForCausalLM.from_config(config).double().eval()
 
 
 def per_sequence_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
-    """log pi(completion_t | prompt, completion_<t) from one plain forward of the whole sequence."""
+    """log pi(completion_t | prompt, completion_<t) from one plain forward of the sequence."""
     full = torch.tensor(prompt + completion)
     logits = model(input_ids=full[None], use_cache=False).logits[0].log_softmax(-1)
     p = len(prompt)
@@ -37,8 +48,9 @@ def per_sequence_logprobs(model, prompt: list[int], completion: list[int]) -> to
 
 
 def random_samples(seed: int, groups: int = 5) -> list[N.Sample]:
-    """Groups of 1-4 samples, prompts of 1-7 tokens (a 1-token prompt has an empty shared prefix),
-    two groups with the same prompt (they share one copy too), completions of 1-6 tokens."""
+    """Groups of 1-4 samples, prompts of 1-7 tokens (a 1-token prompt has an empty shared
+    prefix), two groups with the same prompt (they share one copy too), completions of 1-6
+    tokens."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(2, 18) for _ in range(n)] for n in (1, 5, 7, 2, 5)][:groups]
     prompts[4 % groups] = list(prompts[1 % groups])
@@ -53,62 +65,104 @@ def random_samples(seed: int, groups: int = 5) -> list[N.Sample]:
 
 @pytest.fixture
 def exact_rmsnorm(monkeypatch):
-    """Llama's RMSNorm computes in float32 even for float64 inputs, so a gradient summed over many
-    samples before the norm (a shared prompt) and one summed after it (separate copies) differ by
-    float32 rounding (~1e-7 relative). With the norm in float64 the two layouts must agree to
-    float64 rounding, which is what we check."""
+    """Llama's and Gemma 2's RMSNorms compute in float32 even for float64 inputs, so a gradient
+    summed over many samples before the norm (a shared prompt) and one summed after it (separate
+    copies) differ by float32 rounding (~1e-7 relative). With the norms in float64 the two layouts
+    must agree to float64 rounding, which is what we check."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    def forward(self, x):
-        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1,
-                                                           keepdim=True) + self.variance_epsilon)
+    def rms(x, eps):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
-    monkeypatch.setattr(LlamaRMSNorm, "forward", forward)
+    monkeypatch.setattr(LlamaRMSNorm, "forward",
+                        lambda self, x: self.weight * rms(x, self.variance_epsilon))
+    monkeypatch.setattr(Gemma2RMSNorm, "forward",
+                        lambda self, x: rms(x, self.eps) * (1 + self.weight))
 
 
 @pytest.fixture(scope="module")
 def one_rank_group():
-    """A world of one in this process (load_model shards with FSDP2), gone afterwards: other tests
-    start their own."""
+    """A world of one in this process (load_model shards with FSDP2), gone afterwards."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 
 
-def flash_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           dropout_p=0.0,
-                           softmax_scale=None, causal=False):
-    """flash_attn_varlen_func's documented semantics, one segment at a time: q [Tq, H, D], k/v [Tk,
-    Hkv, D]; query head h uses KV head h // (H / Hkv); with causal=True the mask is aligned to
-    the bottom-right corner (query i of Lq may see key j of Lk iff j <= i + Lk - Lq)."""
-    assert dropout_p == 0.0 and causal
+def _reference(q, k, v, cu_q, cu_k, scale, window: tuple[int, int], softcap: float = 0.0):
+    """A varlen kernel's documented semantics, one segment at a time: q [Tq, H, D], k/v [Tk, Hkv,
+    D]; query head h uses KV head h // (H / Hkv); window (left, right) aligned to the bottom-right
+    corner: query i of Lq sees key j of Lk iff i + Lk - Lq - left <= j <= i + Lk - Lq + right
+    (-1: unbounded); softcap > 0 turns a score s into softcap * tanh(s / softcap)."""
     out = []
-    for i in range(len(cu_seqlens_q) - 1):
-        qs = q[cu_seqlens_q[i] : cu_seqlens_q[i + 1]]
-        ks, vs = (x[cu_seqlens_k[i] : cu_seqlens_k[i + 1]] for x in (k, v))
-        assert len(qs) <= max_seqlen_q and len(ks) <= max_seqlen_k
-        rep = q.shape[1] // k.shape[1]
-        ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
-        scores = torch.einsum("qhd,khd->hqk", qs, ks) * (softmax_scale or q.shape[-1] ** -0.5)
+    for i in range(len(cu_q) - 1):
+        qs = q[cu_q[i] : cu_q[i + 1]]
+        ks, vs = (x[cu_k[i] : cu_k[i + 1]] for x in (k, v))
+        ks, vs = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (ks, vs))
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         lq, lk = len(qs), len(ks)
-        keep = torch.arange(lk)[None] <= torch.arange(lq)[:, None] + lk - lq
-        out.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~keep,
-                                                                   float("-inf")).softmax(-1), vs))
+        diag = torch.arange(lq)[:, None] + lk - lq  # each query's own key
+        j = torch.arange(lk)[None]
+        keep = (j <= diag + window[1]) if window[1] >= 0 else torch.ones(lq, lk, dtype=bool)
+        if window[0] >= 0:
+            keep = keep & (j >= diag - window[0])
+        out.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~keep, float("-inf"))
+                                .softmax(-1), vs))
     return torch.cat(out)
 
 
+def flash_attn_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                dropout_p=0.0, softmax_scale=None, causal=False,
+                                window_size=(-1, -1), softcap=0.0):
+    """flash_attn_varlen_func (flash-attn 2.6+): causal=True means window_size[1] = 0."""
+    assert dropout_p == 0.0 and max(cu_seqlens_q.diff()) <= max_seqlen_q
+    assert max(cu_seqlens_k.diff()) <= max_seqlen_k
+    window = (window_size[0], 0 if causal else window_size[1])
+    return _reference(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                      softmax_scale or q.shape[-1] ** -0.5, window, softcap)
+
+
+def torch_varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None,
+                           window_size=(-1, -1)):
+    """torch.nn.attention.varlen.varlen_attn as torch 2.9-2.11 define it: no enable_gqa, so
+    query and key must have equal head counts; window_size (-1, 0) is causal."""
+    assert query.shape[1] == key.shape[1], "varlen_attn without enable_gqa needs equal heads"
+    return _reference(query, key, value, cu_seq_q, cu_seq_k, scale or query.shape[-1] ** -0.5,
+                      window_size)
+
+
+def use_path(path: str, model, monkeypatch) -> None:
+    """Run `model`'s packed attention on `path`, the varlen ones through their reference kernels
+    (on float64, which the real kernels would refuse: the encoding is what is under test)."""
+    if path == "sdpa":
+        return
+    monkeypatch.setattr(modeling, "HALF", (torch.float64,))
+    if path == "flash_attn":
+        fake = types.ModuleType("flash_attn")
+        fake.flash_attn_varlen_func = flash_attn_varlen_reference
+        monkeypatch.setitem(sys.modules, "flash_attn", fake)
+        model.attention_kernel = modeling._flash_attn_kernel
+    else:
+        import torch.nn.attention.varlen as varlen
+
+        monkeypatch.setattr(varlen, "varlen_attn", torch_varlen_reference)
+        model.attention_kernel = modeling._torch_varlen_kernel
+
+
 def test_whole_sequences_equal_per_sequence_forward_and_gradients():
-    """Without shared prompts (segments from position_ids restarts) each sequence attends only to
-    itself."""
+    """Without shared prompts (segments from position_ids restarts) each sequence attends only
+    to itself."""
     model = tiny_model()
     seqs = [torch.randint(3, 15, (n,)) for n in (5, 9, 1, 3, 7)]
     packed, pos = torch.cat(seqs)[None], torch.cat([torch.arange(len(s)) for s in seqs])[None]
     weight = model.model.layers[0].self_attn.q_proj.weight
-    ref = torch.cat([model.model(input_ids=s[None],
-                                 use_cache=False).last_hidden_state[0] for s in seqs])
+    ref = torch.cat([model.model(input_ids=s[None], use_cache=False).last_hidden_state[0]
+                     for s in seqs])
     g_ref = torch.autograd.grad(ref.square().sum(), weight)[0]
     model.set_attn_implementation("packed")
-    layout = attention.attention_layout(attention.segments_from_positions(pos), packed.shape[1])
+    layout = modeling.attention_layout(modeling.segments_from_positions(pos), packed.shape[1])
     out = model.model(input_ids=packed, position_ids=pos, use_cache=False,
                       layout=layout).last_hidden_state[0]
     g = torch.autograd.grad(out.square().sum(), weight)[0]
@@ -122,9 +176,8 @@ def test_packing_with_shared_prompts_feeds_each_prompt_once_per_micro_batch():
         g, prompt, N.Completion(out, [-0.1 * (i + 1) for i in range(len(out))], "stop"),
         advantage=0.5)
     samples = [s(0, [5, 6, 7], [8, 9]), s(0, [5, 6, 7], [10]), s(1, [4, 4], [3, 3, 3, 1])]
-    (mb,) = N.pack_microbatches(samples, cfg)  # 10 positions instead of 12: fits one micro-batch
-    # prefix [5 6] once; tails [7 8] and [7] at positions 2..; then group 1: prefix [4], tail [4 3 3
-    # 3]
+    (mb,) = N.pack_microbatches(samples, cfg)  # 10 positions instead of 12: one micro-batch
+    # prefix [5 6] once; tails [7 8] and [7] at positions 2..; group 1: prefix [4], tail [4 3 3 3]
     assert mb["input_ids"][0].tolist() == [5, 6, 7, 8, 7, 4, 4, 3, 3, 3]
     assert mb["position_ids"][0].tolist() == [0, 1, 2, 3, 2, 0, 1, 2, 3, 4]
     assert mb["targets"].tolist() == [6, 7, 8, 9, 10, 4, 3, 3, 3, 1]
@@ -141,47 +194,86 @@ def test_packing_with_shared_prompts_feeds_each_prompt_once_per_micro_batch():
     assert small[1]["segments"].tolist() == [[0, 2, 0, 0], [2, 1, 0, 2]]
 
 
-@pytest.mark.parametrize("flash", [False, True], ids=["sdpa", "flash-varlen-reference"])
-def test_shared_prompt_logprobs_and_gradients_equal_per_sequence_forwards(flash, monkeypatch,
+@pytest.mark.parametrize("family, path", [  # torch varlen_attn has no softcap: never for Gemma 2
+    ("llama", "sdpa"), ("llama", "flash_attn"), ("llama", "torch_varlen"), ("gemma2", "sdpa"),
+    ("gemma2", "flash_attn")])
+def test_shared_prompt_logprobs_and_gradients_equal_per_sequence_forwards(family, path,
+                                                                          monkeypatch,
                                                                           exact_rmsnorm):
-    model = tiny_model()
-    # the GPU encoding (packed queries, gathered keys, bottom-right causal) against flash's
-    # semantics
-    if flash:
-        # load_model sets this on a GPU when flash-attn imports
-        model.flash_varlen = flash_varlen_reference
-        monkeypatch.setattr(attention, "HALF", (torch.float64,))
+    """Every path, with a plain causal mask (Llama) and with a sliding window shorter than the
+    sequences and attention and final logit softcaps (Gemma 2), equals the model's own eager
+    forward of each sequence alone (sdpa for Llama; Gemma 2 has only eager, whose softmax runs in
+    float32 even for float64 inputs, hence its looser tolerance)."""
+    model = tiny_model(family)
     samples = random_samples(0)
-    # the far end of backward: every layer's gradient flows into it
-    weight = model.model.embed_tokens.weight
-    ref = torch.cat([per_sequence_logprobs(model, s.prompt_ids,
-                                           s.completion.output_ids) for s in samples])
+    weight = model.get_input_embeddings().weight  # the far end of backward: every layer flows in
+    model.set_attn_implementation("sdpa" if family == "llama" else "eager")
+    tol = 1e-10 if family == "llama" else 1e-6
+    ref = torch.cat([per_sequence_logprobs(model, s.prompt_ids, s.completion.output_ids)
+                     for s in samples])
     g_ref = torch.autograd.grad((ref * torch.linspace(-1, 1, len(ref), dtype=ref.dtype)).sum(),
                                 weight)[0]
     model.set_attn_implementation("packed")
+    use_path(path, model, monkeypatch)
     for budget in (64, 12):  # one micro-batch; groups cut across micro-batches
         mbs = N.pack_microbatches(samples, N.Config(micro_batch_tokens=budget, share_prompts=True))
         assert (budget == 64) == (len(mbs) == 1)
         got = []
         for mb in mbs:
-            logprobs, _ = N.policy_logprobs(model, mb["input_ids"], mb["position_ids"],
-                                            mb["targets"],
-                                            segments=mb["segments"])
+            logprobs, _ = modeling.policy_logprobs(model, mb["input_ids"], mb["position_ids"],
+                                                   mb["targets"], segments=mb["segments"])
             got.append(logprobs[mb["seq_ids"] >= 0])
         got = torch.cat(got)
         g = torch.autograd.grad((got * torch.linspace(-1, 1, len(got), dtype=got.dtype)).sum(),
                                 weight)[0]
-        torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
-        torch.testing.assert_close(g, g_ref, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(g, g_ref, atol=tol, rtol=tol)
+
+
+def test_windows_and_softcaps_change_the_result_so_the_test_above_can_fail(monkeypatch):
+    """The Gemma 2 case would pass vacuously if its window and softcaps did nothing."""
+    model = tiny_model("gemma2")
+    model.set_attn_implementation("packed")
+    assert modeling.check_model(model, GEMMA2["vocab_size"]) is None
+    full = modeling.segment_attention
+    for drop in ("window", "softcap"):
+        keep = lambda *a, drop=drop: full(*a[:6], None if drop == "window" else a[6],
+                                          None if drop == "softcap" else a[7])
+        monkeypatch.setattr(modeling, "segment_attention", keep)
+        assert "disagrees" in modeling.check_model(model, GEMMA2["vocab_size"]), drop
+    monkeypatch.setattr(modeling, "segment_attention", full)
+    monkeypatch.setattr(modeling, "head_transform", lambda config: (1.0, None))
+    assert "disagrees" in modeling.check_model(model, GEMMA2["vocab_size"])
 
 
 def test_attention_layout_rejects_segments_that_do_not_tile_the_row():
     with pytest.raises(ValueError, match="cover the 5 tokens"):
-        attention.attention_layout(torch.tensor([[0, 2, 0, 0], [3, 2, 0, 0]]), 5)
+        modeling.attention_layout(torch.tensor([[0, 2, 0, 0], [3, 2, 0, 0]]), 5)
     with pytest.raises(ValueError, match="cover the 5 tokens"):
-        attention.attention_layout(torch.tensor([[0, 2, 0, 0], [2, 2, 0, 2]]), 5)
+        modeling.attention_layout(torch.tensor([[0, 2, 0, 0], [2, 2, 0, 2]]), 5)
     with pytest.raises(ValueError, match="context must be earlier tokens"):
-        attention.attention_layout(torch.tensor([[0, 2, 0, 0], [2, 3, 1, 2]]), 5)
+        modeling.attention_layout(torch.tensor([[0, 2, 0, 0], [2, 3, 1, 2]]), 5)
+
+
+def test_attention_path_is_the_fastest_that_can_run_and_an_impossible_request_is_an_error(
+        monkeypatch):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert modeling.choose_attention("auto", cpu, True, False)[0] == "sdpa"
+    assert modeling.choose_attention("auto", gpu, False, False)[0] == "sdpa"  # fp32 compute
+    with pytest.raises(ValueError, match="--attention flash_attn cannot run here: .*bf16"):
+        modeling.choose_attention("flash_attn", cpu, True, False)
+    # flash-attn-4 installs a `flash_attn` namespace without the v2 varlen function
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    path, kernel, why = modeling.choose_attention("auto", gpu, True, False)
+    assert (path, kernel) == ("torch_varlen", modeling._torch_varlen_kernel)
+    assert "no flash_attn_varlen_func" in why
+    assert modeling.choose_attention("auto", gpu, True, True)[0] == "sdpa"  # softcapping model
+    with pytest.raises(ValueError, match="--attention torch_varlen .*softcaps"):
+        modeling.choose_attention("torch_varlen", gpu, True, True)
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_varlen_func = flash_attn_varlen_reference
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    assert modeling.choose_attention("auto", gpu, True, True)[0] == "flash_attn"
 
 
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean", "prompt_mean"])
@@ -194,25 +286,37 @@ def test_training_step_with_shared_prompts_equals_whole_sequences(mode, one_rank
     results = {}
     for share in (False, True):
         cfg = N.Config(micro_batch_tokens=16, share_prompts=share, loss_aggregation=mode,
-                       grad_clip=1e9,
-                       dtype="float64", model=TINY, eps_high=0.28, entropy_coef=0.01)
+                       grad_clip=1e9, dtype="float64", model=TINY, eps_high=0.28,
+                       entropy_coef=0.01)
         model = N.load_model(cfg, torch.device("cpu"), N.Ranks())
         before = [p.detach().full_tensor().clone() for p in model.parameters()]
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # parameter change = -gradient
-        reduction = L.build_loss(cfg)
-        sums, stats = N.train_on_samples(model, None, optimizer, reduction, samples, cfg,
-                                         torch.device("cpu"),
-                                         N.Ranks())
+        sums, stats = N.train_on_samples(model, None, optimizer, L.build_loss(cfg), samples, cfg,
+                                         torch.device("cpu"), N.Ranks())
         grads = [b - p.detach().full_tensor() for b, p in zip(before, model.parameters())]
-        results[share] = ({"sums": sums, "reported": stats, "grad_norm": stats["grad_norm"]}, grads)
-    (plain, g_plain), (shared, g_shared) = results[False], results[True]
-    assert shared["sums"]["positions"] < plain["sums"]["positions"]
-    assert shared["sums"]["trained_tokens"] == plain["sums"]["trained_tokens"]
-    assert shared["sums"]["denom_tokens"] == plain["sums"]["denom_tokens"]
+        results[share] = (sums, stats, grads)
+    (plain, plain_stats, g_plain), (shared, shared_stats, g_shared) = results[False], results[True]
+    assert shared["positions"] < plain["positions"]
+    assert shared["trained_tokens"] == plain["trained_tokens"]
+    assert shared["denom_tokens"] == plain["denom_tokens"]
     for key in ("entropy_sum", "mismatch_sum"):
-        assert shared["sums"][key] == pytest.approx(plain["sums"][key], rel=1e-10)
-    for key, value in plain["reported"].items():
-        assert shared["reported"][key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
-    assert shared["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-9)
+        assert shared[key] == pytest.approx(plain[key], rel=1e-10)
+    for key, value in plain_stats.items():
+        assert shared_stats[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
     for a, b in zip(g_plain, g_shared):
         torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-9)
+
+
+def test_bf16_head_logits_are_not_rounded_to_bf16():
+    """Under bf16 compute the head's matmul returns fp32 logits: rounding logits of ~+-20 to bf16
+    (8 bits of mantissa) errs by up to ~0.06 in log-prob, more than the ratio clip tolerates."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(64, 32, generator=gen).bfloat16()
+    weight = (torch.randn(4096, 32, generator=gen) * 1.5).bfloat16()
+    targets = torch.randint(4096, (64,), generator=gen)
+    exact = (hidden.double() @ weight.double().T).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    got, _ = modeling.chunk_logprobs(hidden, weight, None, targets)
+    rounded = (hidden @ weight.T).double().log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    assert got.dtype == torch.float32
+    assert (got.double() - exact).abs().max() < 1e-4
+    assert (rounded - exact).abs().max() > 1e-2  # what rounding the logits first would cost

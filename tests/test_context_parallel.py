@@ -5,7 +5,8 @@ Reference = one process without CP, run in this process (tests/cp_worker.py's `m
 runs are real torchrun launches of the same worker on CPU gloo: CP=2 on 2 ranks, and dp 2 x cp 2
 on 4 ranks. Tiny random Llamas: "gqa" (4 query heads, 2 KV heads: split as they are), "kv1" (4
 and 1: fewer KV heads than CP ranks) and "kv3" (6 and 3: KV heads not divisible by N); for the
-last two the KV heads are replicated so every rank gets the ones it needs. Compared in float32:
+last two the KV heads are replicated so every rank gets the ones it needs; and a tiny Gemma 2
+(a sliding window of 3, attention and final logit softcaps). Compared in float32:
 logits and log-probs of a packed row whose length is not a multiple of N, the full gradient of
 every parameter and the reported loss terms (all four aggregation modes on "gqa", token_mean on
 the others).
@@ -65,13 +66,23 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
                           bos_token_id=None)
         LlamaForCausalLM(cfg).save_pretrained(root / name)
         paths[name] = str(root / name)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)  # Gemma 2: a sliding window shorter than the sequences, logit softcaps
+    gemma2 = AutoConfig.for_model(
+        "gemma2", vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=3,
+        attn_logit_softcapping=0.05, final_logit_softcapping=0.5, query_pre_attn_scalar=8,
+        max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    AutoModelForCausalLM.from_config(gemma2).save_pretrained(root / "gemma2")
+    paths["gemma2"] = str(root / "gemma2")
     return paths
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_models, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("cp_ref") / "ref.pt"
-    models = [tiny_models[m] for m in ("gqa", "kv1", "kv3")]
+    models = [tiny_models[m] for m in ("gqa", "kv1", "kv3", "gemma2")]
     _load_worker().main(["--models", *models, "--cp", "1", "--out", str(out)])
     return torch.load(out)
 
@@ -103,10 +114,10 @@ def test_cp2_logits_grads_and_reported_losses_equal_one_process_for_every_mode(n
                                                                                reference,
                                                                                tmp_path):
     out = tmp_path / "cp.pt"
-    models = [tiny_models[m] for m in ("gqa", "kv1", "kv3")]
+    models = [tiny_models[m] for m in ("gqa", "kv1", "kv3", "gemma2")]
     torchrun(nproc, "tests/cp_worker.py", "--models", *models, "--cp", "2", "--out", str(out))
     result = torch.load(out)
-    assert set(result) == {"gqa", "kv1", "kv3"}
+    assert set(result) == {"gqa", "kv1", "kv3", "gemma2"}
     assert_matches_reference(result, reference, f"{nproc} ranks")
 
 

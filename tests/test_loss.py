@@ -711,16 +711,75 @@ def test_sanitize_log_ratio_only_turns_nan_into_zero():
     assert L.sanitize_log_ratio(minus_inf - minus_inf).tolist() == [0.0]
 
 
-def test_kl_estimators_match_formulas():
-    logp = torch.tensor([-1.0, -0.2, -3.0], dtype=F64)
-    ref = torch.tensor([-1.5, -0.2, -1.0], dtype=F64)
-    lr = (logp - ref).tolist()
-    assert L.kl_penalty(logp, ref, "k1").tolist() == pytest.approx(lr)
+def test_kl_estimators_match_formulas_with_bounded_log_ratios():
+    logp = torch.tensor([-1.0, -0.2, -3.0, -40.0], dtype=F64)
+    ref = torch.tensor([-1.5, -0.2, -1.0, -2.0], dtype=F64)  # the last: L = -38, pi_ref >> pi
+    lr = [0.5, 0.0, -2.0, -20.0]  # log-ratios are clamped to +-20 before any exp
     assert L.kl_penalty(logp, ref, "k2").tolist() == pytest.approx([0.5 * x * x for x in lr])
-    assert L.kl_penalty(logp, ref,
-                        "k3").tolist() == pytest.approx([math.exp(-x) - 1 + x for x in lr])
-    with pytest.raises(ValueError, match="--kl-estimator"):
-        L.kl_penalty(logp, ref, "k5")
+    k3 = [min(math.exp(-x) - 1 + x, 10.0) for x in lr]  # k3's value is capped at 10 (verl's bound)
+    assert L.kl_penalty(logp, ref, "k3").tolist() == pytest.approx(k3)
+    for unknown in ("k1", "k5"):  # k1 as a loss has zero expected gradient: not offered
+        with pytest.raises(ValueError, match="--kl-estimator"):
+            L.kl_penalty(logp, ref, unknown)
+        with pytest.raises(ValueError, match="--kl-estimator"):
+            L.check_loss_config(L.LossConfig(kl_estimator=unknown))
+
+
+def test_k2_and_k3_as_losses_have_the_gradients_of_reverse_and_forward_kl():
+    """Exact expectation over a categorical pi = softmax(theta): E_{x ~ pi}[grad k(x)] (samples
+    from pi, so the weights pi(x) are constants) against the gradient of the exact divergence."""
+    gen = torch.Generator().manual_seed(0)
+    theta = torch.randn(6, generator=gen, dtype=F64, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(6, generator=gen, dtype=F64), -1)
+
+    def expected_grad(estimator):
+        logp = torch.log_softmax(theta, -1)
+        k = L.kl_penalty(logp, ref, estimator) if estimator else logp - ref  # None: k1 = L
+        return torch.autograd.grad((logp.exp().detach() * k).sum(), theta)[0]
+
+    def exact_grad(forward: bool):
+        logp = torch.log_softmax(theta, -1)
+        kl = (ref.exp() * (ref - logp)).sum() if forward else (logp.exp() * (logp - ref)).sum()
+        return torch.autograd.grad(kl, theta)[0]
+
+    torch.testing.assert_close(expected_grad("k2"), exact_grad(forward=False))  # KL(pi || ref)
+    torch.testing.assert_close(expected_grad("k3"), exact_grad(forward=True))  # KL(ref || pi)
+    assert expected_grad(None).abs().max() < 1e-12  # k1: why it is not offered
+
+
+@pytest.mark.parametrize("surrogate", list(SURROGATE_CONFIGS))
+def test_one_extreme_log_ratio_cannot_make_the_step_non_finite(surrogate):
+    """A token at log(pi/pi_prox) = +95 or -95 (exp overflows float32 at ~88): the loss and every
+    gradient stay finite, and the other tokens' gradients are what they are without it."""
+    mb = pack(ragged_batch(6), "token_mean")
+    idx = torch.nonzero(mb["loss_mask"] > 0).flatten()
+    flags = {"eps_low": 0.2, "eps_high": 0.2} | SURROGATE_CONFIGS[surrogate]
+    red = build(mode="token_mean", **flags)
+    grads = []
+    for extreme in (0.0, 95.0, -95.0):
+        full, leaf = with_leaf_logprobs({k: (v.float() if v.is_floating_point() else v)
+                                         for k, v in mb.items() if isinstance(v, torch.Tensor)})
+        full["prox_logprobs"] = full["prox_logprobs"].clone()
+        full["behave_logprobs"] = full["prox_logprobs"].clone()
+        full["prox_logprobs"][idx[0]] = leaf[idx[0]].detach() - extreme
+        full["behave_logprobs"][idx[0]] = full["prox_logprobs"][idx[0]]
+        (grad,), reported = run(red, [full], [leaf])
+        assert torch.isfinite(grad).all() and all(math.isfinite(v) for v in reported.values())
+        grads.append(grad)
+    if surrogate != "gspo":  # GSPO's sequence ratio mixes the extreme token into its response
+        for g in grads[1:]:
+            rest = torch.ones_like(g, dtype=torch.bool)
+            rest[idx[0]] = False
+            torch.testing.assert_close(g[rest], grads[0][rest])
+
+
+def test_gspo_defaults_to_its_papers_clip_range_and_a_sequence_mean():
+    gspo, ppo = L.resolved(L.LossConfig(policy_loss="gspo")), L.resolved(L.LossConfig())
+    assert (gspo.eps_low, gspo.eps_high, gspo.loss_aggregation) == (3e-4, 4e-4, "seq_mean")
+    assert (ppo.eps_low, ppo.eps_high, ppo.loss_aggregation) == (0.2, 0.2, "token_mean")
+    mine = L.resolved(L.LossConfig(policy_loss="gspo", eps_high=1e-3, loss_aggregation="constant",
+                                   loss_aggregation_divisor=8.0))
+    assert (mine.eps_low, mine.eps_high, mine.loss_aggregation) == (3e-4, 1e-3, "constant")
 
 
 def naive_m2po(x: list[float], valid: list[bool], threshold: float) -> list[bool]:

@@ -165,14 +165,17 @@ def test_older_server_without_sampling_seed_is_still_served(server, model_dir, t
 
 def _trainer_logprobs(model, prompt: list[int], completion: Completion,
                       temperature: float) -> torch.Tensor:
-    import nanoareal
+    from transformers import AttentionInterface
 
+    import modeling
+
+    AttentionInterface.register("packed", modeling.packed_attention)
+    model.set_attn_implementation("packed")
     full = prompt + completion.output_ids
     ids = torch.tensor([full])
     with torch.no_grad():
-        lp, _ = nanoareal.policy_logprobs(model, ids, torch.arange(len(full))[None],
-                                          torch.tensor(full[1:] + [0]),
-                                          temperature)
+        lp, _ = modeling.policy_logprobs(model, ids, torch.arange(len(full))[None],
+                                         torch.tensor(full[1:] + [0]), temperature)
     return lp[len(prompt) - 1 : len(full) - 1]
 
 
