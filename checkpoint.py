@@ -30,17 +30,23 @@ class CheckpointConfig:
 
     # checkpoints
     ckpt_every: int = 0
-    """Save a checkpoint (model, optimizer, scheduler, RNGs) every N steps and at the end."""
+    """Also save a checkpoint (model, optimizer, scheduler, RNGs) every N steps; 0: only by time,
+    at the end and on SIGINT/SIGTERM."""
+    ckpt_minutes: float = 10.0
+    """Save a checkpoint when this many minutes have passed since the last one; 0 turns it off."""
     keep_ckpts: int = 2
     """Keep the newest N complete checkpoints of the run (0 keeps all)."""
     resume: str = "auto"
-    """auto: continue from the run directory's newest complete checkpoint, if any; none: start
-    fresh; or the path of a checkpoint."""
+    """auto: continue from the run directory's newest readable checkpoint, if any; none: start
+    fresh; or the path of a checkpoint to start from."""
+    overwrite: bool = False
+    """Start afresh in a run directory that holds another run: that run is moved aside to
+    <run-dir>.old-N (never deleted)."""
 
 
 def check_checkpoint_config(c: CheckpointConfig) -> None:
-    if c.ckpt_every < 0 or c.keep_ckpts < 0:
-        raise UserError("config error: --ckpt-every and --keep-ckpts must be >= 0")
+    if c.ckpt_every < 0 or c.keep_ckpts < 0 or c.ckpt_minutes < 0:
+        raise UserError("config error: --ckpt-every, --ckpt-minutes and --keep-ckpts must be >= 0")
     if c.resume not in ("auto", "none") and not (Path(c.resume) / "meta.json").is_file():
         raise UserError(f"config error: --resume {c.resume} is not a complete checkpoint (no such "
                         "directory, or no meta.json: a save that never finished); use --resume "
@@ -95,6 +101,105 @@ def set_rng_states(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
     kind, keys, *rest = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype("uint32"), *rest))
+
+
+def unreadable(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be loaded (None: it can): a missing or empty file, JSON
+    that does not parse, a shard shorter than its metadata says. Cheap: sizes, not contents."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+            return "meta.json has no step"
+    except (OSError, ValueError) as e:
+        return f"meta.json: {type(e).__name__}: {e}"
+    try:
+        metadata = safe_dcp_reader(path).read_metadata()
+    except Exception as e:
+        return f".metadata: {type(e).__name__}: {e}"
+    ends: dict[str, int] = {}
+    for info in getattr(metadata, "storage_data", {}).values():
+        name = str(info.relative_path)
+        ends[name] = max(ends.get(name, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        size = (path / name).stat().st_size if (path / name).is_file() else None
+        if size is None:
+            return f"{name} is missing"
+        if size < end:
+            return f"{name} is truncated ({size} of {end} bytes)"
+    if not (path / "rng_rank0.pt").is_file():
+        return "rng_rank0.pt is missing"
+    return None
+
+
+def newest_usable(run_dir: str | Path, say=print) -> Path | None:
+    """The newest checkpoint that can be loaded. An unreadable one is said in one line and set
+    aside as step_N.broken (renamed, never deleted), and the one before is tried."""
+    for path in reversed(complete_checkpoints(run_dir)):
+        problem = unreadable(path)
+        if problem is None:
+            return path
+        aside = path.with_name(path.name + ".broken")
+        n = 1
+        while aside.exists():
+            aside, n = path.with_name(f"{path.name}.broken-{n}"), n + 1
+        path.rename(aside)
+        say(f"warning: checkpoint {path} is unreadable ({problem}); moved it to {aside.name}")
+    return None
+
+
+def claim_run_dir(run_dir: str | Path, config: dict, volatile: set[str], overwrite: bool) -> bool:
+    """Make `run_dir` this run's, before anything is written: True when it holds this same run
+    (same config.json up to the `volatile` keys) to continue, False when it is new. Another run's
+    results there are an error, unless `overwrite` moves them aside to <run_dir>.old-N first.
+    Writes config.json. Rank 0 only."""
+    root = Path(run_dir)
+    results = [p for p in ("metrics.jsonl", "checkpoints", "final") if (root / p).exists()]
+    if results:
+        try:
+            theirs = json.loads((root / "config.json").read_text())
+            changed = sorted(k for k in set(theirs) | set(config) if k not in volatile
+                             and theirs.get(k) != config.get(k))
+        except (OSError, ValueError):
+            changed = ["(config.json missing or unreadable)"]
+        if changed and not overwrite:
+            raise UserError(f"{root} holds another run ({', '.join(results)}; its config differs "
+                            f"in {', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''}): "
+                            "pass another --run-dir, or --overwrite to move it aside")
+        if overwrite:
+            n = 1
+            while (aside := root.with_name(f"{root.name}.old-{n}")).exists():
+                n += 1
+            root.rename(aside)
+            print(f"moved the run in {root} to {aside}", flush=True)
+            results = []
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(root / "config.json", json.dumps(config, indent=1))
+    return bool(results)
+
+
+class Preemption:
+    """SIGINT and SIGTERM (what a scheduler sends before it preempts a job) ask the loop to finish
+    its step, save a checkpoint and exit with 128 + the signal's number. Later signals change
+    nothing: under torchrun, Ctrl-C reaches the workers twice (the terminal, then torchrun)."""
+
+    def __init__(self):
+        import signal
+
+        self.signal = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        if self.signal is None:
+            self.signal = signum
+
+
+class Interrupted(Exception):
+    """The run stopped on a signal after saving; the message says where to resume."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.code = 128 + signum
 
 
 def write_meta(tmp: Path, meta: dict) -> None:

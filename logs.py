@@ -117,6 +117,9 @@ def step_metrics(m: dict, train_stats: dict, times: tuple, lr: float) -> dict:
     metrics = {"reward": m.get("reward_sum", 0.0) / n}
     if m.get("judged", 0) > 0:
         metrics["accuracy"] = m["correct_sum"] / m["judged"]
+    for kind in ("correct", "incorrect"):  # mean response length of correct / incorrect samples
+        if m.get(f"len_{kind}_n", 0) > 0:
+            metrics[f"response_len/{kind}"] = m[f"len_{kind}_sum"] / m[f"len_{kind}_n"]
     metrics |= {
         "response_len": m.get("response_len_sum", 0) / n, "truncated_frac": m.get("truncated_sum",
                                                                                   0) / n,

@@ -202,7 +202,10 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     train_rows, eval_rows = tasks.load_dataset(cfg.dataset, cfg.eval_dataset, cfg.reward)
     eval_rows = eval_rows[: cfg.eval_size]
-    encoded = [tasks.encode_prompt(row, tokenizer, cfg.chat_template) for row in train_rows]
+    encoded = tasks.encode_prompts(train_rows, tokenizer, cfg.chat_template, cfg.dataset)
+    if eval_rows:
+        tasks.encode_prompts(eval_rows, tokenizer, cfg.chat_template,
+                             cfg.eval_dataset or cfg.dataset)
     check_token_budget(encoded, cfg)
 
     # the rollout engine first (SGLang sizes its KV cache from the GPU memory free at start), then
@@ -501,9 +504,12 @@ def score(samples: list[Sample], rows: list[dict], reward_fn, tokenizer, cfg: Co
     for s, sc in zip(samples, scores):
         s.reward, s.correct = sc.reward, sc.correct
         sums["reward_sum"] += sc.reward
-        if sc.correct is not None:
+        if sc.correct is not None:  # response lengths split by correctness: who grows longer
             sums["judged"] += 1
             sums["correct_sum"] += sc.correct
+            kind = "correct" if sc.correct else "incorrect"
+            sums[f"len_{kind}_sum"] = sums.get(f"len_{kind}_sum", 0) + len(s.completion.output_ids)
+            sums[f"len_{kind}_n"] = sums.get(f"len_{kind}_n", 0) + 1
         for k, v in sc.metrics.items():  # the reward's own metrics: a mean over who reports them
             sums[f"reward/{k}_sum"] = sums.get(f"reward/{k}_sum", 0.0) + v
             sums[f"reward/{k}_n"] = sums.get(f"reward/{k}_n", 0) + 1

@@ -152,6 +152,26 @@ def encode_prompt(row: dict, tokenizer, chat_template: bool) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def encode_prompts(rows: list[dict], tokenizer, chat_template: bool, name: str) -> list[list[int]]:
+    """Every row's prompt as token ids, or a one-line error: a chat without a template to render
+    it, or characters the tokenizer has no token for (they would all become <unk>)."""
+    if (chat_template or any("messages" in r for r in rows)) and not tokenizer.chat_template:
+        what = "--chat-template" if chat_template else 'rows with "messages"'
+        raise UserError(f"{name}: {what} need(s) a chat template, and the tokenizer has none; use "
+                        '"prompt" rows without --chat-template, or a model whose tokenizer has one')
+    encoded = [encode_prompt(row, tokenizer, chat_template) for row in rows]
+    unk = tokenizer.unk_token_id
+    for n, ids in enumerate(encoded, 1):
+        if unk is not None and unk in ids:
+            text = rows[n - 1].get("prompt") or str(rows[n - 1].get("messages"))
+            missing = sorted({c for c in text if unk in tokenizer(c, add_special_tokens=False)
+                              ["input_ids"]})
+            raise UserError(f"{name}: row {n}'s prompt has characters the tokenizer cannot encode "
+                            f"({''.join(missing)!r} would become {tokenizer.unk_token}); the model "
+                            "was not trained on them")
+    return encoded
+
+
 # -----------------------------------------------------------------------------
 # reward functions: built-in names or path/to/file.py:function
 
