@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from logs import UserError
+from logs import Stopped, UserError
 
 
 @dataclass
@@ -147,11 +147,34 @@ def newest_usable(run_dir: str | Path, say=print) -> Path | None:
     return None
 
 
-def claim_run_dir(run_dir: str | Path, config: dict, volatile: set[str], overwrite: bool) -> bool:
+def run_dir_name(dataset: str, aggregation: str, seed: int, config: dict) -> str:
+    """runs/<dataset>-<aggregation>-s<seed>-<hash of `config`> (the flags that change results): the
+    same command finds its run again, to resume it; a different one never writes into it."""
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:6]
+    return f"runs/{Path(dataset).stem}-{aggregation}-s{seed}-{digest}"
+
+
+def choose_resume(run_dir: str | Path, resume: str, resuming: bool) -> str | None:
+    """The checkpoint to start from: --resume's path, or (`resuming` this run) the run's newest
+    readable checkpoint; None for a fresh start. Deletes saves killed midway. Rank 0 only."""
+    remove_unfinished_saves(run_dir)
+    if resume not in ("auto", "none"):
+        if problem := unreadable(Path(resume)):
+            raise UserError(f"--resume {resume}: unreadable checkpoint ({problem})")
+        return resume
+    found = newest_usable(run_dir) if resuming else None
+    return str(found) if found else None
+
+
+def claim_run_dir(run_dir: str | Path, config: dict, volatile: set[str], overwrite: bool,
+                  fresh: bool = False) -> bool:
     """Make `run_dir` this run's, before anything is written: True when it holds this same run
     (same config.json up to the `volatile` keys) to continue, False when it is new. Another run's
-    results there are an error, unless `overwrite` moves them aside to <run_dir>.old-N first.
-    Writes config.json. Rank 0 only."""
+    results there are an error, and so is this run's when `fresh` (--resume none) asks to start
+    over, unless `overwrite` moves them aside to <run_dir>.old-N first. Writes nothing else (the
+    run writes config.json once it has started: write_config). Rank 0 only."""
     root = Path(run_dir)
     results = [p for p in ("metrics.jsonl", "checkpoints", "final") if (root / p).exists()]
     if results:
@@ -165,6 +188,9 @@ def claim_run_dir(run_dir: str | Path, config: dict, volatile: set[str], overwri
             raise UserError(f"{root} holds another run ({', '.join(results)}; its config differs "
                             f"in {', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''}): "
                             "pass another --run-dir, or --overwrite to move it aside")
+        if fresh and not overwrite:
+            raise UserError(f"{root} holds this run's results ({', '.join(results)}): drop "
+                            "--resume none to continue it, or add --overwrite to move them aside")
         if overwrite:
             n = 1
             while (aside := root.with_name(f"{root.name}.old-{n}")).exists():
@@ -172,34 +198,56 @@ def claim_run_dir(run_dir: str | Path, config: dict, volatile: set[str], overwri
             root.rename(aside)
             print(f"moved the run in {root} to {aside}", flush=True)
             results = []
-    root.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(root / "config.json", json.dumps(config, indent=1))
     return bool(results)
 
 
-class Preemption:
-    """SIGINT and SIGTERM (what a scheduler sends before it preempts a job) ask the loop to finish
-    its step, save a checkpoint and exit with 128 + the signal's number. Later signals change
-    nothing: under torchrun, Ctrl-C reaches the workers twice (the terminal, then torchrun)."""
+def write_config(run_dir: str | Path, config: dict) -> None:
+    """run_dir/config.json: the flags of the run, which claim_run_dir compares a rerun with."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(run_dir) / "config.json", json.dumps(config, indent=1))
 
-    def __init__(self):
+
+class Preemption:
+    """While active, SIGINT and SIGTERM (what a scheduler sends before it preempts a job) only set
+    `signal`: the loop finishes its step, saves a checkpoint and exits with 128 + the signal's
+    number. Later signals change nothing: under torchrun, Ctrl-C reaches the workers twice (from
+    the terminal, then from torchrun). The previous handlers come back on exit."""
+
+    def __enter__(self):
         import signal
 
         self.signal = None
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self.handle)
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
 
     def handle(self, signum, frame) -> None:
         if self.signal is None:
             self.signal = signum
 
+    def signal_sums(self) -> dict:
+        """{"signal": "<number>"} once a signal came, for logs.reduce_sums (which keeps strings
+        whole): a signal that reached one rank stops them all."""
+        return {} if self.signal is None else {"signal": str(self.signal)}
 
-class Interrupted(Exception):
-    """The run stopped on a signal after saving; the message says where to resume."""
+    def __exit__(self, *exc) -> None:
+        import signal
 
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.code = 128 + signum
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+class Interrupted(Stopped):
+    """The run stopped on a signal at `step`; the message says where it can resume from, the exit
+    code is 128 + the signal's number (the shell's convention)."""
+
+    def __init__(self, run_dir: str | Path, step: int, signum: int):
+        import signal
+
+        last = complete_checkpoints(run_dir)
+        at = int(last[-1].name.removeprefix("step_")) if last else 0
+        saved = f"saved {last[-1]}" if at == step else f"the last good checkpoint is {at}"
+        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}: {saved}; "
+                         f"rerun the same command to resume from step {at}", 128 + signum)
 
 
 def write_meta(tmp: Path, meta: dict) -> None:
@@ -287,14 +335,13 @@ def safe_dcp_reader(path: Path):
     from torch.distributed.checkpoint import FileSystemReader
 
     allowed = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-               ("pathlib", "WindowsPath"), ("torch.distributed.checkpoint.filesystem",
-                                            "_StorageInfo")}
+               ("pathlib", "WindowsPath"),
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
 
     class MetadataUnpickler(pickle.Unpickler):
         def find_class(self, module, name):
-            ok = (module, name) in allowed or (module == "torch" and isinstance(getattr(torch,
-                                                                                        name, None),
-                                                                                 torch.dtype))
+            dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+            ok = (module, name) in allowed or dtype
             dcp_meta = module == "torch.distributed.checkpoint.metadata"
             ok |= dcp_meta and "." not in name and name[:1].isupper()
             ok |= dcp_meta and name == "_MEM_FORMAT_ENCODING"

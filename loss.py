@@ -486,6 +486,18 @@ def m2po_mask(prox_logprobs: Tensor, behave_logprobs: Tensor, loss_mask: Tensor,
     return loss_mask * (x <= value(lo)).to(loss_mask.dtype)
 
 
+def apply_m2po(mbs: list[dict], threshold: float, group=None) -> None:
+    """M2PO on one mini-batch's packed micro-batches: each one's 'loss_mask' replaced by the mask
+    m2po_mask computes over all of the mini-batch's tokens, on every rank of `group`."""
+    if not mbs:  # empty on every rank (the trainer pads a rank that alone has none)
+        return
+    prox, behave, mask = (torch.cat([mb[key] for mb in mbs])
+                          for key in ("prox_logprobs", "behave_logprobs", "loss_mask"))
+    masks = m2po_mask(prox, behave, mask, threshold=threshold, group=group)
+    for mb, m in zip(mbs, masks.split([len(mb["loss_mask"]) for mb in mbs])):
+        mb["loss_mask"] = m
+
+
 # KL penalties to a reference policy. With L = log pi - log pi_ref on tokens sampled from pi, each
 # estimator's *value* estimates KL(pi || ref) (Schulman, "Approximating KL divergence", 2020), but
 # as a loss only its gradient counts, and those differ:
@@ -609,8 +621,9 @@ def resolved(c: LossConfig) -> LossConfig:
                                eps_high=s.eps_high if c.eps_high is None else c.eps_high)
 
 
-def check_loss_config(c: LossConfig) -> None:
-    """Every loss flag's range, in one place; raises ValueError naming the flag."""
+def check_loss_config(c: LossConfig) -> LossConfig:
+    """Every loss flag's range, in one place; raises ValueError naming the flag. Returns the
+    flags resolved (the surrogate's defaults filled in)."""
     c = resolved(c)
     check_mode(c.loss_aggregation, c.loss_aggregation_divisor)
     if c.loss_aggregation != "constant" and c.loss_aggregation_divisor is not None:
@@ -633,6 +646,7 @@ def check_loss_config(c: LossConfig) -> None:
         raise ValueError(f"--m2po-threshold must be >= 0, got {c.m2po_threshold}")
     if min(c.sapo_tau_pos, c.sapo_tau_neg) <= 0 or c.kl_coef < 0:
         raise ValueError("--sapo-tau-pos and --sapo-tau-neg must be > 0 and --kl-coef >= 0")
+    return c
 
 
 def masked_sum(values: Tensor, mask: Tensor, weight: Tensor | None = None,
@@ -658,8 +672,7 @@ def build_loss(cfg: LossConfig, group=None, cp_factor: int = 1) -> LossReduction
     denominator. Stats: policy/clip_frac (over m tokens), policy/dual_clip_frac,
     policy/behave_reject_frac (over d).
     """
-    check_loss_config(cfg)
-    cfg = resolved(cfg)
+    cfg = check_loss_config(cfg)
     surrogate = SURROGATES[cfg.policy_loss]
 
     def policy_fn(mb: dict) -> Tensor:

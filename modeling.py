@@ -286,6 +286,48 @@ def gather_row(logprobs, entropy, group, num_tokens: int) -> tuple:
 # the model: body, head, log-probs
 
 
+def check_model_source(name: str) -> None:
+    """--model must be a model directory (config.json in it) or a hub id that can be fetched: a
+    wrong path is one line at once, not a minute of retries against a hub that cannot be reached
+    (a hub id already in the local cache works offline)."""
+    import os
+    import socket
+    from pathlib import Path
+    from urllib.parse import urlparse
+
+    from logs import UserError
+
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"--model {name}: not a model directory (it has no config.json)")
+        tokenizer_files = ("tokenizer.json", "tokenizer.model", "vocab.json",
+                           "tokenizer_config.json")
+        if not any((path / f).is_file() for f in tokenizer_files):
+            raise UserError(f"--model {name}: no tokenizer files there (none of "
+                            f"{', '.join(tokenizer_files)}); save the tokenizer with the model")
+        return
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:  # a path, not an org/name id
+        raise UserError(f"--model {name}: no such directory")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+    except Exception:  # not a valid repo id either
+        raise UserError(f"--model {name}: no such directory, nor a Hugging Face hub id") from None
+    where = f"no such directory, and {name!r} is not in the local Hugging Face cache"
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "") or os.environ.get(
+            "TRANSFORMERS_OFFLINE", "0") not in ("0", ""):
+        raise UserError(f"--model {name}: {where} (HF_HUB_OFFLINE is set)")
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError:
+        raise UserError(f"--model {name}: {where}, and {host} cannot be reached to download "
+                        "it") from None
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks FSDP2 shards one by one: the modules whose class the model marks as never to be
     split (`_no_split_modules`: its decoder layers), else the children of its longest ModuleList.

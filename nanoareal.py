@@ -23,15 +23,13 @@ class hierarchies.
 
 from __future__ import annotations
 
-import faulthandler
-import inspect
-import json
 import math
 import os
 import random
 import sys
 import time
 import types
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -46,7 +44,7 @@ import loss
 import modeling
 import rollout
 import tasks
-from logs import Logger, UserError, format_line, print0, reduce_sums, step_metrics
+from logs import Logger, UserError, on_rank0, print0, reduce_sums, step_metrics
 from rollout import Completion, SamplingParams, mix_seed
 
 # -----------------------------------------------------------------------------
@@ -69,8 +67,10 @@ class TrainConfig:
     model: str = "assets/tiny-arith"
     """Hugging Face causal-LM directory (weights and tokenizer) or hub id; the default is the
     shipped 1M-parameter arithmetic model."""
-    run_dir: str = "runs/default"
-    """Directory that receives metrics.jsonl, the checkpoints and the final export."""
+    run_dir: str | None = None
+    """Directory of metrics.jsonl, the checkpoints and the final export; by default
+    runs/<dataset>-<aggregation>-s<seed>-<hash of the other flags>: rerunning a command resumes
+    its run, and a different command never writes into another's directory."""
     seed: int = 0
     """Seed of the run: prompt order and sampling noise are functions of (seed, step), so a seed
     reproduces a run (the held-out split of a built-in task never changes)."""
@@ -191,22 +191,14 @@ class Config(loss.LossConfig, rollout.RolloutConfig, checkpoint.CheckpointConfig
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(argv)  # flags and --config TOML
+    validate_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # every check, before any work
     ranks, device = setup_distributed(cfg)  # torchrun's environment, or a world of one
-    validate_config(cfg, ranks.world)  # every check of the flags, before anything heavy loads
     reward_fn = tasks.load_reward(cfg.reward)
+    modeling.check_model_source(cfg.model)
+    resuming = on_rank0(checkpoint.claim_run_dir, cfg.run_dir, asdict(cfg), VOLATILE,
+                        cfg.overwrite, cfg.resume == "none")  # this run's, or a one-line refusal
     torch.manual_seed(cfg.seed)
-
-    # data: the task's rows, every prompt tokenized once
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    train_rows, eval_rows = tasks.load_dataset(cfg.dataset, cfg.eval_dataset, cfg.reward)
-    eval_rows = eval_rows[: cfg.eval_size]
-    encoded = tasks.encode_prompts(train_rows, tokenizer, cfg.chat_template, cfg.dataset)
-    if eval_rows:
-        tasks.encode_prompts(eval_rows, tokenizer, cfg.chat_template,
-                             cfg.eval_dataset or cfg.dataset)
-    check_token_budget(encoded, cfg)
+    tokenizer, train_rows, eval_rows, encoded = load_data(cfg)
 
     # the rollout engine first (SGLang sizes its KV cache from the GPU memory free at start), then
     # the policy sharded by FSDP2 over every rank, its optimizer, and the loss, whose normalizers
@@ -219,63 +211,66 @@ def main(argv: list[str] | None = None) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
     group = dist.group.WORLD if ranks.world > 1 else None
     reduction = loss.build_loss(cfg, group=group, cp_factor=ranks.cp_size)
-    start_step, last_eval = resume(cfg, model, optimizer, scheduler, engine, ranks)  # 0, None: new
-    logger = Logger(cfg.run_dir, cfg.steps, start_step, cfg.wandb_project, cfg.wandb_run_name,
-                    asdict(cfg))
-    print0(f"nanoareal: {ranks.world} rank(s) on {device.type}, model {cfg.model}, "
-           f"{len(train_rows)} train prompts, {len(eval_rows)} eval, "
-           f"loss {cfg.policy_loss}/{cfg.loss_aggregation}")
+    start_step, last_eval = resume(cfg, model, optimizer, scheduler, engine, ranks, resuming)
+    logger = Logger(cfg.run_dir, cfg.steps, start_step, cfg.log_every, cfg.wandb_project,
+                    cfg.wandb_run_name, asdict(cfg))
+    print0(f"nanoareal: {ranks.world} rank(s) on {device.type}, {cfg.model}, {len(train_rows)} "
+           f"train prompts, {len(eval_rows)} eval, loss {cfg.policy_loss}/{cfg.loss_aggregation}, "
+           f"run {cfg.run_dir}")
     if eval_rows and cfg.eval_every > 0 and start_step == 0:
         last_eval = evaluate(engine, eval_rows, cfg, tokenizer, reward_fn, ranks)
         logger.log(0, {"eval/accuracy": last_eval})
-        logger.line(f"step 0/{cfg.steps}  eval {last_eval:.3f}")
-    bad_steps = 0
-    for step in range(start_step, cfg.steps):
-        t0 = time.perf_counter()
-        # ALGO LOGIC. generate: group_size samples of each of this data-parallel rank's prompts
-        # (every dp_size-th of the step's list: a group never straddles ranks); a context-parallel
-        # group shares one rollout
-        prompts = prompts_for_step(len(train_rows), cfg.prompts_per_step, step, cfg.seed)
-        prompts = list(enumerate(prompts))[ranks.dp_rank :: ranks.dp_size]  # (slot, row)
-        samples = generate(engine, encoded, prompts, step, cfg, tokenizer) if ranks.cp_rank == 0 \
-            else None
-        samples = cp_broadcast(samples, ranks)
-        t1 = time.perf_counter()
-        # reward each completion, then advantages within each prompt's group
-        rollout_sums = score(samples, train_rows, reward_fn, tokenizer, cfg)
-        rollout_sums |= set_advantages(samples, cfg)
-        if cfg.filter_zero_variance:
-            samples = [s for s in samples if not s.zero_variance]
-        # loss and optimizer step(s); a colocated engine frees its GPU memory meanwhile
-        engine.release_memory()
-        train_sums, train_stats = train_on_samples(model, ref_model, optimizer, reduction, samples,
-                                                   cfg, device, ranks)
-        lr = scheduler.get_last_lr()[0]  # the one this step used
-        scheduler.step()
-        engine.resume_memory()
-        t2 = time.perf_counter()
-        # sync: the engine generates the next batch with the new weights
-        engine.update_weights(model)
-        t3 = time.perf_counter()
-        # TRY NOT TO MODIFY: metrics (one collective; a CP group counts once), eval, log, checkpoint
-        sums = reduce_sums(rollout_sums | train_sums if ranks.cp_rank == 0 else {})
-        metrics = step_metrics(sums, train_stats, (t0, t1, t2, t3), lr)
-        if eval_rows and every(cfg.eval_every, step + 1, cfg.steps):
-            last_eval = evaluate(engine, eval_rows, cfg, tokenizer, reward_fn, ranks)
-            metrics["eval/accuracy"] = last_eval
-        logger.log(step + 1, metrics)
-        if (step + 1) % cfg.log_every == 0:
-            logger.line(format_line(step + 1, cfg.steps, metrics))
-        logger.advance()
-        bad_steps = check_bad_steps(bad_steps, metrics, cfg)  # stops after --max-bad-steps in a row
-        if bad_steps == 0 and every(cfg.ckpt_every, step + 1, cfg.steps):
-            save(step + 1, cfg, model, optimizer, scheduler, last_eval, logger)
+    bad_steps, last_save = 0, time.monotonic()
+    with checkpoint.Preemption() as preempt:  # SIGINT/SIGTERM: finish the step, save, exit
+        for step in range(start_step, cfg.steps):
+            t0 = time.perf_counter()
+            # ALGO LOGIC. generate: group_size samples of each of this data-parallel rank's
+            # prompts (every dp_size-th of the step's list, so a group never straddles ranks); a
+            # context-parallel group shares one rollout
+            prompts = prompts_for_step(len(train_rows), cfg.prompts_per_step, step, cfg.seed)
+            prompts = list(enumerate(prompts))[ranks.dp_rank :: ranks.dp_size]  # (slot, row)
+            samples = cp_broadcast(generate(engine, encoded, prompts, step, cfg, tokenizer)
+                                   if ranks.cp_rank == 0 else None, ranks)
+            t1 = time.perf_counter()
+            # reward each completion, then advantages within each prompt's group
+            rollout_sums = score(samples, train_rows, reward_fn, tokenizer, cfg)
+            rollout_sums |= set_advantages(samples, cfg)
+            if cfg.filter_zero_variance:
+                samples = [s for s in samples if not s.zero_variance]
+            # loss and optimizer step(s); a colocated engine frees its GPU memory meanwhile
+            engine.release_memory()
+            train_sums, train_stats = train_on_samples(model, ref_model, optimizer, reduction,
+                                                       samples, cfg, device, ranks)
+            lr = scheduler.get_last_lr()[0]  # the one this step used
+            scheduler.step()
+            engine.resume_memory()
+            t2 = time.perf_counter()
+            # sync: the engine generates the next batch with the new weights
+            engine.update_weights(model)
+            t3 = time.perf_counter()
+            # TRY NOT TO MODIFY: metrics and what every rank must agree on (a signal one of them
+            # got, a checkpoint due) in one collective, a CP group counting its samples once;
+            # eval, log, checkpoint, stop on a signal
+            due = cfg.ckpt_minutes and time.monotonic() - last_save > 60 * cfg.ckpt_minutes
+            sums = reduce_sums((rollout_sums | train_sums if ranks.cp_rank == 0 else {})
+                               | {"due": float(due)} | preempt.signal_sums())
+            metrics = step_metrics(sums, train_stats, (t0, t1, t2, t3), lr)
+            if eval_rows and every(cfg.eval_every, step + 1, cfg.steps):
+                last_eval = evaluate(engine, eval_rows, cfg, tokenizer, reward_fn, ranks)
+                metrics["eval/accuracy"] = last_eval
+            logger.log(step + 1, metrics)  # metrics.jsonl, wandb, every --log-every a line
+            bad_steps = check_bad_steps(bad_steps, metrics, cfg)  # stops after --max-bad-steps
+            if bad_steps == 0 and (sums["due"] or "signal" in sums or step + 1 == cfg.steps
+                                   or every(cfg.ckpt_every, step + 1, cfg.steps)):
+                last_save = save(step + 1, cfg, model, optimizer, scheduler, last_eval, logger)
+            if "signal" in sums:
+                logger.close()
+                raise checkpoint.Interrupted(cfg.run_dir, step + 1, int(sums["signal"]))
     logger.close()
     checkpoint.export_hf(model, tokenizer, cfg.model, Path(cfg.run_dir) / "final")
     if last_eval is not None:
         print0(f"final held-out accuracy {last_eval:.3f}")
     engine.shutdown()
-    dist.destroy_process_group()
 
 
 # -----------------------------------------------------------------------------
@@ -283,91 +278,104 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
-    argv = sys.argv[1:] if argv is None else argv
-    _flowing_help()
-    defaults = Config()
-    if "--config" in argv:  # a TOML file supplies defaults, the command line overrides them
-        import tomllib
-
-        path = argv[argv.index("--config") + 1] if argv.index("--config") + 1 < len(argv) else ""
-        try:
-            with open(path, "rb") as f:
-                values = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise UserError(f"--config {path}: {e}") from None
-        known = set(Config.__dataclass_fields__)
-        unknown = sorted(k for k in values if k.replace("-", "_") not in known)
-        if unknown:
-            raise UserError(f"--config {path}: unknown keys {unknown}")
-        defaults = Config(**{k.replace("-", "_"): v for k, v in values.items()})
-    return tyro.cli(Config, args=argv, default=defaults)
-
-
-def _flowing_help() -> None:
-    """tyro keeps the line breaks of a field docstring whose continuation lines are indented (it
-    expects dedented text): clean each docstring first, so --help shows one flowing paragraph."""
-    strings = getattr(tyro, "_strings", None)
-    join = getattr(strings, "remove_single_line_breaks", None)
-    if join is not None and not getattr(join, "flowing", False):
-        strings.remove_single_line_breaks = lambda text: join(inspect.cleandoc(text))
-        strings.remove_single_line_breaks.flowing = True
+    """Flags and --config TOML -> Config; a mistake in either is one line (logs.parse_flags)."""
+    return logs.parse_flags(Config, sys.argv[1:] if argv is None else argv)
 
 
 def validate_config(cfg: Config, world: int) -> Config:
-    """Every check of the flags, in one place, before anything heavy loads; errors name flags."""
-    def bad(msg: str):
-        raise UserError(f"config error: {msg}")
-
+    """Every check of the flags, in one place, before anything heavy loads: a mistake is one line
+    naming the flag (a UserError). Fills what depends on other flags (the surrogate's defaults,
+    the reward of a built-in task, the run directory's name)."""
+    cuda = cfg.device != "cpu" and torch.cuda.is_available()
+    checks = [
+        (min(cfg.steps, cfg.prompts_per_step, cfg.max_new_tokens, cfg.micro_batch_tokens,
+             cfg.logprob_chunk_tokens, cfg.eval_size, cfg.log_every, cfg.threads) >= 1,
+         "--steps, --prompts-per-step, --max-new-tokens, --micro-batch-tokens, "
+         "--logprob-chunk-tokens, --eval-size, --log-every and --threads must be >= 1"),
+        (cfg.group_size >= 2, f"--group-size {cfg.group_size}: a sample alone in its group has no "
+         "baseline to compare with (every advantage would be 0); use --group-size >= 2"),
+        (cfg.temperature > 0, f"--temperature {cfg.temperature}: rollouts must sample (> 0); at 0 "
+         "every sample of a group is the same and every advantage 0 (eval is always greedy)"),
+        (0 < cfg.top_p <= 1 and (cfg.top_k == -1 or cfg.top_k >= 1),
+         "--top-p must be in (0, 1] and --top-k -1 (off) or >= 1"),
+        (cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number"),
+        (cfg.weight_decay >= 0 and 0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1,
+         "--weight-decay must be >= 0, --beta1 and --beta2 in [0, 1)"),
+        (cfg.grad_clip >= 0, f"--grad-clip {cfg.grad_clip}: must be > 0, or 0 for no clipping"),
+        (1 <= cfg.num_minibatches <= cfg.prompts_per_step,
+         "--num-minibatches must be in [1, --prompts-per-step]"),
+        (min(cfg.eval_every, cfg.max_bad_steps, cfg.warmup_steps) >= 0,
+         "--eval-every, --max-bad-steps and --warmup-steps must be >= 0"),
+        (min(cfg.reward_timeout, cfg.dist_timeout, cfg.adv_eps) > 0,
+         "--reward-timeout, --dist-timeout and --adv-eps must be > 0"),
+        (cfg.cp_size >= 1 and world % cfg.cp_size == 0,
+         f"--cp-size {cfg.cp_size} must divide the number of ranks ({world})"),
+        (cfg.device != "cuda" or torch.cuda.is_available(), "--device cuda: no GPU is available"),
+        (not cfg.eval_dataset or cfg.dataset not in tasks.TASKS, f"--eval-dataset is for a JSONL "
+         f"--dataset: the built-in task {cfg.dataset!r} has its own held-out split"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(f"config error: {message}")
     try:
-        resolved = loss.resolved(cfg)  # the surrogate's defaults for auto aggregation, clip range
+        if cfg.loss_aggregation == "constant" and cfg.loss_aggregation_divisor is None:
+            cfg.loss_aggregation_divisor = float(cfg.max_new_tokens)  # the longest response
+        resolved = loss.check_loss_config(cfg)  # auto aggregation and the clip range filled in
         cfg.loss_aggregation, cfg.eps_low, cfg.eps_high = (resolved.loss_aggregation,
                                                            resolved.eps_low, resolved.eps_high)
-        if cfg.loss_aggregation == "constant" and cfg.loss_aggregation_divisor is None:
-            cfg.loss_aggregation_divisor = float(cfg.max_new_tokens)
-        loss.check_loss_config(cfg)
+        if cfg.attention != "auto":  # a kernel that cannot run here fails now, not after loading
+            modeling.choose_attention(cfg.attention, torch.device("cuda" if cuda else "cpu"),
+                                      cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and cuda),
+                                      softcap=False)
     except ValueError as e:
-        bad(str(e))
-    cfg.reward = tasks.resolve_reward_name(cfg.reward, cfg.dataset)
-    if cfg.group_size < 1 or cfg.prompts_per_step < 1 or cfg.max_new_tokens < 1:
-        bad("--group-size, --prompts-per-step and --max-new-tokens must be positive")
-    if cfg.group_size == 1:
-        bad("--group-size 1: a sample alone in its group has no baseline to compare with (every "
-            "advantage would be 0); use --group-size >= 2")
-    if cfg.num_minibatches < 1 or cfg.num_minibatches > cfg.prompts_per_step:
-        bad("--num-minibatches must be in [1, --prompts-per-step]")
+        raise UserError(f"config error: {e}") from None
+    rollout.check_rollout_config(cfg, cuda)
+    checkpoint.check_checkpoint_config(cfg)
     if cfg.m2po_threshold is not None:  # it needs the whole mini-batch's pi_prox before training
         cfg.reuse_train_logprobs = False
     if cfg.num_minibatches > 1 and cfg.reuse_train_logprobs:
         print0("warning: --reuse-train-logprobs is only valid with one mini-batch; recomputing "
                "pi_prox instead")
         cfg.reuse_train_logprobs = False
-    if not cfg.temperature > 0:
-        bad(f"--temperature {cfg.temperature}: rollouts must sample (> 0); at 0 every sample of a "
-            "group is the same and every advantage is 0 (held-out eval is always greedy)")
-    if not 0 < cfg.top_p <= 1 or (cfg.top_k < 1 and cfg.top_k != -1):
-        bad("--top-p must be in (0, 1] and --top-k -1 (off) or >= 1")
-    if cfg.grad_clip < 0:
-        bad(f"--grad-clip {cfg.grad_clip}: must be > 0, or 0 to turn clipping off")
-    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    rollout.check_rollout_config(cfg, cuda)
-    if cfg.cp_size < 1 or world % cfg.cp_size:
-        bad(f"--cp-size {cfg.cp_size} must divide the number of ranks ({world})")
-    if cfg.micro_batch_tokens < 1 or cfg.logprob_chunk_tokens < 1:
-        bad("--micro-batch-tokens and --logprob-chunk-tokens must be positive")
-    if cfg.max_bad_steps < 0 or not cfg.reward_timeout > 0:
-        bad("--max-bad-steps must be >= 0 and --reward-timeout > 0")
-    checkpoint.check_checkpoint_config(cfg)
+    cfg.reward = tasks.resolve_reward_name(cfg.reward, cfg.dataset)
+    shipped = Path(__file__).resolve().parent / cfg.model  # assets/... from any directory
+    cfg.model = str(shipped) if not Path(cfg.model).exists() and shipped.is_dir() else cfg.model
+    state = {k: v for k, v in asdict(cfg).items() if k not in VOLATILE}
+    cfg.run_dir = cfg.run_dir or checkpoint.run_dir_name(cfg.dataset, cfg.loss_aggregation,
+                                                         cfg.seed, state)
     return cfg
 
 
-def check_token_budget(encoded: list[list[int]], cfg: Config) -> None:
-    """The longest possible sequence must fit one micro-batch (sequences are never cut): fail at
-    start, not at the step that first samples a long answer."""
+# flags that change how a run is watched or how long it goes, not what it computes: a rerun with
+# other values continues the same run (a cosine schedule's horizon follows --steps)
+VOLATILE = {"run_dir", "config", "steps", "resume", "overwrite", "ckpt_every", "ckpt_minutes",
+            "keep_ckpts", "eval_every", "eval_size", "log_every", "wandb_project",
+            "wandb_run_name", "threads", "dist_timeout", "max_bad_steps", "reward_timeout",
+            "rollout_url", "rollout_timeout", "rollout_retries", "rollout_abort_retries",
+            "rollout_health_timeout", "weight_sync_addr", "weight_sync_bucket_mb", "attention"}
+
+
+def load_data(cfg: Config) -> tuple:
+    """(tokenizer, train rows, eval rows, every train prompt tokenized once), or a one-line error:
+    a tokenizer that will not load, unencodable prompts, a prompt too long for a micro-batch."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    except Exception as e:  # a directory without tokenizer files ends in sentencepiece advice
+        raise UserError(f"--model {cfg.model}: no usable tokenizer there ({logs.why(e)})") from None
+    train_rows, eval_rows = tasks.load_dataset(cfg.dataset, cfg.eval_dataset, cfg.reward)
+    eval_rows = eval_rows[: cfg.eval_size]
+    encoded = tasks.encode_prompts(train_rows, tokenizer, cfg.chat_template, cfg.dataset)
+    tasks.encode_prompts(eval_rows, tokenizer, cfg.chat_template, cfg.eval_dataset or cfg.dataset)
+    # the longest possible sequence must fit one micro-batch (sequences are never cut): fail now,
+    # not at the step that first samples a long answer
     longest = max(map(len, encoded), default=0)
     if longest + cfg.max_new_tokens > cfg.micro_batch_tokens:
         raise UserError(f"config error: --micro-batch-tokens {cfg.micro_batch_tokens} is smaller "
                         f"than the longest possible sequence ({longest} prompt tokens + "
                         f"--max-new-tokens {cfg.max_new_tokens})")
+    return tokenizer, train_rows, eval_rows, encoded
 
 
 @dataclass(frozen=True)
@@ -496,26 +504,20 @@ def score(samples: list[Sample], rows: list[dict], reward_fn, tokenizer, cfg: Co
                                    skip_special_tokens=True)
     scores, errors, first_error = tasks.compute_rewards(
         reward_fn, texts, [rows[s.row] for s in samples], cfg.reward_timeout)
-    sums = {"n_samples": len(samples), "reward_sum": 0.0, "reward_errors": errors, "judged": 0,
-            "correct_sum": 0,
-            "response_len_sum": sum(len(s.completion.output_ids) for s in samples),
-            "prompt_len_sum": sum(len(s.prompt_ids) for s in samples),
-            "truncated_sum": sum(s.completion.finish_reason == "length" for s in samples)}
+    sums = Counter({"n_samples": len(samples), "reward_sum": 0.0, "reward_errors": errors,
+                    "judged": 0, "correct_sum": 0})
     for s, sc in zip(samples, scores):
-        s.reward, s.correct = sc.reward, sc.correct
-        sums["reward_sum"] += sc.reward
+        s.reward, s.correct, length = sc.reward, sc.correct, len(s.completion.output_ids)
+        sums.update({"reward_sum": sc.reward, "response_len_sum": length,
+                     "prompt_len_sum": len(s.prompt_ids),
+                     "truncated_sum": s.completion.finish_reason == "length"})
         if sc.correct is not None:  # response lengths split by correctness: who grows longer
-            sums["judged"] += 1
-            sums["correct_sum"] += sc.correct
             kind = "correct" if sc.correct else "incorrect"
-            sums[f"len_{kind}_sum"] = sums.get(f"len_{kind}_sum", 0) + len(s.completion.output_ids)
-            sums[f"len_{kind}_n"] = sums.get(f"len_{kind}_n", 0) + 1
+            sums.update({"judged": 1, "correct_sum": sc.correct, f"len_{kind}_sum": length,
+                         f"len_{kind}_n": 1})
         for k, v in sc.metrics.items():  # the reward's own metrics: a mean over who reports them
-            sums[f"reward/{k}_sum"] = sums.get(f"reward/{k}_sum", 0.0) + v
-            sums[f"reward/{k}_n"] = sums.get(f"reward/{k}_n", 0) + 1
-    if first_error:
-        sums["reward_error_message"] = first_error
-    return sums
+            sums.update({f"reward/{k}_sum": v, f"reward/{k}_n": 1})
+    return dict(sums) | ({"reward_error_message": first_error} if first_error else {})
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo",
@@ -550,19 +552,13 @@ def set_advantages(samples: list[Sample], cfg: Config) -> dict:
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     groups = torch.tensor([s.group for s in samples], dtype=torch.long)
     adv = group_advantages(rewards, groups, cfg.adv_estimator, cfg.adv_std, cfg.adv_eps)
-    for s, a, z in zip(samples, adv.tolist(), group_is_constant(rewards, groups).tolist()):
-        s.advantage, s.zero_variance = a, z
+    distinct: dict[int, set[float]] = {}  # each group's distinct rewards
+    for s in samples:
+        distinct.setdefault(s.group, set()).add(s.reward)
+    for s, a in zip(samples, adv.tolist()):
+        s.advantage, s.zero_variance = a, len(distinct[s.group]) == 1
     return {"zero_adv_sum": sum(abs(s.advantage) < 1e-12 for s in samples),
             "zero_var_groups": len({s.group for s in samples if s.zero_variance})}
-
-
-def group_is_constant(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """Per sample: its group's rewards are all equal (zero variance, zero GRPO advantage)."""
-    _, inv = torch.unique(groups, return_inverse=True)
-    k = int(inv.max()) + 1 if len(inv) else 0
-    lo = torch.full((k,), float("inf")).scatter_reduce(0, inv, rewards.float(), "amin")
-    hi = torch.full((k,), float("-inf")).scatter_reduce(0, inv, rewards.float(), "amax")
-    return (hi - lo <= 0)[inv]
 
 
 # -----------------------------------------------------------------------------
@@ -587,8 +583,8 @@ def train_on_samples(model, ref_model, optimizer, reduction, samples: list[Sampl
                     if policy is not None:
                         logprobs = microbatch_forward(policy, mb, cfg, device, ranks)[0]
                         mb[key] = logprobs.float().cpu()
-    if cfg.m2po_threshold is not None:
-        apply_m2po(packed, cfg, ranks)
+    for mbs in packed if cfg.m2po_threshold is not None else []:  # a mask over all its tokens
+        loss.apply_m2po(mbs, cfg.m2po_threshold, dist.group.WORLD if ranks.world > 1 else None)
     # trained_tokens: prompt + completion tokens of the samples trained on; positions: what the
     # model was fed (fewer: shared prompts, no last tokens). tokens/s counts the former, so a
     # cheaper layout shows up as more tokens/s
@@ -606,19 +602,6 @@ def train_on_samples(model, ref_model, optimizer, reduction, samples: list[Sampl
         for k, v in reduction.reported().items():  # averaged over the mini-batches of the step
             stats[k] = stats.get(k, 0.0) + v / len(packed)
     return sums, stats
-
-
-def apply_m2po(packed: list[list[dict]], cfg: Config, ranks: Ranks) -> None:
-    """M2PO: each mini-batch's loss mask, computed over all of its tokens on every rank."""
-    for mbs in packed:
-        if not mbs:  # empty on every rank (even_out_microbatches pads a rank that alone has none)
-            continue
-        prox, behave, mask = (torch.cat([mb[key] for mb in mbs])
-                              for key in ("prox_logprobs", "behave_logprobs", "loss_mask"))
-        masks = loss.m2po_mask(prox, behave, mask, threshold=cfg.m2po_threshold,
-                               group=dist.group.WORLD if ranks.world > 1 else None)
-        for mb, m in zip(mbs, masks.split([len(mb["loss_mask"]) for mb in mbs])):
-            mb["loss_mask"] = m
 
 
 MODEL_KEYS = ("input_ids", "position_ids", "targets", "segments")  # the model's inputs
@@ -715,10 +698,7 @@ def split_by_budget(samples: list[Sample], keys: list[tuple], lengths: list[int]
     fed positions (a shared prefix costs its first sample only)."""
     batches, current, used, prefixes = [], [], 0, set()
     for i, (s, key) in enumerate(zip(samples, keys)):
-        n = len(s.prompt_ids) + lengths[i] - 1
-        if n > cfg.micro_batch_tokens:
-            raise UserError(f"config error: a sequence of {n} tokens exceeds --micro-batch-tokens "
-                            f"{cfg.micro_batch_tokens}")
+        n = len(s.prompt_ids) + lengths[i] - 1  # <= the budget: load_data checked the longest
         cost = lengths[i] if cfg.share_prompts and key in prefixes else n
         if used + cost > cfg.micro_batch_tokens:
             batches.append(current)
@@ -779,8 +759,12 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
     )
     from transformers import AttentionInterface, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg.model, dtype=torch.float64 if cfg.dtype == "float64" else torch.float32).to(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.model, dtype=torch.float64 if cfg.dtype == "float64" else torch.float32)
+    except (OSError, ValueError) as e:  # no weights, an unknown architecture, ...
+        raise UserError(f"--model {cfg.model}: cannot load a causal LM ({logs.why(e)})") from None
+    model = model.to(device)
     text = model.config.get_text_config()
     if text.num_attention_heads % ranks.cp_size:  # each CP rank attends with H/N whole heads
         raise UserError(f"config error: --cp-size {ranks.cp_size} must divide the model's "
@@ -856,69 +840,54 @@ def check_bad_steps(bad_steps: int, metrics: dict, cfg: Config) -> int:
     bad_steps = bad_steps + 1 if metrics["skipped_steps"] else 0
     if 0 < cfg.max_bad_steps <= bad_steps:
         last = checkpoint.complete_checkpoints(cfg.run_dir)
-        raise SystemExit(f"error: {bad_steps} steps in a row had a non-finite loss or grad norm "
-                         f"(--max-bad-steps {cfg.max_bad_steps}); last good checkpoint: "
-                         f"{last[-1] if last else 'none'}")
+        raise logs.Stopped(f"error: {bad_steps} steps in a row had a non-finite loss or grad norm "
+                           f"(--max-bad-steps {cfg.max_bad_steps}); last good checkpoint: "
+                           f"{last[-1] if last else 'none'}", code=1)
     return bad_steps
 
 
 def save(step: int, cfg: Config, model, optimizer, scheduler, last_eval: float | None,
-         logger: Logger) -> None:
+         logger: Logger) -> float:
+    """A checkpoint of the state after `step` (collective); returns when it was done."""
     t0 = time.perf_counter()
     meta = {"world": dist.get_world_size(), "last_eval": last_eval,
             "scheduler": scheduler.state_dict(), "config": asdict(cfg)}
     path = checkpoint.save_checkpoint(cfg.run_dir, step, model, optimizer, meta, cfg.keep_ckpts)
     logger.line(f"saved {path} in {time.perf_counter() - t0:.2f}s")
+    return time.monotonic()
 
 
-def resume(cfg: Config, model, optimizer, scheduler, engine, ranks: Ranks) -> tuple[int, float]:
-    """Restore the checkpoint --resume names (auto: the run's newest complete one, if any) into
-    model, optimizer, scheduler, RNGs and the rollout engine, and cut metrics.jsonl back to it.
-    Returns (step, last eval accuracy); (0, None) for a fresh start, with a fresh metrics.jsonl."""
-    found = checkpoint.complete_checkpoints(cfg.run_dir) if cfg.resume == "auto" else []
-    path = Path(cfg.resume) if cfg.resume not in ("auto", "none") else found[-1] if found else None
-    box = [str(path) if path else None]  # every rank resumes from rank 0's choice
-    dist.broadcast_object_list(box, src=0)
-    path = Path(box[0]) if box[0] else None
-    metrics_file = Path(cfg.run_dir) / "metrics.jsonl"
-    if ranks.rank == 0:
-        checkpoint.remove_unfinished_saves(cfg.run_dir)
-    if path is None:
-        if ranks.rank == 0:
-            metrics_file.unlink(missing_ok=True)
-        return 0, None
-    meta = checkpoint.load_checkpoint(path, model, optimizer)
-    scheduler.load_state_dict(meta["scheduler"])
-    engine.update_weights(model)  # the engine started from --model's weights
-    if ranks.rank == 0:
-        checkpoint.truncate_metrics(metrics_file, meta["step"])
-    same = {"run_dir", "resume", "steps", "ckpt_every", "keep_ckpts", "config", "eval_every",
-            "log_every"}
-    changed = sorted(k for k, v in meta["config"].items()
-                     if k not in same and json.loads(json.dumps(getattr(cfg, k, v))) != v)
-    if changed:
-        print0(f"warning: resuming {path} with changed options {changed}")
-    print0(f"resumed from {path} at step {meta['step']}")
+def resume(cfg: Config, model, optimizer, scheduler, engine, ranks: Ranks,
+           resuming: bool) -> tuple[int, float | None]:
+    """Restore a checkpoint into model, optimizer, scheduler, RNGs and the rollout engine, and cut
+    metrics.jsonl back to its step: --resume's path, or (resuming this run) its newest readable
+    checkpoint; a broken one is set aside on the way. Returns (step, last eval accuracy); (0,
+    None) for a fresh start."""
+    path = on_rank0(checkpoint.choose_resume, cfg.run_dir, cfg.resume, resuming)
+    meta = {"step": 0, "last_eval": None}  # a fresh start (of this run: its old lines go)
+    if path is not None:
+        try:  # passed the cheap checks (sizes, meta.json), yet unreadable: say which one
+            meta = checkpoint.load_checkpoint(Path(path), model, optimizer)
+        except Exception as e:
+            raise UserError(f"checkpoint {path} cannot be loaded ({logs.why(e)}); move it aside "
+                            "to resume from the one before it") from None
+        scheduler.load_state_dict(meta["scheduler"])
+        engine.update_weights(model)  # the engine started from --model's weights
+        done = " (nothing left to train: --steps is not beyond it)" if meta["step"] >= cfg.steps \
+            else ""
+        print0(f"resumed from step {meta['step']} ({path}){done}")
+    if ranks.rank == 0:  # the run starts: its directory holds its config from now on
+        checkpoint.write_config(cfg.run_dir, asdict(cfg))
+        checkpoint.truncate_metrics(Path(cfg.run_dir) / "metrics.jsonl",
+                                    meta["step"] if path else -1)
     return meta["step"], meta["last_eval"]
 
 
 def run(argv: list[str] | None = None) -> int:
-    """main() with its exit status: a UserError is one line on stderr and exit code 2."""
-    faulthandler.enable()  # a rank that aborts in C++ (gloo, NCCL) still prints Python stacks
-    try:
-        main(argv)
-    except UserError as e:
-        print(e if str(e).startswith(("error", "config error")) else f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    """main() with its exit status: 2 after a user error (one line on stderr), 128 + the signal's
+    number after SIGINT/SIGTERM (once the checkpoint is saved), 1 after --max-bad-steps."""
+    return logs.run(main, argv)
 
 
 if __name__ == "__main__":
-    code = run()
-    # Everything is written, fsynced or closed by now. Skip the interpreter's teardown: it
-    # garbage-collects what still references the process groups (FSDP state, device mesh) after
-    # their backends were shut down, and about 1 in 60 finished 2-rank gloo runs aborted there
-    # ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    logs.exit_now(run())

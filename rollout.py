@@ -473,7 +473,7 @@ class RemoteSGLangEngine:
     the push has finished.
     """
 
-    def __init__(self, urls: list[str], model_path: str, run_dir: str = "runs/default",
+    def __init__(self, urls: list[str], model_path: str, run_dir: str = "runs/remote",
                  weight_sync: str = "disk", timeout: float = 600.0, retries: int = 3,
                  abort_retries: int = 3, health_timeout: float = 600.0,
                  bucket_mb: int = 512, sync_dtype: torch.dtype | None = None, backoff: float = 0.5,
@@ -536,15 +536,18 @@ class RemoteSGLangEngine:
         raise RuntimeError(f"SGLang server {url}{path} failed {self.retries + 1} times; last "
                            f"error: {last}")
 
-    def wait_healthy(self, timeout: float) -> None:
-        """Poll GET /health_generate on every server until it answers 200 (503 while starting)."""
-        deadline = time.monotonic() + timeout
+    def wait_healthy(self, timeout: float, report_every: float = 5.0) -> None:
+        """Poll GET /health_generate on every server until it answers 200 (503 while it loads),
+        saying every `report_every` seconds what it waits for (rank 0); a server still not
+        healthy after `timeout` seconds is a one-line UserError."""
+        start = time.monotonic()
+        next_report = start + report_every
         for url in self.urls:
             last = "no answer"
             while True:
                 try:
                     req = urllib.request.Request(url + "/health_generate", method="GET")
-                    wait = max(1.0, min(30.0, deadline - time.monotonic()))
+                    wait = max(1.0, min(30.0, start + timeout - time.monotonic()))
                     with urllib.request.urlopen(req, timeout=wait) as r:
                         if r.status == 200:
                             break
@@ -553,11 +556,16 @@ class RemoteSGLangEngine:
                     last = f"HTTP {e.code}"
                 except (urllib.error.URLError, OSError) as e:
                     last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-                if time.monotonic() >= deadline:
-                    raise RuntimeError(f"SGLang server {url} did not become healthy within "
-                                       f"{timeout:g}s (GET /health_generate: {last}). Is it "
-                                       "running and reachable from here?")
-                time.sleep(min(1.0, max(0.05, timeout / 50)))
+                waited = time.monotonic() - start
+                if waited >= timeout:
+                    raise UserError(f"--rollout-url {url}: no healthy SGLang server after "
+                                    f"{timeout:g}s (GET /health_generate: {last}); is it running "
+                                    "and reachable from here? (--rollout-health-timeout)")
+                if time.monotonic() >= next_report and _rank_world()[0] == 0:
+                    print(f"waiting for the SGLang server {url} ({waited:.0f}s of {timeout:g}s; "
+                          f"/health_generate: {last})", flush=True)
+                    next_report += report_every
+                time.sleep(min(1.0, max(0.05, timeout / 50), report_every / 4))
 
     # -- generation
 
@@ -852,16 +860,19 @@ def check_rollout_config(c: RolloutConfig, cuda: bool) -> None:
                         "--rollout-url)")
     if c.rollout_backend == "sglang" and not c.rollout_url:
         if c.weight_sync not in ("auto", "tensor"):
-            raise UserError("config error: the in-process SGLang engine syncs weights by tensor, "
-                            "not "
-                            f"{c.weight_sync!r} (use --rollout-url for disk/nccl)")
+            raise UserError(f"config error: the in-process SGLang engine syncs weights by tensor, "
+                            f"not {c.weight_sync!r} (use --rollout-url for disk/nccl)")
         if not cuda:
             raise UserError("config error: --rollout-backend sglang without --rollout-url runs "
-                            "SGLang "
-                            "in-process and needs a GPU; none is available (pass --rollout-url, or "
-                            "--rollout-backend hf)")
-    if min(c.rollout_timeout, c.rollout_health_timeout) <= 0 or min(c.rollout_retries,
-                                                                      c.rollout_abort_retries) < 0:
+                            "SGLang in-process and needs a GPU; none is available (pass "
+                            "--rollout-url, or --rollout-backend hf)")
+        import importlib.util
+
+        if importlib.util.find_spec("sglang") is None:
+            raise UserError("config error: --rollout-backend sglang runs SGLang in-process, but "
+                            "sglang is not installed (pip install -e '.[gpu]'; see the README)")
+    if (min(c.rollout_timeout, c.rollout_health_timeout) <= 0
+            or min(c.rollout_retries, c.rollout_abort_retries) < 0):
         raise UserError("config error: --rollout-timeout and --rollout-health-timeout must be > 0, "
                         "--rollout-retries and --rollout-abort-retries >= 0")
     if not 0 < c.sglang_mem_fraction < 1 or c.weight_sync_bucket_mb < 1:

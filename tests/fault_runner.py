@@ -3,18 +3,19 @@ test_checkpoint.py.
 
 The faults come from the JSON in NANOAREAL_FAULTS, so nanoareal.py itself carries no test hooks.
 Steps are the 0-based loop index (step k logs metrics line k + 1). Keys, all optional:
-  pause_in_step: k       at the rollout of step k, touch run_dir/in_step_{k}.rank{r} and sleep (the
-  test kills us)
-  pause_ranks: [r, ...]  only these ranks pause in step k (default: all)
-  pause_in_save: n       rank 0, saving checkpoint step_n: after every rank's shards are written,
-  before meta.json
-                         and the rename, touch run_dir/in_save_{n} and sleep
-  reward_raise_at: k     every reward call of step k raises
-  reward_hang_at: k      the first reward call of step k (on each rank) sleeps 30 s, past
-  --reward-timeout
-  constant_reward_at: k  every reward of step k is 0 on the ranks in constant_ranks (default: all)
-  nan_from_step: k       the advantages of step k and later are NaN (non-finite loss, skipped
-  optimizer steps)
+  pause_in_step: k        at the rollout of step k, touch run_dir/in_step_{k}.rank{r} and sleep
+                          (the test kills us)
+  pause_ranks: [r, ...]   only these ranks pause in step k (default: all)
+  pause_in_save: n        rank 0, saving checkpoint step_n: after every rank's shards are
+                          written, before meta.json and the rename, touch run_dir/in_save_{n}
+                          and sleep
+  reward_raise_at: k      every reward call of step k raises
+  reward_hang_at: k       the first reward call of step k (on each rank) sleeps 30 s, past
+                          --reward-timeout
+  constant_reward_at: k   every reward of step k is 0 on the ranks in constant_ranks (default:
+                          all)
+  nan_from_step: k        the advantages of step k and later are NaN (non-finite loss, skipped
+                          optimizer steps)
 Every rank writes its pid to run_dir/pid.rank{r} at start.
 """
 
@@ -27,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import checkpoint  # noqa: E402
+import logs  # noqa: E402
 import nanoareal as N  # noqa: E402
 import tasks  # noqa: E402
 
@@ -83,8 +85,4 @@ N.generate, tasks.REWARDS["exact_match"], checkpoint.write_meta = generate, rewa
 touch(f"pid.rank{RANK}")
 
 if __name__ == "__main__":
-    code = N.run()
-    # then exit without interpreter teardown, as nanoareal.py does (a rare gloo abort there)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    logs.exit_now(N.run())

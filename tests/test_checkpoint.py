@@ -202,6 +202,30 @@ def test_two_ranks_killed_and_resumed_match_the_uninterrupted_run_in_metrics_and
     assert checkpoints(run_dir) == checkpoints(ref) == ["step_000002", "step_000004"]
 
 
+def test_sigterm_to_one_rank_stops_both_after_a_checkpoint_and_the_rerun_matches(two_rank_chain,
+                                                                                tmp_path):
+    """A scheduler's SIGTERM reaching rank 1 alone: both ranks finish the step, save, print one
+    line and exit 143; the rerun resumes there and ends like the uninterrupted run."""
+    ref, _, _ = two_rank_chain
+    run_dir = tmp_path / "run"
+    proc = start(FAST, run_dir, nproc=2)
+    deadline = time.monotonic() + 300
+    while not (run_dir / "metrics.jsonl").exists() or \
+            len((run_dir / "metrics.jsonl").read_text().splitlines()) < 2:  # eval 0 and step 1
+        assert proc.poll() is None and time.monotonic() < deadline, log_of(run_dir)
+        time.sleep(0.02)
+    os.kill(int((run_dir / "pid.rank1").read_text()), signal.SIGTERM)
+    assert wait(proc, 120) not in (None, 0), log_of(run_dir)  # torchrun: a worker exited 143
+    log = log_of(run_dir)
+    stopped_at = len(metrics(run_dir)) - 1
+    assert 1 <= stopped_at < 4 and log.count("exitcode  : 143") == 2, log
+    assert log.count(f"interrupted by SIGTERM at step {stopped_at}: saved ") == 1, log
+    assert checkpoints(run_dir)[-1] == f"step_{stopped_at:06d}"
+    run(FAST, run_dir, nproc=2)
+    assert f"resumed from step {stopped_at}" in log_of(run_dir)
+    assert_same_run(ref, run_dir)
+
+
 # -----------------------------------------------------------------------------
 # guard rails, all in one faulty two-rank run with --filter-zero-variance: step index 0: every
 # reward raises (all rewards 0, every group constant: both ranks' batches are empty)
@@ -374,7 +398,10 @@ def test_reuse_of_training_logprobs_with_several_minibatches_warns_and_recompute
 
 
 def test_a_micro_batch_budget_below_the_longest_prompt_plus_max_new_tokens_fails_at_start_up():
-    cfg = N.parse_config(["--micro-batch-tokens", "12", "--max-new-tokens", "8"])
-    N.check_token_budget([[1] * 3, [1] * 4], cfg)  # 4 + 8 fits exactly
-    with pytest.raises(UserError, match=r"--micro-batch-tokens 12 is smaller .*\(5 prompt tokens"):
-        N.check_token_budget([[1] * 3, [1] * 5], cfg)
+    def load(budget: int):
+        cfg = N.parse_config(["--micro-batch-tokens", str(budget), "--max-new-tokens", "8"])
+        return N.load_data(N.validate_config(cfg, world=1))
+
+    assert max(map(len, load(14)[3])) == 6  # the longest arithmetic prompt: 6 + 8 fits exactly
+    with pytest.raises(UserError, match=r"--micro-batch-tokens 13 is smaller .*\(6 prompt tokens"):
+        load(13)

@@ -19,6 +19,7 @@ import torch
 from sglang_standin import StandinSGLangServer
 
 import rollout
+from logs import UserError
 from rollout import Completion, HFEngine, RemoteSGLangEngine, SamplingParams, SGLangEngine
 
 torch.set_num_threads(1)
@@ -138,18 +139,32 @@ def test_timeout_is_retried(server, model_dir, tmp_path):
     assert len(server.generate_bodies) == 2
 
 
-def test_server_that_never_becomes_healthy_fails_fast_and_clearly(model_dir, tmp_path):
+def test_server_that_never_becomes_healthy_fails_fast_and_clearly(model_dir, tmp_path, capsys):
     s = StandinSGLangServer(model_dir, start_delay=1e6).start()
     try:
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError,
-                           match=rf"{s.url} did not become healthy within 0.5s.*HTTP 503"):
+        with pytest.raises(UserError, match=rf"--rollout-url {s.url}: no healthy SGLang server "
+                                            r"after 0.5s.*HTTP 503"):
             client(s, model_dir, tmp_path, health_timeout=0.5)
         assert time.monotonic() - t0 < 5
     finally:
         s.stop()
-    with pytest.raises(RuntimeError, match="did not become healthy"):  # nothing listening at all
+    with pytest.raises(UserError, match="no healthy SGLang server"):  # nothing listening at all
         client([s.url], model_dir, tmp_path, health_timeout=0.3)
+
+
+def test_health_wait_says_what_it_waits_for_every_few_seconds(model_dir, tmp_path, capsys):
+    s = StandinSGLangServer(model_dir, start_delay=2.0).start()  # 503 while "loading"
+    try:
+        eng = object.__new__(RemoteSGLangEngine)  # only the health wait, not a whole client
+        eng.urls = [s.url]
+        eng.wait_healthy(30.0, report_every=0.4)
+    finally:
+        s.stop()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) >= 2, lines  # ~2 s of 503 at one report per 0.4 s
+    assert all(line.startswith(f"waiting for the SGLang server {s.url} (") and "HTTP 503" in line
+               for line in lines), lines
 
 
 def test_older_server_without_sampling_seed_is_still_served(server, model_dir, tmp_path):

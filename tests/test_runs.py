@@ -1,0 +1,285 @@
+"""A user's runs are never lost and a user's mistakes are one line (issue 13). Every test here runs
+the real CLI: the mistakes table (exit code 2, one stderr line, nothing on disk touched), run
+directories (two different commands keep both runs, the same command resumes, --overwrite moves
+the old run aside), SIGINT mid-run then a rerun that ends exactly like an uninterrupted run, and
+each way a checkpoint can be broken."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = str(ROOT / "nanoareal.py")
+MODEL = str(ROOT / "assets" / "tiny-arith")
+# a small run: 8 prompts x 4 samples a step, 16 held-out rows
+SMALL = ["--model", MODEL, "--prompts-per-step", "8", "--group-size", "4", "--eval-size", "16",
+         "--eval-every", "2"]
+NOISE = ("time/", "tokens_per_s")  # wall-clock metrics legitimately differ between runs
+
+
+def cli(args: list[str], cwd: Path, env: dict | None = None, nproc: int = 1,
+        timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, CLI, *args]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", CLI, *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(NOISE)} for r in rows]
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file under root with a hash of its bytes: what 'nothing changed on disk' compares."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# -----------------------------------------------------------------------------
+# every mistake one line
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory) -> Path:
+    """A working directory holding another run (results and config.json) and the broken inputs
+    the mistakes table points at."""
+    box = tmp_path_factory.mktemp("mistakes")
+    other = box / "runs" / "other"
+    (other / "checkpoints" / "step_000001").mkdir(parents=True)
+    (other / "checkpoints" / "step_000001" / "meta.json").write_text('{"step": 1}')
+    (other / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n')
+    (other / "config.json").write_text(json.dumps({"dataset": "arithmetic", "seed": 1}))
+    (box / "not_a_model").mkdir()
+    (box / "not_a_model" / "notes.txt").write_text("no config.json here")
+    (box / "no_tokenizer").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(MODEL) / name, box / "no_tokenizer" / name)
+    (box / "steps_ten.toml").write_text('steps = "ten"\n')
+    (box / "unknown_key.toml").write_text("stepz = 3\n")
+    (box / "broken.toml").write_text("steps = \n")
+    (box / "messages.jsonl").write_text(json.dumps(
+        {"messages": [{"role": "user", "content": "1+1="}], "answer": "2"}) + "\n")
+    (box / "letters.jsonl").write_text(json.dumps({"prompt": "what is love", "answer": "2"}) + "\n")
+    (box / "ok.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    (box / "reward.py").write_text("def score(completion, row):\n    return 1.0\n")
+    (box / "hf_home").mkdir()  # an empty Hugging Face cache
+    return box
+
+
+CPU_ONLY = not torch.cuda.is_available()
+# (flags, what the one line must say, only meaningful on a machine without a GPU)
+MISTAKES = [
+    (["--model", "{box}/missing/model"], "no such directory", False),
+    (["--model", "{box}/not_a_model"], "no config.json", False),
+    (["--model", "{box}/no_tokenizer"], "no tokenizer files", False),
+    (["--model", "Qwen/Qwen2.5-0.5B"], "not in the local Hugging Face cache", False),
+    (["--lr", "-1"], "--lr", False),
+    (["--grad-clip", "-1"], "--grad-clip", False),
+    (["--top-p", "0"], "--top-p", False),
+    (["--temperature", "0"], "--temperature", False),
+    (["--group-size", "1"], "--group-size", False),
+    (["--steps", "ten"], "--steps", False),
+    (["--stepz", "3"], "did you mean --steps", False),
+    (["--config", "{box}/steps_ten.toml"], "--steps", False),
+    (["--config", "{box}/unknown_key.toml"], "unknown key 'stepz'", False),
+    (["--config", "{box}/broken.toml"], "broken.toml", False),
+    (["--config", str(ROOT / "configs" / "qwen2.5-0.5b-gsm8k.toml")], "needs a GPU", True),
+    (["--device", "cuda"], "no GPU", True),
+    (["--attention", "flash_attn"], "--attention flash_attn", True),
+    (["--cp-size", "3"], "--cp-size 3", False),
+    (["--dataset", "{box}/messages.jsonl"], "chat template", False),
+    (["--dataset", "{box}/letters.jsonl"], "cannot encode", False),
+    (["--dataset", "{box}/missing.jsonl"], "missing.jsonl", False),
+    (["--eval-dataset", "{box}/ok.jsonl"], "--eval-dataset", False),
+    (["--micro-batch-tokens", "8"], "--micro-batch-tokens 8", False),
+    (["--reward", "{box}/missing.py:score"], "no such file", False),
+    (["--reward", "{box}/reward.py:nope"], "no function 'nope'", False),
+    (["--run-dir", "runs/other"], "holds another run", False),
+    (["--resume", "{box}/not_a_model"], "--resume", False),
+    (["--rollout-backend", "sglang", "--rollout-url", "http://127.0.0.1:{port}",
+      "--rollout-health-timeout", "1"], "no healthy SGLang server", False),
+]
+
+
+def test_every_mistake_is_one_line_exit_code_2_and_touches_nothing_on_disk(sandbox):
+    before = snapshot(sandbox)
+    env = {"HF_HOME": str(sandbox / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    cases = [[a.format(box=sandbox, port=free_port()) for a in flags]
+             for flags, _, cpu_only in MISTAKES if CPU_ONLY or not cpu_only]
+    with ThreadPoolExecutor(4) as pool:  # each case is a fresh process, mostly import time
+        results = list(pool.map(lambda args: cli([*args, "--steps", "1"] if "--steps" not in args
+                                                 else args, sandbox, env, timeout=120), cases))
+    expected = [says for _, says, cpu_only in MISTAKES if CPU_ONLY or not cpu_only]
+    for args, says, out in zip(cases, expected, results):
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, (args, out.returncode, out.stderr[-3000:])
+        assert says in lines[0] and "Traceback" not in out.stdout, (args, lines[0])
+        assert lines[0].startswith(("error", "config error")), lines[0]
+    assert snapshot(sandbox) == before  # no file written, changed or removed
+    assert sorted(p.name for p in (sandbox / "runs").iterdir()) == ["other"]  # no new run dirs
+
+
+def test_a_config_error_under_torchrun_is_shown_once_and_last(tmp_path):
+    out = cli(["--cp-size", "3", "--steps", "1"], tmp_path, nproc=2, timeout=120)
+    message = "config error: --cp-size 3 must divide the number of ranks (2)"
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and text.count(message) == 1, text[-3000:]
+    # torchrun's failure summary ends with the root cause, which carries the message
+    tail = [line for line in out.stderr.strip().splitlines() if line.strip("=")][-1]
+    assert tail.strip() == f"traceback : {message}", out.stderr[-2000:]
+
+
+# -----------------------------------------------------------------------------
+# run directories: another command never writes into a run; the same command resumes it
+
+
+def test_the_two_headline_commands_in_a_row_keep_both_runs_and_a_rerun_resumes(tmp_path):
+    first = cli([*SMALL, "--steps", "2"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = cli([*SMALL, "--steps", "2", "--loss-aggregation", "prompt_mean"], tmp_path,
+                 nproc=2)
+    assert second.returncode == 0, second.stderr[-3000:]
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert len(runs) == 2, runs  # runs/arithmetic-token_mean-s0-<hash>, ...-prompt_mean-...
+    assert {r.name.split("-")[1] for r in runs} == {"token_mean", "prompt_mean"}
+    for run in runs:
+        assert [m["step"] for m in metrics(run)] == [0, 1, 2]
+        assert (run / "final" / "model.safetensors").is_file()
+    token_mean = next(r for r in runs if "token_mean" in r.name)
+    before = metrics(token_mean)
+
+    # the first command again, longer (--steps does not change the run): it continues the run
+    again = cli([*SMALL, "--steps", "3"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from step 2" in again.stdout
+    assert len(list((tmp_path / "runs").iterdir())) == 2
+    assert metrics(token_mean)[:3] == before and metrics(token_mean)[3]["step"] == 3
+
+    # starting it over needs --overwrite, which moves the old run aside
+    refused = cli([*SMALL, "--steps", "1", "--resume", "none"], tmp_path)
+    assert refused.returncode == 2 and "--overwrite" in refused.stderr
+    assert metrics(token_mean)[:3] == before
+    fresh = cli([*SMALL, "--steps", "1", "--resume", "none", "--overwrite"], tmp_path)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    aside = token_mean.with_name(token_mean.name + ".old-1")
+    assert metrics(aside)[:3] == before and len(metrics(aside)) == 4  # kept whole
+    assert [m["step"] for m in metrics(token_mean)] == [0, 1]
+
+
+# -----------------------------------------------------------------------------
+# preemption: SIGINT finishes the step, saves, says how to resume; the rerun equals a run that
+# was never interrupted
+
+
+def test_sigint_mid_run_saves_and_the_rerun_ends_like_an_uninterrupted_run(tmp_path):
+    args = [*SMALL, "--steps", "6"]
+    ref = cli([*args, "--run-dir", str(tmp_path / "ref")], tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, CLI, *args, "--run-dir", str(run_dir)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").exists() or \
+            len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3:  # eval 0, steps 1-2
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, (out[-2000:], err[-2000:])
+    assert "Traceback" not in out + err
+    stopped_at = len(metrics(run_dir)) - 1
+    assert 2 <= stopped_at < 6
+    assert out.strip().splitlines()[-1] == (
+        f"interrupted by SIGINT at step {stopped_at}: saved {run_dir}/checkpoints/"
+        f"step_{stopped_at:06d}; rerun the same command to resume from step {stopped_at}")
+
+    rerun = cli([*args, "--run-dir", str(run_dir)], tmp_path)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resumed from step {stopped_at}" in rerun.stdout
+    assert metrics(run_dir) == metrics(tmp_path / "ref")
+
+
+# -----------------------------------------------------------------------------
+# a broken newest checkpoint is named, set aside and the one before is used
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("broken") / "run"
+    out = cli([*SMALL, "--steps", "2", "--ckpt-every", "1", "--keep-ckpts", "0",
+               "--run-dir", str(run_dir)], run_dir.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [p.name for p in checkpoint.complete_checkpoints(run_dir)] == ["step_000001",
+                                                                          "step_000002"]
+    return run_dir
+
+
+def _truncate_a_shard(ckpt: Path) -> None:
+    shard = sorted(ckpt.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+
+
+CORRUPTIONS = {
+    "truncated shard": (_truncate_a_shard, "is truncated"),
+    "empty meta.json": (lambda c: (c / "meta.json").write_text(""), "meta.json"),
+    "invalid meta.json": (lambda c: (c / "meta.json").write_text('{"step": '), "meta.json"),
+    "meta.json without a step": (lambda c: (c / "meta.json").write_text("[]"), "no step"),
+    "missing shard": (lambda c: sorted(c.glob("*.distcp"))[0].unlink(), "is missing"),
+    "missing .metadata": (lambda c: (c / ".metadata").unlink(), ".metadata"),
+    "missing rng state": (lambda c: (c / "rng_rank0.pt").unlink(), "rng_rank0.pt is missing"),
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_each_corruption_of_the_newest_checkpoint_is_named_set_aside_and_skipped(
+        two_checkpoints, tmp_path, corruption):
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run_dir)
+    corrupt, why = CORRUPTIONS[corruption]
+    newest = run_dir / "checkpoints" / "step_000002"
+    corrupt(newest)
+    said = []
+    found = checkpoint.newest_usable(run_dir, say=said.append)
+    assert found == run_dir / "checkpoints" / "step_000001"
+    assert len(said) == 1 and str(newest) in said[0] and why in said[0], said
+    assert not newest.exists() and (run_dir / "checkpoints" / "step_000002.broken").is_dir()
+
+
+def test_the_cli_resumes_from_the_checkpoint_before_a_broken_one(two_checkpoints, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run_dir)
+    _truncate_a_shard(run_dir / "checkpoints" / "step_000002")
+    out = cli([*SMALL, "--steps", "2", "--ckpt-every", "1", "--keep-ckpts", "0",
+               "--run-dir", str(run_dir)], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    warning = [line for line in out.stdout.splitlines() if "unreadable" in line]
+    assert len(warning) == 1 and "step_000002" in warning[0] and "truncated" in warning[0]
+    assert "resumed from step 1" in out.stdout
+    assert metrics(run_dir) == metrics(two_checkpoints)  # step 2 trained again, identically
+    assert (run_dir / "checkpoints" / "step_000002.broken").is_dir()  # set aside, not deleted
