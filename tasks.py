@@ -57,8 +57,27 @@ def gsm8k(completion: str, row: dict) -> tuple[float, dict]:
     return float(ok), {"correct": ok}
 
 
-REWARDS: dict[str, Callable] = {"exact_match": exact_match, "gsm8k": gsm8k}
-NEEDS_ANSWER = {"exact_match", "gsm8k"}  # built-in rewards that read row["answer"]
+_INTEGER = re.compile(r"-?\d+")
+
+
+def last_integer(text: str) -> str | None:
+    """The last integer in the text ("3 7 4" -> "4"), or None if it has none."""
+    found = _INTEGER.findall(text)
+    return found[-1] if found else None
+
+
+def last_number(completion: str, row: dict) -> tuple[float, dict]:
+    """1 if the completion's last integer equals the row's integer "answer" (as integers), else 0:
+    whatever precedes it is free, so a response may show its work or not. The "scratchpad" metric
+    is 1 when the completion holds more than one integer (for the chain task: running values)."""
+    found, want = _INTEGER.findall(completion), str(row["answer"]).strip()
+    ok = bool(found) and _INTEGER.fullmatch(want) is not None and int(found[-1]) == int(want)
+    return float(ok), {"correct": ok, "scratchpad": float(len(found) > 1)}
+
+
+REWARDS: dict[str, Callable] = {"exact_match": exact_match, "gsm8k": gsm8k,
+                                "last_number": last_number}
+NEEDS_ANSWER = {"exact_match", "gsm8k", "last_number"}  # built-in rewards that read row["answer"]
 
 
 # -----------------------------------------------------------------------------
@@ -78,13 +97,90 @@ def make_arithmetic_task(seed: int = 0, max_operand: int = 50,
     return rows[heldout_size:], rows[:heldout_size]
 
 
+# -----------------------------------------------------------------------------
+# the chain task: one-digit answers, responses of 2 to 18 tokens
+
+CHAIN_OPS = [f"+{d}" for d in range(10)] + [f"*{d}" for d in range(1, 10)]
+# no "*0": it would reset the chain, making every earlier step irrelevant
+CHAIN_MAX_OPS = 8
+CHAIN_WIDTH = 2 * CHAIN_MAX_OPS + 1  # the longest body, a digit and 8 operations
+
+
+def chain_values(prompt: str) -> list[int]:
+    """The running values of a chain prompt (or of its bare body), the start digit first:
+    v_0 = d_0 and v_j = (v_{j-1} + d_j) mod 10 or (v_{j-1} * d_j) mod 10, left to right.
+    "3+4*2            =" -> [3, 7, 4]; the answer is the last one."""
+    body = prompt.rstrip("=").rstrip()
+    values = [int(body[0])]
+    for op, digit in zip(body[1::2], body[2::2]):
+        d = int(digit)
+        values.append((values[-1] + d) % 10 if op == "+" else values[-1] * d % 10)
+    return values
+
+
+def chain_scratchpad(prompt: str) -> str:
+    """The worked response: every running value, space-separated ("3 7 4"), k + 1 numbers."""
+    return " ".join(map(str, chain_values(prompt)))
+
+
+def make_chain_task(seed: int = 0, heldout_size: int = 256,
+                    per_length: int = 2500) -> tuple[list, list]:
+    """Chains of k = 1..8 operations (+d or *d, mod 10) on a start digit, split deterministically
+    into (train, heldout).
+
+    Each row is {"prompt": "3+4*2            =", "answer": "4"}: the body right-padded with
+    spaces to 17 characters, then "=", so every prompt is 18 tokens long and a scratchpad's j-th
+    value is written a fixed distance after the j-th operand (without the padding the tiny model
+    has to find each operand at a k-dependent offset, and does not learn to). The answer is one
+    digit for any k; a response may be the digit alone (2 tokens with <eos>) or the scratchpad
+    (2k + 2 tokens): `last_number` judges only the final number, so length is the policy's choice.
+
+    Per k, min(per_length, 10 * 19^k) distinct bodies are drawn with random.Random(seed) (k = 1
+    has only 190, all used); heldout_size / 8 of each k are held out, interleaved k = 1..8, 1..8,
+    ..., so any prefix (--eval-size) is balanced over k; the rest, shuffled, is train (17434 rows
+    by default). The split depends only on `seed`, never on a run's seed.
+    """
+    if heldout_size % CHAIN_MAX_OPS:
+        raise ValueError(f"heldout_size must be a multiple of {CHAIN_MAX_OPS} (one share per k)")
+    per_k = heldout_size // CHAIN_MAX_OPS
+    rng = random.Random(seed)
+    train, held_by_k = [], []
+    for k in range(1, CHAIN_MAX_OPS + 1):
+        space = 10 * len(CHAIN_OPS) ** k
+        want = min(per_length, space)
+        if per_k >= want:
+            raise ValueError(f"heldout_size {heldout_size} leaves no train rows with {k} ops")
+        if space <= 4 * per_length:  # small: enumerate and shuffle (rejection would crawl)
+            bodies = [str(d) for d in range(10)]
+            for _ in range(k):
+                bodies = [b + op for b in bodies for op in CHAIN_OPS]
+            rng.shuffle(bodies)
+            bodies = bodies[:want]
+        else:  # large: draw until `want` distinct
+            seen: set[str] = set()
+            bodies = []
+            while len(bodies) < want:
+                b = str(rng.randrange(10)) + "".join(rng.choice(CHAIN_OPS) for _ in range(k))
+                if b not in seen:
+                    seen.add(b)
+                    bodies.append(b)
+        rows = [{"prompt": b.ljust(CHAIN_WIDTH) + "=", "answer": str(chain_values(b)[-1])}
+                for b in bodies]
+        held_by_k.append(rows[:per_k])
+        train += rows[per_k:]
+    heldout = [rows[i] for i in range(per_k) for rows in held_by_k]
+    random.Random(seed + 1).shuffle(train)
+    return train, heldout
+
+
 @dataclass(frozen=True)
 class Task:
     make: Callable[[], tuple[list, list]]
     reward: str
 
 
-TASKS: dict[str, Task] = {"arithmetic": Task(make_arithmetic_task, "exact_match")}
+TASKS: dict[str, Task] = {"arithmetic": Task(make_arithmetic_task, "exact_match"),
+                          "chain": Task(make_chain_task, "last_number")}
 
 
 # -----------------------------------------------------------------------------
