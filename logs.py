@@ -91,7 +91,7 @@ def run(main, argv: list[str] | None) -> int:
     import torch.distributed as dist
 
     faulthandler.enable()  # a rank that aborts in C++ (gloo, NCCL) still prints Python stacks
-    quiet_libraries()
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         main(argv)
         return 0

@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
             engine.resume_memory()
             t2 = time.perf_counter()
             # sync: the engine generates the next batch with the new weights
-            engine.update_weights(model)
+            engine.update_weights(model, step + 1)
             t3 = time.perf_counter()
             # TRY NOT TO MODIFY: metrics and what every rank must agree on (a signal one of them
             # got, a checkpoint due) in one collective, a CP group counting its samples once;
@@ -359,6 +359,8 @@ def load_data(cfg: Config) -> tuple:
     """(tokenizer, train rows, eval rows, every train prompt tokenized once), or a one-line error:
     a tokenizer that will not load, unencodable prompts, a prompt too long for a micro-batch."""
     from transformers import AutoTokenizer
+
+    logs.quiet_libraries()  # transformers' progress bars and info lines off (imported from here)
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
@@ -872,7 +874,7 @@ def resume(cfg: Config, model, optimizer, scheduler, engine, ranks: Ranks,
             raise UserError(f"checkpoint {path} cannot be loaded ({logs.why(e)}); move it aside "
                             "to resume from the one before it") from None
         scheduler.load_state_dict(meta["scheduler"])
-        engine.update_weights(model)  # the engine started from --model's weights
+        engine.update_weights(model, meta["step"])  # the engine started from --model's
         done = " (nothing left to train: --steps is not beyond it)" if meta["step"] >= cfg.steps \
             else ""
         print0(f"resumed from step {meta['step']} ({path}){done}")

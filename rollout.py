@@ -2,9 +2,8 @@
 
 One small interface, a few backends:
 
-    engine.generate(prompt_ids, sampling, seeds) -> list[Completion]   # one completion per (prompt,
-    seed)
-    engine.update_weights(model)        # every rank calls it: FSDP2 gathers are collectives
+    engine.generate(prompt_ids, sampling, seeds) -> list[Completion]  # one per (prompt, seed)
+    engine.update_weights(model, step)  # every rank calls it: FSDP2 gathers are collectives
     engine.release_memory() / engine.resume_memory()   # around the training phase (colocated GPU)
     engine.shutdown()
 
@@ -103,11 +102,15 @@ def mix_seed(*parts: int) -> int:
     return h
 
 
-def gumbel_noise(seeds: torch.Tensor, position: int, vocab_size: int) -> torch.Tensor:
+def gumbel_noise(seeds: torch.Tensor, position: int, vocab_size: int,
+                 device: torch.device | str | None = None) -> torch.Tensor:
     """Gumbel(0, 1) noise [B, V] keyed by (seed_b, position, token): argmax(logits + noise) samples
-    softmax."""
-    key = _fmix32(seeds.to(torch.int64) ^ ((position * 0x9E3779B1 + 0x7F4A7C15) & _MASK32))
-    token = (torch.arange(vocab_size, dtype=torch.int64) * 0x632BE5AB) & _MASK32
+    softmax. Computed on `device` (the logits'): B x V hashes a token are too many for a CPU when
+    V is 150k; integer hashing is exact anywhere, so the noise does not depend on the device."""
+    seeds = seeds.to(device=device, dtype=torch.int64)
+    key = _fmix32(seeds ^ ((position * 0x9E3779B1 + 0x7F4A7C15) & _MASK32))
+    token = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    token = (token * 0x632BE5AB) & _MASK32
     h = _fmix32(_fmix32(key[:, None] ^ token[None, :]) ^ 0x5BD1E995)
     u = (h.to(torch.float64) + 0.5) / 2**32
     return -torch.log(-torch.log(u))
@@ -138,7 +141,7 @@ def sample_tokens(
         drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= sampling.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         truncated = truncated.masked_fill(drop, float("-inf"))
-    noise = gumbel_noise(seeds, position, logits.shape[-1]).to(logits.device)
+    noise = gumbel_noise(seeds, position, logits.shape[-1], logits.device)
     tokens = (truncated.double() + noise).argmax(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
@@ -161,13 +164,14 @@ class HFEngine:
         self.batch_size = batch_size
 
     @torch.no_grad()
-    def update_weights(self, model: nn.Module) -> None:
+    def update_weights(self, model: nn.Module, step: int = 0) -> None:
         own = self.model.state_dict()
         for name, tensor in iter_full_tensors(model):
             own[name].copy_(tensor)
 
     def release_memory(self) -> None:
-        """Nothing to release: the HF copy is small and lives on the CPU."""
+        """Nothing to release: the HF copy keeps its memory (it is the policy's size, no KV cache
+        outlives a generate call)."""
 
     def resume_memory(self) -> None:
         pass
@@ -284,8 +288,14 @@ class HFEngine:
 #   processes on one GPU fails with "Duplicate GPU detected"). Pass flush_cache=False for all but
 #   the last bucket.
 # - `sampling_seed` is a per-request sampling parameter only in newer versions (older ones reject
-#   unknown keys); we send it when the installed SamplingParams accepts it (in-process) or until a
-#   server rejects it (remote).
+#   unknown keys); we send it when the installed SamplingParams has the field (in-process) or until
+#   a server rejects it (remote). SGLang honours it only under enable_deterministic_inference
+#   (--sglang-deterministic): otherwise the seed is ignored and rollouts are not reproducible.
+# - Control calls (update_weights_from_tensor, begin/end_weight_update, memory release/resume,
+#   flush_cache; their HTTP routes) report failure in their result, (success, message) or
+#   {"success": false, "message": ...}, instead of raising: every result is checked (_succeeded).
+# - Empty the trainer's CUDA cache before resume_memory_occupation (sglang issue #14092).
+# - /server_info (from 0.5.10) replaces the deprecated /get_server_info.
 
 def _finish_type(finish_reason) -> str:
     if isinstance(finish_reason, dict):
@@ -374,10 +384,13 @@ class SGLangEngine:
 
     def __init__(self, model_path: str, gpu_id: int = 0, mem_fraction: float = 0.5, seed: int = 0,
                  bucket_mb: int = 512, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cuda", **engine_kwargs):
+                 device: torch.device | str = "cuda", deterministic: bool = False,
+                 **engine_kwargs):
         import sglang  # lazy: an optional extra
 
         _check_logprob_env()
+        if deterministic:  # the only mode in which SGLang honours a request's sampling_seed
+            engine_kwargs["enable_deterministic_inference"] = True
         self.engine = sglang.Engine(model_path=model_path, mem_fraction_static=mem_fraction,
                                     enable_memory_saver=True, skip_tokenizer_init=True,
                                     base_gpu_id=gpu_id, tp_size=1, random_seed=seed,
@@ -413,7 +426,8 @@ class SGLangEngine:
         is: generate returns only when every request has finished)."""
         tags = [t for t in self.tags if t not in self.released]
         if tags:
-            self.engine.release_memory_occupation(tags=tags)
+            _succeeded(self.engine.release_memory_occupation(tags=tags),
+                       f"release_memory_occupation({tags})")
             self.released.update(tags)
 
     def resume_memory(self) -> None:
@@ -421,28 +435,35 @@ class SGLangEngine:
         update_weights."""
         self._resume(["weights"] if "weights" in self.released else [])
 
-    def _resume(self, tags: list[str]) -> None:
+    def _resume(self, tags: list[str], step: int | None = None) -> None:
         if tags:
-            self.engine.resume_memory_occupation(tags=tags)
+            # the trainer's cached blocks would leave SGLang's allocator too little to map its
+            # memory back (sglang issue #14092: "cu_mem_create ... out of memory")
+            torch.cuda.empty_cache()
+            _succeeded(self.engine.resume_memory_occupation(tags=tags),
+                       f"resume_memory_occupation({tags})", step)
             self.released.difference_update(tags)
 
     @torch.no_grad()
-    def update_weights(self, model: nn.Module) -> None:
+    def update_weights(self, model: nn.Module, step: int = 0) -> None:
         """Every rank: gather full tensors (collectives), push them to its own engine in buckets,
         then resume the KV cache and flush it (cached prefixes were computed with the old
-        weights)."""
-        self.resume_memory()
+        weights). A control call that reports failure raises with SGLang's message and the step:
+        generating from half-updated or released weights must never go unnoticed."""
+        self._resume(["weights"] if "weights" in self.released else [], step)
         if self.has_weight_update_session:
-            self.engine.begin_weight_update()
+            _succeeded(self.engine.begin_weight_update(), "begin_weight_update", step)
         try:
             for bucket, last in iter_buckets(iter_full_tensors(model), self.bucket_bytes,
                                              self.dtype, self.device):
-                self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=last)
+                _succeeded(self.engine.update_weights_from_tensor(named_tensors=bucket,
+                                                                  flush_cache=last),
+                           "update_weights_from_tensor", step)
         finally:
             if self.has_weight_update_session:
-                self.engine.end_weight_update()
-        self._resume([t for t in self.tags if t in self.released])
-        self.engine.flush_cache()
+                _succeeded(self.engine.end_weight_update(), "end_weight_update", step)
+        self._resume([t for t in self.tags if t in self.released], step)
+        _succeeded(self.engine.flush_cache(), "flush_cache", step)
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -451,11 +472,35 @@ class SGLangEngine:
 
 
 def _sampling_params_accept(name: str) -> bool:
+    """Whether the installed SGLang's SamplingParams has a field `name`. From 0.5.20 it is a
+    msgspec.Struct, whose __init__ signature is (*args, **kwargs): read its fields instead."""
     try:
         from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSamplingParams
     except ImportError:
         return False
-    return name in inspect.signature(SGLangSamplingParams.__init__).parameters
+    fields = getattr(SGLangSamplingParams, "__struct_fields__", None)  # msgspec.Struct
+    if fields is None and hasattr(SGLangSamplingParams, "__dataclass_fields__"):
+        fields = SGLangSamplingParams.__dataclass_fields__
+    if fields is None:
+        fields = inspect.signature(SGLangSamplingParams.__init__).parameters
+    return name in fields
+
+
+def _succeeded(result, what: str, step: int | None = None, where: str = ""):
+    """Raise if an SGLang control call reported failure: the in-process Engine returns (success,
+    message) or an object with .success, the HTTP server {"success": false, "message": ...};
+    neither raises by itself. Returns the result."""
+    ok, message = True, ""
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool):
+        ok, message = result
+    elif isinstance(result, dict) and "success" in result:
+        ok, message = bool(result["success"]), result.get("message", "")
+    elif hasattr(result, "success"):
+        ok, message = bool(result.success), getattr(result, "message", "")
+    if not ok:
+        at = (f" at step {step}" if step is not None else "") + (f" on {where}" if where else "")
+        raise RuntimeError(f"SGLang {what} failed{at}: {message or '(no message)'}")
+    return result
 
 
 class HTTPError(RuntimeError):
@@ -477,7 +522,7 @@ class RemoteSGLangEngine:
                  weight_sync: str = "disk", timeout: float = 600.0, retries: int = 3,
                  abort_retries: int = 3, health_timeout: float = 600.0,
                  bucket_mb: int = 512, sync_dtype: torch.dtype | None = None, backoff: float = 0.5,
-                 nccl_addr: str = "", max_workers: int = 64):
+                 nccl_addr: str = "", max_workers: int = 64, deterministic: bool = False):
         if not urls:
             raise ValueError("RemoteSGLangEngine needs at least one server URL")
         if weight_sync not in ("disk", "nccl"):
@@ -493,9 +538,15 @@ class RemoteSGLangEngine:
         self.send_seed = True
         # url -> server has /begin_weight_update (SGLang >= 0.5.21)
         self.session: dict[str, bool] = {}
-        self.version = 0
+        self.version = self.step = 0
         self.nccl_group = None
         self.wait_healthy(health_timeout)
+        if deterministic:  # the servers must run in the one mode that honours sampling_seed
+            for url in self.urls:
+                if not self.server_info(url).get("enable_deterministic_inference"):
+                    raise UserError(f"--sglang-deterministic: the SGLang server {url} runs "
+                                    "without deterministic inference; launch it with "
+                                    "--enable-deterministic-inference")
 
     # -- HTTP plumbing
 
@@ -625,25 +676,40 @@ class RemoteSGLangEngine:
     def resume_memory(self) -> None:
         pass
 
-    def _session(self, url: str, which: str) -> None:
-        """POST /begin_weight_update or /end_weight_update where the server has them (404: SGLang <
-        0.5.21)."""
-        if self.session.get(url) is False:
-            return
+    def server_info(self, url: str) -> dict:
+        """GET /server_info (SGLang >= 0.5.10), else the deprecated /get_server_info: the server's
+        arguments (tp_size, enable_deterministic_inference, ...) and version."""
         try:
-            self._request(url, f"/{which}_weight_update", {})
-            self.session[url] = True
+            info = self._request(url, "/server_info")
         except HTTPError as e:
             if e.status != 404:
                 raise
+            info = self._request(url, "/get_server_info")
+        return info if isinstance(info, dict) else {}
+
+    def _session(self, url: str, which: str) -> None:
+        """POST /begin_weight_update or /end_weight_update where the server has them (404: SGLang <
+        0.5.21); a refusal raises with the server's message."""
+        if self.session.get(url) is False:
+            return
+        try:
+            out = self._request(url, f"/{which}_weight_update", {})
+            self.session[url] = True
+        except HTTPError as e:
+            if e.status != 404:
+                raise RuntimeError(f"SGLang {which}_weight_update failed at step {self.step} on "
+                                   f"{url}: {e.body}") from None
             self.session[url] = False
+            return
+        _succeeded(out, f"{which}_weight_update", self.step, url)
 
     def _all(self, fn, *args) -> list:
         """Run fn(url, *args) on every server concurrently; re-raise the first error."""
         return [f.result() for f in [self.pool.submit(fn, u, *args) for u in self.urls]]
 
     @torch.no_grad()
-    def update_weights(self, model: nn.Module) -> None:
+    def update_weights(self, model: nn.Module, step: int = 0) -> None:
+        self.step = step  # for the error messages of the calls below
         if self.weight_sync == "disk":
             self._update_from_disk(model)
         else:
@@ -671,13 +737,11 @@ class RemoteSGLangEngine:
         try:
             out = self._request(url, "/update_weights_from_disk", {"model_path": path})
         except HTTPError as e:
-            raise RuntimeError(f"SGLang server {url} could not load weights from {path}: "
-                               f"{e.body}") from None
+            raise RuntimeError(f"SGLang update_weights_from_disk failed at step {self.step} on "
+                               f"{url} ({path}): {e.body}") from None
         finally:
             self._session(url, "end")
-        if isinstance(out, dict) and not out.get("success", True):
-            raise RuntimeError(f"SGLang server {url} could not load weights from {path}: "
-                               f"{out.get('message')}")
+        _succeeded(out, "update_weights_from_disk", self.step, f"{url} ({path})")
 
     def write_weights(self, model: nn.Module, rank: int = 0) -> str | None:
         """Every rank gathers; rank 0 writes `model.safetensors` + the original config/tokenizer
@@ -747,10 +811,7 @@ class RemoteSGLangEngine:
                 for _, t in bucket:
                     dist.broadcast(t, src=0, group=self.nccl_group)
                 for p in posts:
-                    out = p.result()
-                    if isinstance(out, dict) and not out.get("success", True):
-                        raise RuntimeError("update_weights_from_distributed failed: "
-                                           f"{out.get('message')}")
+                    _succeeded(p.result(), "update_weights_from_distributed", self.step)
         finally:
             self._all(self._session, "end")
 
@@ -758,7 +819,7 @@ class RemoteSGLangEngine:
         """Group = trainer rank 0 (rank 0) + every server's TP ranks (rank_offset onwards), created
         the way SGLang creates its side (rendezvous on tcp://addr:port, PrefixStore(group_name),
         _new_process_group_helper)."""
-        tp = [int(self._request(u, "/get_server_info").get("tp_size", 1)) for u in self.urls]
+        tp = [int(self.server_info(u).get("tp_size", 1)) for u in self.urls]
         world = 1 + sum(tp)
         addr = self.nccl_addr or f"{socket.gethostbyname(socket.gethostname())}:0"
         host, _, port = addr.rpartition(":")
@@ -772,9 +833,7 @@ class RemoteSGLangEngine:
                  for u, off in zip(self.urls, offsets)]
         self.nccl_group = init_weight_group(host, port, world, self.group_name)
         for p in posts:
-            out = p.result()
-            if isinstance(out, dict) and not out.get("success", True):
-                raise RuntimeError(f"init_weights_update_group failed: {out.get('message')}")
+            _succeeded(p.result(), "init_weights_update_group", self.step)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -826,6 +885,11 @@ class RolloutConfig:
     rollout_url: list[str] = field(default_factory=list)
     """SGLang server URLs (prompts are spread over them); none with --rollout-backend sglang means
     an in-process engine on this GPU."""
+    sglang_deterministic: bool = False
+    """Reproducible SGLang rollouts: run SGLang's deterministic inference (in-process; servers must
+    be launched with --enable-deterministic-inference) and send each sample's seed, as the hf
+    engine always does. Slower sampling; without it, SGLang rollouts are not reproducible from
+    --seed."""
     sglang_mem_fraction: float = 0.5
     """In-process SGLang: the share of GPU memory for its weights and KV cache
     (mem_fraction_static)."""
@@ -855,6 +919,9 @@ def check_rollout_config(c: RolloutConfig, cuda: bool) -> None:
     UserError."""
     if c.rollout_backend == "hf" and c.rollout_url:
         raise UserError("config error: --rollout-url needs --rollout-backend sglang")
+    if c.rollout_backend == "hf" and c.sglang_deterministic:
+        raise UserError("config error: --sglang-deterministic is for --rollout-backend sglang (the "
+                        "hf engine is always reproducible from --seed)")
     if c.rollout_url and c.weight_sync == "tensor":
         raise UserError("config error: --weight-sync tensor needs an in-process engine (drop "
                         "--rollout-url)")
@@ -895,7 +962,8 @@ def make_engine(cfg, device: torch.device):
                                   health_timeout=cfg.rollout_health_timeout,
                                   bucket_mb=cfg.weight_sync_bucket_mb,
                                   sync_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                                  nccl_addr=cfg.weight_sync_addr)
+                                  nccl_addr=cfg.weight_sync_addr,
+                                  deterministic=cfg.sglang_deterministic)
     return SGLangEngine(cfg.model, gpu_id=device.index or 0, mem_fraction=cfg.sglang_mem_fraction,
-                        seed=cfg.seed,
-                        bucket_mb=cfg.weight_sync_bucket_mb, device=device)
+                        seed=cfg.seed, bucket_mb=cfg.weight_sync_bucket_mb, device=device,
+                        deterministic=cfg.sglang_deterministic)

@@ -5,27 +5,28 @@ Request and response JSON follow SGLang's native API
 FINISH_* .to_json()):
 
     POST /generate {"input_ids": [..] | [[..], ..], "sampling_params": {..} | [{..}, ..],
-    "return_logprob": true,
-                    "rid": ..}
-      -> {"text", "output_ids", "meta_info": {"id", "finish_reason": {"type": "stop", "matched": id}
-      |
-          {"type": "length", "length": n} | {"type": "abort", "message", "status_code", "err_type"},
-          "prompt_tokens", "completion_tokens", "cached_tokens", "output_token_logprobs": [[logprob,
-          id, null]],
-          "e2e_latency"}}     (a list of those for a batch)
+                    "return_logprob": true, "rid": ..}
+      -> {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
+          "completion_tokens", "cached_tokens", "output_token_logprobs": [[logprob, id, null]],
+          "e2e_latency"}}     (a list of those for a batch); finish_reason is
+          {"type": "stop", "matched": id} | {"type": "length", "length": n} |
+          {"type": "abort", "message", "status_code", "err_type"}
     GET  /health_generate      200, or 503 while the server is starting
     POST /flush_cache          200 text
     POST /update_weights_from_disk {"model_path"} -> {"success", "message", "num_paused_requests"}
-    (400 on failure)
-    POST /begin_weight_update, /end_weight_update {}   only with `weight_update_session=True`
-    (SGLang >= 0.5.21);
-                               otherwise 404 {"detail": "Not Found"}, as FastAPI answers for an
-                               unknown route
-    GET  /get_server_info      {"tp_size": 1, "version": ...}
+                               (400 on failure)
+    POST /begin_weight_update, /end_weight_update {} -> {"success", "message"}, only with
+                               `weight_update_session=True` (SGLang >= 0.5.21); otherwise 404
+                               {"detail": "Not Found"}, as FastAPI answers an unknown route
+    GET  /server_info          the server's arguments ({"tp_size": 1,
+                               "enable_deterministic_inference": ...}) and "version"; with
+                               `legacy_info_only`, 404 (SGLang < 0.5.10)
+    GET  /get_server_info      the same (deprecated route)
 
 Faults to inject (each counts down per /generate request): `abort_after` = (n_requests,
 k_tokens), `fail_5xx` = n_requests, `slow` = (n_requests, seconds). `start_delay` keeps
-/health_generate at 503.
+/health_generate at 503; `refuse_session` = a message makes /begin_weight_update answer
+{"success": false, "message": ...}.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class _Server(ThreadingHTTPServer):
 
 class StandinSGLangServer:
     def __init__(self, model_path: str, weight_update_session: bool = True,
-                 start_delay: float = 0.0,
-                 version: str = "0.5.21-standin"):
+                 start_delay: float = 0.0, version: str = "0.5.21-standin",
+                 legacy_info_only: bool = False):
         self.engine = HFEngine(model_path)
         self.model_path = model_path
         self.weight_update_session = weight_update_session
@@ -67,6 +68,9 @@ class StandinSGLangServer:
         self.slow: tuple[int, float] | None = None
         self.reject_sampling_seed = False
         self.in_session = False
+        self.legacy_info_only = legacy_info_only
+        self.deterministic = False  # --enable-deterministic-inference
+        self.refuse_session: str | None = None
         try:
             from transformers import AutoTokenizer
 
@@ -171,8 +175,11 @@ class StandinSGLangServer:
                     if time.monotonic() < server.ready_at:
                         return self._send(503, {"error": "server is starting"})
                     return self._send(200, "")
-                if self.path == "/get_server_info":
-                    return self._send(200, {"tp_size": 1, "version": server.version})
+                if self.path == "/get_server_info" or (self.path == "/server_info"
+                                                       and not server.legacy_info_only):
+                    return self._send(200, {"tp_size": 1, "version": server.version,
+                                            "enable_deterministic_inference":
+                                                server.deterministic})
                 self._send(404, {"detail": "Not Found"})
 
             def do_POST(self):
@@ -190,6 +197,9 @@ class StandinSGLangServer:
                 if self.path in ("/begin_weight_update",
                                  "/end_weight_update") and server.weight_update_session:
                     begin = self.path == "/begin_weight_update"
+                    if begin and server.refuse_session:
+                        return self._send(200, {"success": False,
+                                                "message": server.refuse_session})
                     if begin == server.in_session:
                         return self._send(400,
                                           {"error": f"{self.path}: session state is "
@@ -208,10 +218,8 @@ class StandinSGLangServer:
                 sp = body.get("sampling_params") or {}
                 first = sp if isinstance(sp, dict) else sp[0]
                 if server.reject_sampling_seed and "sampling_seed" in first:
-                    return self._send(400,
-                                      {"error": "SamplingParams.__init__() got an unexpected "
-                                       "keyword argument "
-                                                     "'sampling_seed'"})
+                    return self._send(400, {"error": "SamplingParams.__init__() got an "
+                                            "unexpected keyword argument 'sampling_seed'"})
                 ids = body["input_ids"]
                 batch = bool(ids) and isinstance(ids[0], list)
                 rows = ids if batch else [ids]
@@ -221,8 +229,8 @@ class StandinSGLangServer:
                                                           for i in range(len(rows))]
                 abort_k = int(arg) if fault == "abort" else None
                 try:
-                    outs = [server._generate_one(r, s, i, abort_k) for r, s, i in zip(rows, sps,
-                                                                                      rids)]
+                    outs = [server._generate_one(r, s, i, abort_k)
+                            for r, s, i in zip(rows, sps, rids)]
                 except ValueError as e:
                     return self._send(400, {"error": {"message": str(e)}})
                 self._send(200, outs if batch else outs[0])

@@ -236,10 +236,15 @@ def test_disk_sync_round_trip_stand_in_logprobs_equal_trainers(model_dir, tmp_pa
 # in-process engine: a fake `sglang` module that enforces SGLang's rules and records the calls
 
 
-def install_fake_sglang(monkeypatch, new: bool) -> list:
-    """new=True: SGLang >= 0.5.21 (begin/end_weight_update, cuda_graph tag, sampling_seed); False:
-    older."""
+def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None) -> list:
+    """new=True: SGLang >= 0.5.21 (begin/end_weight_update, cuda_graph tag, SamplingParams a
+    msgspec.Struct with sampling_seed); False: older. Control calls return (success, message) as
+    SGLang's do, never raising: `fail` maps a call's name to the message it fails with."""
     log: list = []
+    fail = fail or {}
+
+    def result(name: str):
+        return (False, fail[name]) if name in fail else (True, "Succeeded")
 
     class Engine:
         def __init__(self, **kw):
@@ -269,10 +274,11 @@ def install_fake_sglang(monkeypatch, new: bool) -> list:
 
         def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
             assert "weights" not in self.released, "weights must be resumed before an update"
-            if new:
-                assert self.in_session, "SGLang >= 0.5.21: updates only inside begin/end"
+            if new and not self.in_session:  # SGLang >= 0.5.21 refuses, in its result
+                return False, "update outside begin_weight_update/end_weight_update"
             log.append(("update", [(n, tuple(t.shape), t.dtype) for n, t in named_tensors],
                         flush_cache))
+            return result("update_weights_from_tensor")
 
         def flush_cache(self):
             log.append(("flush",))
@@ -285,11 +291,13 @@ def install_fake_sglang(monkeypatch, new: bool) -> list:
             assert not self.in_session
             self.in_session = True
             log.append(("begin",))
+            return result("begin_weight_update")
 
         def end_weight_update(self):
             assert self.in_session
             self.in_session = False
             log.append(("end",))
+            return result("end_weight_update")
 
         Engine.begin_weight_update = begin_weight_update
         Engine.end_weight_update = end_weight_update
@@ -304,8 +312,11 @@ def install_fake_sglang(monkeypatch, new: bool) -> list:
         sampling = types.ModuleType("sglang.srt.sampling")
         sp = types.ModuleType("sglang.srt.sampling.sampling_params")
 
-        class SGLSamplingParams:
-            def __init__(self, max_new_tokens=128, temperature=1.0, sampling_seed=None):
+        class SGLSamplingParams:  # like a msgspec.Struct: fields in __struct_fields__, no signature
+            __struct_fields__ = ("max_new_tokens", "temperature", "top_p", "top_k",
+                                 "stop_token_ids", "sampling_seed")
+
+            def __init__(self, *args, **kwargs):
                 pass
 
         sp.SamplingParams = SGLSamplingParams
@@ -315,6 +326,8 @@ def install_fake_sglang(monkeypatch, new: bool) -> list:
         mods |= {"sglang.srt.constants": None, "sglang.srt.sampling.sampling_params": None}
     for k, v in mods.items():
         monkeypatch.setitem(sys.modules, k, v)
+    # the trainer's CUDA cache is emptied right before SGLang maps its memory back
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append(("empty_cache",)))
     return log
 
 
@@ -331,17 +344,19 @@ def test_colocated_engine_call_sequence_and_buckets(monkeypatch, model_dir, new)
     assert out[0] == Completion([1], [-0.5], "stop")
     eng.release_memory()  # ---- training happens here ----
     eng.resume_memory()
-    eng.update_weights(model)
+    eng.update_weights(model, step=1)
     eng.generate(PROMPTS[:1], SAMPLING, [9])
     eng.shutdown()
 
     graph = ["cuda_graph"] if new else []
+    assert all(log[i - 1] == ("empty_cache",) for i, e in enumerate(log) if e[0] == "resume")
+    log[:] = [e for e in log if e[0] != "empty_cache"]
     kinds = [e[0] for e in log]
     first_update, last_update = kinds.index("update"), len(kinds) - 1 - kinds[::-1].index("update")
-    expected = (["init", "generate", "release", "resume"] + (["begin"] if new else []) + ["update"]
-                * (last_update - first_update + 1) + (["end"] if new else []) + ["resume", "flush",
-                                                                                 "generate",
-                                                                                    "shutdown"])
+    updates = ["update"] * (last_update - first_update + 1)
+    session = (["begin"], ["end"]) if new else ([], [])
+    expected = (["init", "generate", "release", "resume", *session[0], *updates, *session[1],
+                 "resume", "flush", "generate", "shutdown"])
     assert kinds == expected
     assert log[2] == ("release", ["kv_cache", "weights", *graph])
     assert log[3] == ("resume", ["weights"])
@@ -360,6 +375,81 @@ def test_colocated_engine_call_sequence_and_buckets(monkeypatch, model_dir, new)
     for name, shape, dtype in sent:
         assert shape == tuple(state[name].shape)
         assert dtype == (torch.bfloat16 if state[name].is_floating_point() else state[name].dtype)
+
+
+@pytest.mark.parametrize("call", ["begin_weight_update", "update_weights_from_tensor",
+                                  "end_weight_update"])
+def test_a_control_call_reporting_failure_fails_the_step_with_its_message(monkeypatch, model_dir,
+                                                                          call):
+    from transformers import AutoModelForCausalLM
+
+    install_fake_sglang(monkeypatch, new=True, fail={call: "CUDA IPC handle expired"})
+    eng = SGLangEngine(model_dir, device="cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    eng.release_memory()
+    with pytest.raises(RuntimeError, match=f"SGLang {call} failed at step 7: CUDA IPC handle "
+                                           "expired"):
+        eng.update_weights(model, step=7)
+
+
+def test_the_step_fails_through_the_trainer_when_sglang_refuses_an_update(monkeypatch, model_dir):
+    """The trainer's own weight sync (nanoareal's call) raises instead of generating on."""
+    from transformers import AutoModelForCausalLM
+
+    import nanoareal as N
+
+    install_fake_sglang(monkeypatch, new=True, fail={"update_weights_from_tensor": "no memory"})
+    cfg = N.Config(model=model_dir, rollout_backend="sglang", device="cpu")
+    eng = rollout.make_engine(cfg, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="update_weights_from_tensor failed at step 3: no mem"):
+        eng.update_weights(AutoModelForCausalLM.from_pretrained(model_dir), 3)
+
+
+def test_deterministic_rollouts_turn_on_sglang_deterministic_inference_and_send_seeds(
+        monkeypatch, model_dir):
+    log = install_fake_sglang(monkeypatch, new=True)
+    eng = SGLangEngine(model_dir, device="cpu", deterministic=True)
+    eng.generate(PROMPTS[:2], SAMPLING, [5, 6])
+    assert log[0][1]["enable_deterministic_inference"] is True
+    assert [p["sampling_seed"] for p in log[1][1]] == [5, 6]
+    SGLangEngine(model_dir, device="cpu")
+    assert "enable_deterministic_inference" not in log[-1][1]
+
+
+def test_deterministic_remote_rollouts_need_servers_launched_deterministic(model_dir, tmp_path):
+    s = StandinSGLangServer(model_dir).start()
+    try:
+        with pytest.raises(UserError, match="--enable-deterministic-inference"):
+            client(s, model_dir, tmp_path, deterministic=True)
+        s.deterministic = True
+        assert client(s, model_dir, tmp_path, deterministic=True).server_info(s.url)[
+            "enable_deterministic_inference"] is True
+    finally:
+        s.stop()
+
+
+def test_server_info_falls_back_to_the_deprecated_route(model_dir, tmp_path):
+    s = StandinSGLangServer(model_dir, legacy_info_only=True).start()
+    try:
+        assert client(s, model_dir, tmp_path).server_info(s.url)["tp_size"] == 1
+        assert s.calls[-2:] == ["/server_info", "/get_server_info"]
+    finally:
+        s.stop()
+
+
+def test_a_server_refusing_a_weight_update_session_fails_the_sync_with_its_message(
+        model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    s = StandinSGLangServer(model_dir).start()
+    try:
+        eng = client(s, model_dir, tmp_path)
+        s.refuse_session = "another weight update is in progress"
+        with pytest.raises(RuntimeError, match="begin_weight_update failed at step 4 .*another "
+                                               "weight update is in progress"):
+            eng.update_weights(AutoModelForCausalLM.from_pretrained(model_dir), 4)
+    finally:
+        s.stop()
 
 
 def test_iter_buckets_respects_the_budget_and_marks_the_last():

@@ -111,6 +111,8 @@ MISTAKES = [
     (["--device", "cuda"], "no GPU", True),
     (["--attention", "flash_attn"], "--attention flash_attn", True),
     (["--cp-size", "3"], "--cp-size 3", False),
+    (["--sglang-deterministic"], "--sglang-deterministic is for --rollout-backend sglang", False),
+    (["--rollout-backend", "sglang"], "needs a GPU", True),
     (["--dataset", "{box}/messages.jsonl"], "chat template", False),
     (["--dataset", "{box}/letters.jsonl"], "cannot encode", False),
     (["--dataset", "{box}/missing.jsonl"], "missing.jsonl", False),

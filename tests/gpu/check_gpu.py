@@ -1,0 +1,289 @@
+"""One-shot GPU check of nanoareal: correctness of the GPU paths and the numbers that matter, in
+one command on a machine with one CUDA GPU (not collected by pytest: no test_ prefix).
+
+    python tests/gpu/check_gpu.py                 # ~3-5 minutes on one H200
+    python tests/gpu/check_gpu.py --device cpu --num-layers 2 --quick     # a smoke run anywhere
+
+It needs torch (CUDA), transformers, safetensors and tyro, and nothing from the network: the
+model is a randomly initialised Qwen2.5-0.5B-shaped causal LM (24 layers, 152k vocabulary) saved
+with the shipped character tokenizer, and the prompts are the built-in arithmetic task's. SGLang
+and flash-attn are used when installed and skipped otherwise (tests/gpu/check_sglang.py covers
+SGLang). Everything goes through the trainer's own functions: load_model (FSDP2 on NCCL in a
+world of one, bf16 compute with fp32 master weights), pack_microbatches, microbatch_forward,
+train_on_samples, the HF rollout engine and its weight sync.
+
+Checks (exit code 1 if one fails), then measurements, printed as markdown (and written to --out):
+1. attention: every packed attention path this GPU can run (flash_attn when installed,
+   torch_varlen, sdpa) on GRPO groups sharing their prompt, against the model's own per-sequence
+   forward in the same precision: |delta log-prob| must be small next to a negative control
+   (the same packed row with the shared prompt hidden from the completions);
+2. fp32 logits from bf16 hidden states (torch.mm out_dtype where it exists) against an fp32
+   matmul of the same bf16 values;
+3. training forward+backward FLOP/s and MFU (bench/bench_flops.py's count and peak);
+4. full GRPO steps (rollout -> reward -> advantages -> train -> weight sync): the step-time split,
+   tokens/s, peak GPU memory and weight-sync time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+QWEN25_05B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                  max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True, hidden_act="silu")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda (the check); cpu runs the same code small, as a smoke test")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="fewer decoder layers than Qwen2.5-0.5B's 24 (same width and vocabulary)")
+    p.add_argument("--quick", action="store_true",
+                   help="small batches and one measured step: a smoke run, not a measurement")
+    p.add_argument("--steps", type=int, default=3, help="GRPO steps measured after one warm-up")
+    p.add_argument("--out", default=None, help="also write the report to this markdown file")
+    return p.parse_args()
+
+
+def build_model(num_layers: int | None, init_range: float) -> str:
+    """A random Qwen2.5-0.5B-shaped model directory with the shipped character tokenizer (its 18
+    ids are a subset of the 152k vocabulary; decoding skips the rest)."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = tempfile.mkdtemp(prefix="check_gpu_qwen05_")
+    layers = {"num_hidden_layers": num_layers} if num_layers else {}
+    config = AutoConfig.for_model(**(QWEN25_05B | layers), initializer_range=init_range,
+                                  bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "assets" / "tiny-arith" / name, Path(out) / name)
+    return out
+
+
+def groups(vocab: int, n_groups: int, size: int, prompt_len: int, completion_len: int):
+    """GRPO-shaped samples (N.Sample): n_groups prompts, `size` completions each, random ids."""
+    import nanoareal as N
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for k in range(n_groups):
+        prompt = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()
+        for _ in range(size):
+            n = int(torch.randint(completion_len // 2, completion_len + 1, (1,), generator=g))
+            ids = torch.randint(2, vocab, (n,), generator=g).tolist()
+            out.append(N.Sample(k, prompt, N.Completion(ids, [-1.0] * n, "length"),
+                                advantage=1.0, row=k))
+    return out
+
+
+def reference_logprobs(model, samples) -> torch.Tensor:
+    """Per-sequence forward of the model's own attention (no packing): the completion tokens'
+    log-probs, concatenated in sample order."""
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.completion.output_ids], device=model.device)
+            logits = model(input_ids=ids, use_cache=False).logits[0].float()
+            lp = logits.log_softmax(-1)[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
+            out.append(lp[len(s.prompt_ids) - 1 :])
+    return torch.cat(out).cpu()
+
+
+def packed_logprobs(model, mbs, cfg, device, ranks, hide_prompt: bool = False) -> torch.Tensor:
+    """The trainer's packed forward, completion tokens only, in sample order (pack order)."""
+    import nanoareal as N
+
+    out = []
+    with torch.no_grad():
+        for mb in mbs:
+            if hide_prompt:  # negative control: completions no longer see their shared prompt
+                mb = dict(mb, segments=mb["segments"].clone())
+                mb["segments"][:, 2:] = 0
+            logprobs, _ = N.microbatch_forward(model, mb, cfg, device, ranks)
+            out.append(logprobs.float().cpu()[mb["seq_ids"] >= 0])
+    return torch.cat(out)
+
+
+def check_attention(model_dir: str, device: torch.device, ranks, quick: bool) -> list[str]:
+    from transformers import AutoModelForCausalLM
+
+    import modeling
+    import nanoareal as N
+
+    half = device.type == "cuda"
+    dtype = torch.bfloat16 if half else torch.float32
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                     attn_implementation="sdpa").to(device)
+    samples = groups(reference.config.vocab_size, 2 if quick else 4, 4, 64, 32 if quick else 192)
+    want = reference_logprobs(reference, samples)
+    del reference
+    rows, failed = [], []
+    for path in [p for p in modeling.ATTENTION_PATHS if p != "auto"]:
+        try:
+            modeling.choose_attention(path, device, half, softcap=False)
+        except ValueError as e:
+            rows.append(f"| {path} | not available here: {e} | | | |")
+            continue
+        cfg = N.validate_config(N.Config(model=model_dir, device=device.type, attention=path,
+                                         dtype="bfloat16" if half else "float32"), 1)
+        model = N.load_model(cfg, device, ranks)
+        mbs = N.pack_microbatches(samples, cfg)
+        got = packed_logprobs(model, mbs, cfg, device, ranks)
+        control = packed_logprobs(model, mbs, cfg, device, ranks, hide_prompt=True)
+        err, ctl = (got - want).abs(), (control - want).abs()
+        ok = bool(err.mean() < 0.1 * ctl.mean())
+        failed += [] if ok else [path]
+        rows.append(f"| {path} | {'ok' if ok else 'FAILED'} | {err.mean():.2e} | {err.max():.2e} "
+                    f"| {ctl.mean():.2e} |")
+        del model
+    print_table(f"attention paths vs the model's own per-sequence forward ({str(dtype)[6:]}, "
+                f"{len(samples)} samples in groups of 4 sharing a 64-token prompt)",
+                ["path", "result", "mean abs delta", "max abs delta", "control mean"], rows)
+    return [f"attention path {p} disagrees with the HF forward" for p in failed]
+
+
+def check_fp32_logits(device: torch.device) -> list[str]:
+    import modeling
+
+    if device.type != "cuda":
+        return []
+    g = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(4096, 896, device=device, generator=g).bfloat16()
+    w = torch.randn(151936, 896, device=device, generator=g).bfloat16()
+    got = modeling._matmul_fp32(h, w.t())
+    want = h.float() @ w.float().t()
+    rel = float((got - want).abs().max() / want.abs().max())
+    used = "torch.mm out_dtype" if modeling._MM_OUT_DTYPE.get(h.device) else "upcast fallback"
+    print_table("fp32 logits from bf16 hidden states", ["kernel", "dtype", "max rel. error"],
+                [f"| {used} | {got.dtype} | {rel:.2e} |"])
+    ok = got.dtype == torch.float32 and rel < 1e-2
+    return [] if ok else [f"fp32 logits: dtype {got.dtype}, relative error {rel:.2e}"]
+
+
+def measure_flops(device: torch.device, num_layers: int | None, quick: bool) -> None:
+    """bench/bench_flops.py in a process of its own (its own process group and model)."""
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_flops.py"), "--device", device.type,
+           "--model", "qwen2.5-0.5b"]
+    cmd += ["--num-layers", str(num_layers)] if num_layers else []
+    cmd += ["--steps", "1", "--warmup", "1", "--seqs", "8", "--prompt-len", "16",
+            "--completion-len", "16", "--peak-n", "512"] if quick else []
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    print(out.stdout.strip() if out.returncode == 0 else f"bench_flops failed:\n{out.stderr}")
+
+
+def measure_grpo(model_dir: str, device: torch.device, ranks, steps: int, quick: bool) -> None:
+    from common import NanoRun
+
+    import nanoareal as N
+
+    cfg = N.validate_config(N.Config(
+        model=model_dir, device=device.type, prompts_per_step=8 if quick else 64, group_size=8,
+        max_new_tokens=16 if quick else 512, micro_batch_tokens=16384, eval_every=0), 1)
+    nano = NanoRun(cfg)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for step in range(steps + 1):  # the first step warms up (kernels, allocator)
+        sync(device)
+        t = nano.step(step)
+        sync(device)
+        times.append(t) if step > 0 else None
+    med = {k: statistics.median(t[k] for t in times) for k in times[0]}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0
+    params = sum(p.numel() for p in nano.model.parameters())
+    rows = [f"| step | {med['time/step']:.2f} s |",
+            f"| rollout (HF engine, {cfg.prompts_per_step} x {cfg.group_size} samples, up to "
+            f"{cfg.max_new_tokens} new tokens) | {med['time/rollout']:.2f} s "
+            f"({med['generated_tokens'] / med['time/rollout']:.0f} generated tokens/s) |",
+            f"| train (fwd+bwd+AdamW on {med['real_tokens']:.0f} tokens) | "
+            f"{med['time/train']:.2f} s ({med['real_tokens'] / med['time/train']:.0f} tokens/s) |",
+            f"| weight sync ({params / 1e6:.0f} M parameters, FSDP gather -> engine copy) | "
+            f"{med['time/sync']:.3f} s |",
+            f"| peak GPU memory allocated / reserved | {peak:.1f} / {reserved:.1f} GiB |"]
+    print_table(f"GRPO steps, median of {steps} (after one warm-up step)", ["phase", "time"],
+                rows)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def print_table(title: str, header: list[str], rows: list[str]) -> None:
+    print(f"\n### {title}\n\n| {' | '.join(header)} |\n|{'---|' * len(header)}")
+    print("\n".join(rows), flush=True)
+
+
+def main() -> int:
+    args = parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("skipped: no CUDA device (use --device cpu for a smoke run)")
+        return 0
+    import transformers
+
+    import logs
+    import nanoareal as N
+
+    logs.quiet_libraries()
+    t0 = time.perf_counter()
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    try:
+        import flash_attn
+
+        fa = f"flash-attn {flash_attn.__version__}"
+    except Exception as e:
+        fa = f"no flash-attn ({type(e).__name__})"
+    print(f"## nanoareal GPU check: {where}, torch {torch.__version__}, transformers "
+          f"{transformers.__version__}, {fa}")
+    cfg = N.validate_config(N.Config(device=args.device), 1)
+    ranks, device = N.setup_distributed(cfg)
+    # a larger init spread than Qwen's 0.02 so that log-probs differ between positions: a wrong
+    # attention layout then shows up clearly against the control
+    model_dir = build_model(args.num_layers, init_range=0.1)
+    problems = check_attention(model_dir, device, ranks, args.quick)
+    problems += check_fp32_logits(device)
+    measure_grpo(model_dir, device, ranks, 1 if args.quick else args.steps, args.quick)
+    torch.distributed.destroy_process_group()
+    measure_flops(device, args.num_layers, args.quick)
+    print(f"\n{'all checks passed' if not problems else 'FAILED: ' + '; '.join(problems)} "
+          f"({time.perf_counter() - t0:.0f} s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    if "--out" in sys.argv:  # tee the report into a file as well
+        import contextlib
+        import io
+
+        buffer = io.StringIO()
+
+        class Tee(io.TextIOBase):
+            def write(self, s):
+                sys.__stdout__.write(s)
+                return buffer.write(s)
+
+        with contextlib.redirect_stdout(Tee()):
+            code = main()
+        Path(sys.argv[sys.argv.index("--out") + 1]).write_text(buffer.getvalue())
+    else:
+        code = main()
+    sys.exit(code)
