@@ -1,6 +1,6 @@
 """Ablation runner: loss-aggregation variants x seeds on a built-in task, then plots and a table.
 
-    python bench/ablation.py                              # arithmetic: 4 modes x 3 seeds, ~10 min
+    python bench/ablation.py                              # arithmetic: 4 modes x 3 seeds, ~5 min
     python bench/ablation.py --seeds 0 --out bench/results/modes_seed0    # one seed
     python bench/ablation.py --dataset chain              # 6 variants x 3 seeds, ~22 min
     python bench/ablation.py --dataset chain --plot-only  # re-plot existing runs
@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -84,10 +85,10 @@ def merge_flags(preset: list[str], extra: list[str]) -> list[str]:
 
 def launch(out: Path, variant: str, seed: int, flags: list[str]) -> subprocess.Popen:
     d = run_dir(out, variant, seed)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "metrics.jsonl").unlink(missing_ok=True)
+    shutil.rmtree(d, ignore_errors=True)  # this bench's own output: a rerun replaces it
+    d.mkdir(parents=True)
     cmd = [sys.executable, str(ROOT / "nanoareal.py"), *variant_flags(variant), "--seed",
-           str(seed), "--run-dir", str(d), "--resume", "none", *flags]
+           str(seed), "--run-dir", str(d), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     log = open(d / "stdout.log", "w")
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -120,6 +121,8 @@ def run_all(out: Path, variants: list[str], seeds: list[int], parallel: int,
                 running.remove(p)
                 walls[p.key] = time.time() - p.started
                 trim_log(run_dir(out, *p.key) / "stdout.log")
+                for bulky in ("checkpoints", "final"):  # the plots need metrics.jsonl only
+                    shutil.rmtree(run_dir(out, *p.key) / bulky, ignore_errors=True)
                 status = "ok" if p.returncode == 0 else f"FAILED (exit {p.returncode}, see log)"
                 print(f"{label(p.key[0]):24s} seed {p.key[1]}: {walls[p.key]:6.1f} s {status}",
                       flush=True)
