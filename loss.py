@@ -608,23 +608,27 @@ class LossConfig:
     exp(-L) - 1 + L that of KL(ref||pi); k1 = L is not offered (its gradient is 0 on average)."""
 
 
-def resolved(c: LossConfig) -> LossConfig:
-    """A copy of the loss flags with the surrogate's defaults filled in: the aggregation mode for
-    auto, the clip range for an unset --eps-low / --eps-high."""
+def resolved(c: LossConfig, max_new_tokens: int | None = None) -> LossConfig:
+    """A copy of the loss flags with the defaults that depend on other flags filled in: the
+    surrogate's aggregation mode for auto and clip range for an unset --eps-low / --eps-high, and
+    constant's divisor (the longest response, max_new_tokens) when none is given."""
     if c.policy_loss not in SURROGATES:
         raise ValueError(f"--policy-loss: unknown surrogate {c.policy_loss!r}; choose one of "
                          f"{tuple(SURROGATES)}")
     s = SURROGATES[c.policy_loss]
     mode = s.aggregation if c.loss_aggregation == "auto" else c.loss_aggregation
-    return dataclasses.replace(c, loss_aggregation=mode,
+    divisor = c.loss_aggregation_divisor
+    if mode == "constant" and divisor is None and max_new_tokens:
+        divisor = float(max_new_tokens)
+    return dataclasses.replace(c, loss_aggregation=mode, loss_aggregation_divisor=divisor,
                                eps_low=s.eps_low if c.eps_low is None else c.eps_low,
                                eps_high=s.eps_high if c.eps_high is None else c.eps_high)
 
 
-def check_loss_config(c: LossConfig) -> LossConfig:
+def check_loss_config(c: LossConfig, max_new_tokens: int | None = None) -> LossConfig:
     """Every loss flag's range, in one place; raises ValueError naming the flag. Returns the
-    flags resolved (the surrogate's defaults filled in)."""
-    c = resolved(c)
+    flags resolved (see resolved)."""
+    c = resolved(c, max_new_tokens)
     check_mode(c.loss_aggregation, c.loss_aggregation_divisor)
     if c.loss_aggregation != "constant" and c.loss_aggregation_divisor is not None:
         raise ValueError(f"--loss-aggregation-divisor is only used by --loss-aggregation constant "

@@ -318,11 +318,9 @@ def validate_config(cfg: Config, world: int) -> Config:
         if not ok:
             raise UserError(f"config error: {message}")
     try:
-        if cfg.loss_aggregation == "constant" and cfg.loss_aggregation_divisor is None:
-            cfg.loss_aggregation_divisor = float(cfg.max_new_tokens)  # the longest response
-        resolved = loss.check_loss_config(cfg)  # auto aggregation and the clip range filled in
-        cfg.loss_aggregation, cfg.eps_low, cfg.eps_high = (resolved.loss_aggregation,
-                                                           resolved.eps_low, resolved.eps_high)
+        resolved = loss.check_loss_config(cfg, cfg.max_new_tokens)  # defaults filled in
+        for name in ("loss_aggregation", "loss_aggregation_divisor", "eps_low", "eps_high"):
+            setattr(cfg, name, getattr(resolved, name))
         if cfg.attention != "auto":  # a kernel that cannot run here fails now, not after loading
             modeling.choose_attention(cfg.attention, torch.device("cuda" if cuda else "cpu"),
                                       cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and cuda),
