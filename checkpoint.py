@@ -382,8 +382,8 @@ def export_hf(model, tokenizer, src: str, out_dir: Path) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoConfig
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                 cpu_offload=True))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
     if dist.get_rank() != 0:
         return
     tmp = out_dir.with_name(out_dir.name + ".tmp")

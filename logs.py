@@ -29,7 +29,6 @@ class LogConfig:
     """Weights & Biases run name (default: wandb's own)."""
 
 
-
 class UserError(Exception):
     """A mistake in the user's input (a flag, a file, a value): one line on stderr and exit code 2,
     no traceback. Tracebacks are kept for real bugs."""
@@ -91,6 +90,7 @@ def run(main, argv: list[str] | None) -> int:
     import torch.distributed as dist
 
     faulthandler.enable()  # a rank that aborts in C++ (gloo, NCCL) still prints Python stacks
+    # before huggingface_hub is first imported: it reads this once, at import
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         main(argv)

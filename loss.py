@@ -2,29 +2,24 @@
 
 Notation. One optimizer step consumes one mini-batch of prompt groups g, each holding the
 responses sampled for one prompt. For response token t of response i:
-    l_t  per-token policy loss (a surrogate below)        m_t  numerator mask (the token is in the
-    loss)
-    d_t  denominator mask (the token counts in denominators; m_t <= d_t: a token rejected after the
-    fact
-         -- behaviour-weight cap in mask mode, M2PO -- leaves the numerator but stays in the
-         denominator,
-         so rejecting tokens never silently up-weights the ones that survive)
+    l_t  per-token policy loss (a surrogate below)
+    m_t  numerator mask (the token is in the loss)
+    d_t  denominator mask (the token counts in denominators); m_t <= d_t: a token rejected after
+         the fact (behaviour-weight cap in mask mode, M2PO) leaves the numerator but stays in the
+         denominator, so rejecting tokens never silently up-weights the ones that survive
     M_i = sum_t d_it; response i is active when M_i > 0, group g when sum_{i in g} M_i > 0;
     N = active responses, P = active groups. Every sum runs over the whole mini-batch: all
-    micro-batches,
-    all data-parallel ranks, all context-parallel shards.
+    micro-batches, all data-parallel ranks, all context-parallel shards.
 
 The contract. A loss is a `LossReduction` of `LossTerm`s. A term has `loss_fn(mb)` of kind "sum"
 (the micro-batch's share of the numerator) or "mean" (a mean over the micro-batch's own
 normalizer), `normalizer_fn(mb) >= 0` (the micro-batch's share of the denominator, from masks and
 weights only; may be fractional) and a coefficient. For one optimizer step the trainer does
 
-    reduction.begin_step(microbatches)  # every term's normalizer, summed per rank, ONE all_reduce
-    -> Z_k
+    reduction.begin_step(microbatches)  # every term's normalizer: ONE all_reduce -> Z_k
     for mb in microbatches:             # forward, then
         reduction(mb).backward()        # sum_k coef_k * (loss_fn / Z_k  or  loss_fn * n_mb / Z_k)
-    logs = reduction.reported()         # ONE all_reduce -> the global value of every term, and
-    stats
+    logs = reduction.reported()         # ONE all_reduce -> every term's global value, and stats
 
 and makes the cross-rank gradient reduction a *sum* (FSDP2 averages by default:
 `fsdp_sum_gradients`). Rules, each tested:
@@ -143,8 +138,8 @@ def per_token(values: Tensor, seq_ids: Tensor) -> Tensor:
     """Expand per-response values [R] to tokens [T] by seq_ids (-1, non-response tokens, get 0)."""
     if values.numel() == 0:
         return torch.zeros(seq_ids.shape, dtype=values.dtype)
-    return torch.where(seq_ids >= 0, values[seq_ids.clamp(min=0)], torch.zeros((),
-                                                                               dtype=values.dtype))
+    zero = torch.zeros((), dtype=values.dtype)
+    return torch.where(seq_ids >= 0, values[seq_ids.clamp(min=0)], zero)
 
 
 def aggregate(token_loss: Tensor, loss_mask: Tensor, *, mode: str, group_ids: Tensor,
@@ -219,13 +214,13 @@ def validate_microbatch(mb: dict) -> None:
         raise ValueError(f"'seq_ids' must be an integer tensor, got {mb['seq_ids'].dtype}")
     if "loss_mask" in mb and "denom_mask" in mb and (mb["loss_mask"] > mb["denom_mask"]).any():
         raise ValueError("'loss_mask' > 'denom_mask' somewhere: a token may count in the numerator "
-                         "only if it "
-                         "also counts in the denominator (m_t <= d_t)")
+                         "only if it also counts in the denominator (m_t <= d_t)")
 
 
 def _as_float(value: float | Tensor) -> float:
-    return float(value.detach().to(torch.float64).item()) if isinstance(value,
-                                                                        Tensor) else float(value)
+    if isinstance(value, Tensor):
+        return float(value.detach().to(torch.float64).item())
+    return float(value)
 
 
 def all_reduce_vector(vec: Tensor, group=None, op=None) -> Tensor:
@@ -393,9 +388,8 @@ def ppo_surrogate(logprobs: Tensor, prox_logprobs: Tensor, advantages: Tensor, *
 
 
 def gspo_surrogate(logprobs: Tensor, prox_logprobs: Tensor, advantages: Tensor, seq_ids: Tensor,
-                   mask: Tensor, *,
-                   eps_low: float = 3e-4, eps_high: float = 4e-4) -> tuple[Tensor, dict[str,
-                                                                                        Tensor]]:
+                   mask: Tensor, *, eps_low: float = 3e-4, eps_high: float = 4e-4
+                   ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025): sequence ratio s_i = exp(mean_{t in i, mask} (logp - logp_prox)) in
     the clipped surrogate, per token as GSPO-token: r_t = sg(s_i) exp(logp_t - sg(logp_t)) (value
     s_i, gradient s_i grad logp_t), l = max(-A r_t, -A clip(r_t, 1-eps_low, 1+eps_high)). Needs
@@ -686,8 +680,8 @@ def build_loss(cfg: LossConfig, group=None, cp_factor: int = 1) -> LossReduction
         # non-response / non-denominator tokens get ratio 1 and advantage 0: their (arbitrary) prox
         # values can never produce inf in the forward, hence never NaN in the backward
         prox = torch.where(active, mb["prox_logprobs"], logp.detach())
-        token_loss, stats = surrogate.fn(mb, logp, prox, torch.where(active, mb["advantages"],
-                                                                     0.0), cfg)
+        advantages = torch.where(active, mb["advantages"], 0.0)
+        token_loss, stats = surrogate.fn(mb, logp, prox, advantages, cfg)
         weight = mb["loss_weight"]
         if cfg.behaviour_cap is not None:
             behave = torch.where(active, mb["behave_logprobs"], mb["prox_logprobs"])

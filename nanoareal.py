@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     resuming = on_rank0(checkpoint.claim_run_dir, cfg.run_dir, asdict(cfg), VOLATILE,
                         cfg.overwrite, cfg.resume == "none")  # this run's, or a one-line refusal
     torch.manual_seed(cfg.seed)
-    tokenizer, train_rows, eval_rows, encoded = load_data(cfg)
+    tokenizer, train_rows, evalset, encoded = load_data(cfg)
 
     # the rollout engine first (SGLang sizes its KV cache from the GPU memory free at start), then
     # the policy sharded by FSDP2 over every rank, its optimizer, and the loss, whose normalizers
@@ -215,10 +215,10 @@ def main(argv: list[str] | None = None) -> None:
     logger = Logger(cfg.run_dir, cfg.steps, start_step, cfg.log_every, cfg.wandb_project,
                     cfg.wandb_run_name, asdict(cfg))
     print0(f"nanoareal: {ranks.world} rank(s) on {device.type}, {cfg.model}, {len(train_rows)} "
-           f"train prompts, {len(eval_rows)} eval, loss {cfg.policy_loss}/{cfg.loss_aggregation}, "
+           f"train prompts, {len(evalset)} eval, loss {cfg.policy_loss}/{cfg.loss_aggregation}, "
            f"run {cfg.run_dir}")
-    if eval_rows and cfg.eval_every > 0 and start_step == 0:
-        last_eval = evaluate(engine, eval_rows, cfg, tokenizer, reward_fn, ranks)
+    if evalset and cfg.eval_every > 0 and start_step == 0:
+        last_eval = evaluate(engine, evalset, cfg, tokenizer, reward_fn, ranks)
         logger.log(0, {"eval/accuracy": last_eval})
     bad_steps, last_save = 0, time.monotonic()
     with checkpoint.Preemption() as preempt:  # SIGINT/SIGTERM: finish the step, save, exit
@@ -255,8 +255,8 @@ def main(argv: list[str] | None = None) -> None:
             sums = reduce_sums((rollout_sums | train_sums if ranks.cp_rank == 0 else {})
                                | {"due": float(due)} | preempt.signal_sums())
             metrics = step_metrics(sums, train_stats, (t0, t1, t2, t3), lr)
-            if eval_rows and every(cfg.eval_every, step + 1, cfg.steps):
-                last_eval = evaluate(engine, eval_rows, cfg, tokenizer, reward_fn, ranks)
+            if evalset and every(cfg.eval_every, step + 1, cfg.steps):
+                last_eval = evaluate(engine, evalset, cfg, tokenizer, reward_fn, ranks)
                 metrics["eval/accuracy"] = last_eval
             logger.log(step + 1, metrics)  # metrics.jsonl, wandb, every --log-every a line
             bad_steps = check_bad_steps(bad_steps, metrics, cfg)  # stops after --max-bad-steps
@@ -354,12 +354,12 @@ VOLATILE = {"run_dir", "config", "steps", "resume", "overwrite", "ckpt_every", "
 
 
 def load_data(cfg: Config) -> tuple:
-    """(tokenizer, train rows, eval rows, every train prompt tokenized once), or a one-line error:
-    a tokenizer that will not load, unencodable prompts, a prompt too long for a micro-batch."""
+    """(tokenizer, train rows, held-out (row, prompt ids) pairs, every train prompt's ids), every
+    prompt tokenized once; or a one-line error: a tokenizer that will not load, unencodable
+    prompts, a prompt too long for a micro-batch."""
     from transformers import AutoTokenizer
 
     logs.quiet_libraries()  # transformers' progress bars and info lines off (imported from here)
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     except Exception as e:  # a directory without tokenizer files ends in sentencepiece advice
@@ -367,7 +367,8 @@ def load_data(cfg: Config) -> tuple:
     train_rows, eval_rows = tasks.load_dataset(cfg.dataset, cfg.eval_dataset, cfg.reward)
     eval_rows = eval_rows[: cfg.eval_size]
     encoded = tasks.encode_prompts(train_rows, tokenizer, cfg.chat_template, cfg.dataset)
-    tasks.encode_prompts(eval_rows, tokenizer, cfg.chat_template, cfg.eval_dataset or cfg.dataset)
+    evalset = list(zip(eval_rows, tasks.encode_prompts(eval_rows, tokenizer, cfg.chat_template,
+                                                        cfg.eval_dataset or cfg.dataset)))
     # the longest possible sequence must fit one micro-batch (sequences are never cut): fail now,
     # not at the step that first samples a long answer
     longest = max(map(len, encoded), default=0)
@@ -375,7 +376,7 @@ def load_data(cfg: Config) -> tuple:
         raise UserError(f"config error: --micro-batch-tokens {cfg.micro_batch_tokens} is smaller "
                         f"than the longest possible sequence ({longest} prompt tokens + "
                         f"--max-new-tokens {cfg.max_new_tokens})")
-    return tokenizer, train_rows, eval_rows, encoded
+    return tokenizer, train_rows, evalset, encoded
 
 
 @dataclass(frozen=True)
@@ -821,11 +822,12 @@ def microbatch_forward(model, mb: dict, cfg: Config, device: torch.device, ranks
 # log: held-out eval, bad steps, checkpoints
 
 
-def evaluate(engine, rows: list[dict], cfg: Config, tokenizer, reward_fn, ranks: Ranks) -> float:
-    """Greedy held-out accuracy, rows split across ranks, one collective."""
-    mine = rows[ranks.rank :: ranks.world]
+def evaluate(engine, evalset: list[tuple[dict, list[int]]], cfg: Config, tokenizer, reward_fn,
+             ranks: Ranks) -> float:
+    """Greedy held-out accuracy over (row, prompt ids) pairs split across ranks, one collective."""
+    mine = [row for row, _ in evalset[ranks.rank :: ranks.world]]
+    prompts = [ids for _, ids in evalset[ranks.rank :: ranks.world]]
     sampling = SamplingParams(cfg.max_new_tokens, 0.0, stop_token_ids=[tokenizer.eos_token_id])
-    prompts = [tasks.encode_prompt(row, tokenizer, cfg.chat_template) for row in mine]
     outs = engine.generate(prompts, sampling, [0] * len(prompts)) if prompts else []
     texts = tokenizer.batch_decode([o.output_ids for o in outs], skip_special_tokens=True)
     scores, _, _ = tasks.compute_rewards(reward_fn, texts, mine, cfg.reward_timeout)

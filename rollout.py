@@ -159,8 +159,8 @@ class HFEngine:
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path,
-                                                          dtype=dtype).to(self.device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        self.model = self.model.to(self.device).eval()
         self.batch_size = batch_size
 
     @torch.no_grad()
@@ -430,10 +430,10 @@ class SGLangEngine:
                        f"release_memory_occupation({tags})")
             self.released.update(tags)
 
-    def resume_memory(self) -> None:
+    def resume_memory(self, step: int | None = None) -> None:
         """After training: bring back the weights only; the KV cache comes back at the end of
         update_weights."""
-        self._resume(["weights"] if "weights" in self.released else [])
+        self._resume(["weights"] if "weights" in self.released else [], step)
 
     def _resume(self, tags: list[str], step: int | None = None) -> None:
         if tags:
@@ -450,7 +450,7 @@ class SGLangEngine:
         then resume the KV cache and flush it (cached prefixes were computed with the old
         weights). A control call that reports failure raises with SGLang's message and the step:
         generating from half-updated or released weights must never go unnoticed."""
-        self._resume(["weights"] if "weights" in self.released else [], step)
+        self.resume_memory(step)
         if self.has_weight_update_session:
             _succeeded(self.engine.begin_weight_update(), "begin_weight_update", step)
         try:
@@ -640,8 +640,8 @@ class RemoteSGLangEngine:
             if remaining <= 0:
                 reason = "length"
                 break
-            out = self._post_generate(url, list(prompt) + ids, _sampling_dict(sampling, remaining,
-                                                                              seed))
+            params = _sampling_dict(sampling, remaining, seed)
+            out = self._post_generate(url, list(prompt) + ids, params)
             c = completion_from_sglang(out)
             ids += c.output_ids
             logprobs += c.logprobs

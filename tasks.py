@@ -222,8 +222,8 @@ def load_jsonl(path: str) -> list[dict]:
     return rows
 
 
-def load_dataset(dataset: str, eval_dataset: str | None, reward: str) -> tuple[list[dict],
-                                                                               list[dict]]:
+def load_dataset(dataset: str, eval_dataset: str | None, reward: str
+                 ) -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows) of a built-in task or of JSONL files. A built-in reward that
     reads "answer" gets it in every row, or the run stops here naming the first row without one."""
     if dataset in TASKS:
@@ -328,8 +328,8 @@ def score_one(reward_fn: Callable, completion: str, row: dict) -> Score:
     correct = metrics.pop("correct", None)
     if correct is None and "answer" in row:
         correct = completion.strip() == str(row["answer"]).strip()
-    return Score(reward, None if correct is None else bool(correct), {k: float(v) for k,
-                                                                      v in metrics.items()})
+    metrics = {k: float(v) for k, v in metrics.items()}
+    return Score(reward, None if correct is None else bool(correct), metrics)
 
 
 def compute_rewards(reward_fn: Callable, texts: list[str], rows: list[dict],

@@ -1,7 +1,6 @@
 """LossReduction bookkeeping as a share of the training step (target: <= 2%).
 
-    python bench/bench_bookkeeping.py                 # default task: 64 prompts x 8 samples, one
-    rollout batch
+    python bench/bench_bookkeeping.py      # default task: one rollout batch of 64 prompts x 8
     python bench/bench_bookkeeping.py --steps 2 --warmup 1 --prompts-per-step 8
 
 One rollout batch from nanoareal's engine is trained on `warmup + steps` times with
@@ -108,8 +107,7 @@ def main():
         print(f"| {k} | {fmt_spread([r[1].get(k, 0.0) for r in rows], 1e3, 2)} | "
               f"{fmt_spread([r[1].get(k, 0.0) / r[0] for r in rows], 100, 2)}% |")
     print(f"| **bookkeeping total** | {fmt_spread([b * r[0] for b, r in zip(book, rows)], 1e3, 2)} "
-          "| "
-          f"**{fmt_spread(book, 100, 2)}%** |")
+          f"| **{fmt_spread(book, 100, 2)}%** |")
     print(f"| (the surrogate loss_fn itself, not bookkeeping) | "
           f"{fmt_spread([r[1].get('loss_fn', 0.0) for r in rows], 1e3, 2)} | "
           f"{fmt_spread([r[1].get('loss_fn', 0.0) / r[0] for r in rows], 100, 2)}% |")

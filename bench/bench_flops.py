@@ -1,15 +1,11 @@
-"""Achieved FLOP/s of nanoareal's training forward+backward against the machine's measured matmul
-peak.
+"""Achieved FLOP/s of nanoareal's training forward+backward against the measured matmul peak.
 
-    python bench/bench_flops.py                                  # CPU, 1 thread, the shipped tiny
-    model, fp32
-    python bench/bench_flops.py --device cuda --model qwen2.5-0.5b  # GPU: random-init Qwen2.5-0.5B,
-    bf16 autocast
-    python bench/bench_flops.py --steps 2 --warmup 1 --seqs 64   # smoke run
-    python bench/bench_flops.py --model qwen2.5-0.5b --num-layers 1 --seqs 8 --prompt-len 16
-    --completion-len 8
-                                                                 # the GPU model's path (152k
-                                                                 vocabulary) on a CPU
+    python bench/bench_flops.py                 # CPU, 1 thread, the shipped tiny model, fp32
+    python bench/bench_flops.py --device cuda --model qwen2.5-0.5b   # GPU: random-init
+                                                # Qwen2.5-0.5B, bf16 mixed precision
+    python bench/bench_flops.py --steps 2 --warmup 1 --seqs 64        # smoke run
+    python bench/bench_flops.py --model qwen2.5-0.5b --num-layers 1 --seqs 8 --prompt-len 16 \
+        --completion-len 8                      # the GPU model's path (152k vocabulary) on a CPU
 
 The model goes through nanoareal's own path: `load_model` (FSDP2, world of one; on CUDA bf16
 mixed precision and flash-attn varlen when installed, else the packed per-sequence sdpa) and
@@ -98,9 +94,9 @@ def main():
     seqs = args.seqs or (64 if gpu else 512)
     plen, clen = args.prompt_len or (256 if gpu else 6), args.completion_len or (768 if gpu else 3)
     name = args.model if not gpu or args.model != "assets/tiny-arith" else "qwen2.5-0.5b"
+    budget = args.micro_batch_tokens or (16384 if gpu else N.Config.micro_batch_tokens)
     cfg = N.Config(device=args.device, model=model_dir(name, args.num_layers),
-                   micro_batch_tokens=args.micro_batch_tokens or (16384 if gpu else
-                                                                  N.Config.micro_batch_tokens))
+                   micro_batch_tokens=budget)
     ranks, device = N.setup_distributed(cfg)
     model = N.load_model(cfg, device, ranks)
     hf = model.config

@@ -1,8 +1,7 @@
-"""nanoareal vs TRL GRPOTrainer: end-to-end GRPO step time, tokens/s, training-only time, padding
-fraction.
+"""nanoareal vs TRL GRPOTrainer: end-to-end GRPO step time, tokens/s, training-only time and
+padding fraction.
 
-    python bench/bench_vs_trl.py                      # default CPU task: 64 prompts x 8 samples, 8
-    new tokens
+    python bench/bench_vs_trl.py        # the default CPU task: 64 prompts x 8 samples, 8 new tokens
     python bench/bench_vs_trl.py --steps 2 --warmup 1 --prompts-per-step 8   # smoke run
 
 Same model (assets/tiny-arith), same prompts per step (nanoareal's `prompts_for_step`, fed to TRL
@@ -214,8 +213,7 @@ def main():
     trl, nan = alt.trl[args.warmup:], alt.nanos[args.warmup:]
     tput = lambda rows: [(r["generated"] + r["real"]) / r["time"] for r in rows]
     med_n, med_t = summarize([r["time"] for r in nan])[0], summarize([r["time"] for r in trl])[0]
-    pad = lambda rows, real: 1 - sum(real(r) for r in rows) / max(sum(r["computed"] for r in rows),
-                                                                  1)
+    pad = lambda rows, real: 1 - sum(map(real, rows)) / max(sum(r["computed"] for r in rows), 1)
     # nanoareal feeds each sequence but its last token (which predicts nothing) and a group's prompt
     # once per micro-batch, so its computed positions are at most the samples' prompt+completion
     # tokens: beyond that is padding
@@ -230,15 +228,13 @@ def main():
     print("| | nanoareal | TRL | nanoareal speedup |")
     print("|---|---|---|---|")
     print(f"| e2e step time (s) | {fmt_spread([r['time'] for r in nan])} | "
-          f"{fmt_spread([r['time'] for r in trl])} "
-          f"| {med_t / med_n:.2f}x |")
+          f"{fmt_spread([r['time'] for r in trl])} | {med_t / med_n:.2f}x |")
     cn, ct = [r["cpu"] for r in nan], [r["cpu"] for r in trl]
     print(f"| e2e step CPU time (s) | {fmt_spread(cn)} | {fmt_spread(ct)} "
           f"| {summarize(ct)[0] / summarize(cn)[0]:.2f}x |")
     tn, tt = tput(nan), tput(trl)
     print(f"| generated + trained tokens/s | {fmt_spread(tn, digits=0)} | "
-          f"{fmt_spread(tt, digits=0)} "
-          f"| {summarize(tn)[0] / summarize(tt)[0]:.2f}x |")
+          f"{fmt_spread(tt, digits=0)} | {summarize(tn)[0] / summarize(tt)[0]:.2f}x |")
     print(f"| generated tokens / step | {summarize([r['generated'] for r in nan])[0]:.0f} | "
           f"{summarize([r['generated'] for r in trl])[0]:.0f} | |")
     print(f"| nanoareal rollout / train / sync (s) | {fmt_spread([r['rollout'] for r in nan])} / "
@@ -252,8 +248,7 @@ def main():
     print(f"| padding share of training-forward positions | {100 * pad_n:.1f}% | "
           f"{100 * pad_t:.1f}% | |")
     print(f"| training-forward positions / step | {summarize([r['computed'] for r in nan])[0]:.0f} "
-          "| "
-          f"{summarize([r['computed'] for r in trl])[0]:.0f} | |")
+          f"| {summarize([r['computed'] for r in trl])[0]:.0f} | |")
     print(f"\nnanoareal micro-batch budget {cfg.micro_batch_tokens} tokens (packed); TRL "
           f"micro-batch {args.trl_micro_batch} sequences x "
           f"{trainer.args.gradient_accumulation_steps} accumulation steps, gradient checkpointing "

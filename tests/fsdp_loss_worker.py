@@ -110,15 +110,15 @@ def pack(seqs: list[dict], w: torch.Tensor, nw: torch.Tensor, index: list[int]) 
         cols["loss_mask"] += before + s["m"] + after
         cols["denom_mask"] += before + s["d"] + after
         cols["advantages"] += [s["advantage"]] * len(ids)
-        for key, src in (("prox_logprobs", "prox"), ("behave_logprobs", "behave"), ("ref_logprobs",
-                                                                                    "ref")):
+        for key, src in (("prox_logprobs", "prox"), ("behave_logprobs", "behave"),
+                         ("ref_logprobs", "ref")):
             cols[key] += before + s[src].tolist() + after
         cols["loss_weight"] += [float(w[i])] * len(ids)
         cols["norm_weight"] += [float(nw[i])] * len(ids)
         cols["seq_ids"] += [-1] * (p - 1) + [local] * n + [-1]
     long_keys = ("input_ids", "position_ids", "targets", "seq_ids")
-    return {k: torch.tensor(v, dtype=torch.long if k in long_keys else torch.float32) for k,
-            v in cols.items()}
+    return {k: torch.tensor(v, dtype=torch.long if k in long_keys else torch.float32)
+            for k, v in cols.items()}
 
 
 def empty_microbatch() -> dict:
@@ -247,8 +247,8 @@ def run_case(models: dict, seqs, rank0_count: int, mode: str, layout: str, scali
     mbs += [empty_microbatch() for _ in range(int(n) - len(mbs))]
 
     flags = {"eps_low": 0.2, "eps_high": 0.2} | cfg
-    flags["sapo_tau_pos"], flags["sapo_tau_neg"] = flags.pop("tau_pos", 1.0), flags.pop("tau_neg",
-                                                                                        1.05)
+    flags["sapo_tau_pos"] = flags.pop("tau_pos", 1.0)
+    flags["sapo_tau_neg"] = flags.pop("tau_neg", 1.05)
     red = L.build_loss(L.LossConfig(loss_aggregation=mode,
                                     loss_aggregation_divisor=DIVISOR if mode == "constant"
                                     else None, entropy_coef=ENTROPY_COEF, kl_coef=KL_COEF, **flags),

@@ -114,8 +114,8 @@ class StandinSGLangServer:
         if unknown:
             raise ValueError("SamplingParams.__init__() got an unexpected keyword argument "
                              f"{sorted(unknown)[0]!r}")
-        sampling = SamplingParams(int(sp.get("max_new_tokens", 128)), float(sp.get("temperature",
-                                                                                   1.0)),
+        sampling = SamplingParams(int(sp.get("max_new_tokens", 128)),
+                                  float(sp.get("temperature", 1.0)),
                                   float(sp.get("top_p", 1.0)), int(sp.get("top_k", -1)),
                                   list(sp.get("stop_token_ids") or []))
         seed = int(sp.get("sampling_seed", 0))

@@ -201,8 +201,8 @@ def as_mean_kind(red: L.LossReduction) -> L.LossReduction:
 # -----------------------------------------------------------------------------
 # reference vectors, computed by hand
 
-REF_VECTORS = [("token_mean", 13 / 3), ("seq_mean", 16 / 3), ("prompt_mean", 33 / 5), ("constant",
-                                                                                       13 / 6)]
+REF_VECTORS = [("token_mean", 13 / 3), ("seq_mean", 16 / 3), ("prompt_mean", 33 / 5),
+               ("constant", 13 / 6)]
 REF_LOSSES = [[1.0, 3.0], [2.0, 4.0, 6.0], [10.0]]
 REF_GROUPS = [0, 0, 1]
 

@@ -40,12 +40,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-QWEN25_05B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                  max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
-                  tie_word_embeddings=True, hidden_act="silu")
-
-
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,6 +59,7 @@ def build_model(num_layers: int | None, init_range: float) -> str:
     ids are a subset of the 152k vocabulary; decoding skips the rest)."""
     import shutil
 
+    from bench_flops import QWEN25_05B
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = tempfile.mkdtemp(prefix="check_gpu_qwen05_")
@@ -190,6 +185,7 @@ def measure_flops(device: torch.device, num_layers: int | None, quick: bool) -> 
 
 
 def measure_grpo(model_dir: str, device: torch.device, ranks, steps: int, quick: bool) -> None:
+    from bench_flops import sync
     from common import NanoRun
 
     import nanoareal as N
@@ -205,7 +201,8 @@ def measure_grpo(model_dir: str, device: torch.device, ranks, steps: int, quick:
         sync(device)
         t = nano.step(step)
         sync(device)
-        times.append(t) if step > 0 else None
+        if step > 0:
+            times.append(t)
     med = {k: statistics.median(t[k] for t in times) for k in times[0]}
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0
@@ -221,11 +218,6 @@ def measure_grpo(model_dir: str, device: torch.device, ranks, steps: int, quick:
             f"| peak GPU memory allocated / reserved | {peak:.1f} / {reserved:.1f} GiB |"]
     print_table(f"GRPO steps, median of {steps} (after one warm-up step)", ["phase", "time"],
                 rows)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def print_table(title: str, header: list[str], rows: list[str]) -> None:
