@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from logs import Stopped, UserError
+from cli import Stopped, UserError
 
 
 @dataclass

@@ -295,7 +295,7 @@ def check_model_source(name: str) -> None:
     from pathlib import Path
     from urllib.parse import urlparse
 
-    from logs import UserError
+    from cli import UserError
 
     path = Path(name).expanduser()
     if path.exists():

@@ -39,12 +39,14 @@ import torch.distributed as dist
 import tyro
 
 import checkpoint
+import cli
 import logs
 import loss
 import modeling
 import rollout
 import tasks
-from logs import Logger, UserError, on_rank0, print0, reduce_sums, step_metrics
+from cli import UserError
+from logs import Logger, on_rank0, print0, reduce_sums, step_metrics
 from rollout import Completion, SamplingParams, mix_seed
 
 # -----------------------------------------------------------------------------
@@ -278,8 +280,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
-    """Flags and --config TOML -> Config; a mistake in either is one line (logs.parse_flags)."""
-    return logs.parse_flags(Config, sys.argv[1:] if argv is None else argv)
+    """Flags and --config TOML -> Config; a mistake in either is one line (cli.parse_flags)."""
+    return cli.parse_flags(Config, sys.argv[1:] if argv is None else argv)
 
 
 def validate_config(cfg: Config, world: int) -> Config:
@@ -363,7 +365,7 @@ def load_data(cfg: Config) -> tuple:
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     except Exception as e:  # a directory without tokenizer files ends in sentencepiece advice
-        raise UserError(f"--model {cfg.model}: no usable tokenizer there ({logs.why(e)})") from None
+        raise UserError(f"--model {cfg.model}: no usable tokenizer there ({cli.why(e)})") from None
     train_rows, eval_rows = tasks.load_dataset(cfg.dataset, cfg.eval_dataset, cfg.reward)
     eval_rows = eval_rows[: cfg.eval_size]
     encoded = tasks.encode_prompts(train_rows, tokenizer, cfg.chat_template, cfg.dataset)
@@ -764,7 +766,7 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
         model = AutoModelForCausalLM.from_pretrained(
             cfg.model, dtype=torch.float64 if cfg.dtype == "float64" else torch.float32)
     except (OSError, ValueError) as e:  # no weights, an unknown architecture, ...
-        raise UserError(f"--model {cfg.model}: cannot load a causal LM ({logs.why(e)})") from None
+        raise UserError(f"--model {cfg.model}: cannot load a causal LM ({cli.why(e)})") from None
     model = model.to(device)
     text = model.config.get_text_config()
     if text.num_attention_heads % ranks.cp_size:  # each CP rank attends with H/N whole heads
@@ -842,7 +844,7 @@ def check_bad_steps(bad_steps: int, metrics: dict, cfg: Config) -> int:
     bad_steps = bad_steps + 1 if metrics["skipped_steps"] else 0
     if 0 < cfg.max_bad_steps <= bad_steps:
         last = checkpoint.complete_checkpoints(cfg.run_dir)
-        raise logs.Stopped(f"error: {bad_steps} steps in a row had a non-finite loss or grad norm "
+        raise cli.Stopped(f"error: {bad_steps} steps in a row had a non-finite loss or grad norm "
                            f"(--max-bad-steps {cfg.max_bad_steps}); last good checkpoint: "
                            f"{last[-1] if last else 'none'}", code=1)
     return bad_steps
@@ -871,7 +873,7 @@ def resume(cfg: Config, model, optimizer, scheduler, engine, ranks: Ranks,
         try:  # passed the cheap checks (sizes, meta.json), yet unreadable: say which one
             meta = checkpoint.load_checkpoint(Path(path), model, optimizer)
         except Exception as e:
-            raise UserError(f"checkpoint {path} cannot be loaded ({logs.why(e)}); move it aside "
+            raise UserError(f"checkpoint {path} cannot be loaded ({cli.why(e)}); move it aside "
                             "to resume from the one before it") from None
         scheduler.load_state_dict(meta["scheduler"])
         engine.update_weights(model, meta["step"])  # the engine started from --model's
@@ -888,8 +890,8 @@ def resume(cfg: Config, model, optimizer, scheduler, engine, ranks: Ranks,
 def run(argv: list[str] | None = None) -> int:
     """main() with its exit status: 2 after a user error (one line on stderr), 128 + the signal's
     number after SIGINT/SIGTERM (once the checkpoint is saved), 1 after --max-bad-steps."""
-    return logs.run(main, argv)
+    return cli.run(main, argv)
 
 
 if __name__ == "__main__":
-    logs.exit_now(run())
+    cli.exit_now(run())

@@ -38,7 +38,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from logs import UserError
+from cli import UserError
 
 
 @dataclass

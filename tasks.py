@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from logs import UserError
+from cli import UserError
 
 # -----------------------------------------------------------------------------
 # built-in rewards

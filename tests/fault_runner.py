@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import checkpoint  # noqa: E402
-import logs  # noqa: E402
+import cli  # noqa: E402
 import nanoareal as N  # noqa: E402
 import tasks  # noqa: E402
 
@@ -85,4 +85,4 @@ N.generate, tasks.REWARDS["exact_match"], checkpoint.write_meta = generate, rewa
 touch(f"pid.rank{RANK}")
 
 if __name__ == "__main__":
-    logs.exit_now(N.run())
+    cli.exit_now(N.run())

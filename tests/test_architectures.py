@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import loss as L
 import nanoareal as N
-from logs import UserError
+from cli import UserError
 
 COMMON = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -19,7 +19,7 @@ import torch
 import checkpoint
 import nanoareal as N
 import tasks
-from logs import UserError
+from cli import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 # 4 steps of 8 prompts x 4 samples, a checkpoint every 2 steps, eval at steps 0, 2 and 4

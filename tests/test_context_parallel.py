@@ -123,7 +123,7 @@ def test_cp2_logits_grads_and_reported_losses_equal_one_process_for_every_mode(n
 
 def test_query_heads_not_divisible_by_cp_size_is_a_startup_error(tiny_models):
     import nanoareal as na
-    from logs import UserError
+    from cli import UserError
 
     cfg = na.Config(model=tiny_models["heads3"], cp_size=2)
     with pytest.raises(UserError, match=r"--cp-size 2 must divide the model's 3 attention heads"):
@@ -132,7 +132,7 @@ def test_query_heads_not_divisible_by_cp_size_is_a_startup_error(tiny_models):
 
 def test_world_not_divisible_by_cp_size_is_a_config_error():
     import nanoareal as na
-    from logs import UserError
+    from cli import UserError
 
     with pytest.raises(UserError, match=r"--cp-size 2 must divide the number of ranks \(3\)"):
         na.validate_config(replace(na.Config(), cp_size=2), world=3)

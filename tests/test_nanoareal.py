@@ -15,7 +15,7 @@ import torch
 
 import nanoareal as N
 import tasks
-from logs import UserError
+from cli import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "assets" / "tiny-arith")

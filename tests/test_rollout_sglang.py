@@ -19,7 +19,7 @@ import torch
 from sglang_standin import StandinSGLangServer
 
 import rollout
-from logs import UserError
+from cli import UserError
 from rollout import Completion, HFEngine, RemoteSGLangEngine, SamplingParams, SGLangEngine
 
 torch.set_num_threads(1)
