@@ -15,7 +15,6 @@ import os
 import pickle
 import random
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,34 +22,7 @@ import torch.distributed as dist
 
 from cli import Stopped, UserError
 
-
-@dataclass
-class CheckpointConfig:
-    """The checkpoint flags. The trainer's Config inherits them: they are --flags like the rest."""
-
-    # checkpoints
-    ckpt_every: int = 0
-    """Also save a checkpoint (model, optimizer, scheduler, RNGs) every N steps; 0: only by time,
-    at the end and on SIGINT/SIGTERM."""
-    ckpt_minutes: float = 10.0
-    """Save a checkpoint when this many minutes have passed since the last one; 0 turns it off."""
-    keep_ckpts: int = 2
-    """Keep the newest N complete checkpoints of the run (0 keeps all)."""
-    resume: str = "auto"
-    """auto: continue from the run directory's newest readable checkpoint, if any; none: start
-    fresh; or the path of a checkpoint to start from."""
-    overwrite: bool = False
-    """Start afresh in a run directory that holds another run: that run is moved aside to
-    <run-dir>.old-N (never deleted)."""
-
-
-def check_checkpoint_config(c: CheckpointConfig) -> None:
-    if c.ckpt_every < 0 or c.keep_ckpts < 0 or c.ckpt_minutes < 0:
-        raise UserError("config error: --ckpt-every, --ckpt-minutes and --keep-ckpts must be >= 0")
-    if c.resume not in ("auto", "none") and not (Path(c.resume) / "meta.json").is_file():
-        raise UserError(f"config error: --resume {c.resume} is not a complete checkpoint (no such "
-                        "directory, or no meta.json: a save that never finished); use --resume "
-                        "auto or none")
+KEEP_CHECKPOINTS = 2  # the newest complete checkpoints a run keeps
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -157,26 +129,44 @@ def run_dir_name(dataset: str, aggregation: str, seed: int, config: dict) -> str
 
 
 def choose_resume(run_dir: str | Path, resume: str, resuming: bool) -> str | None:
-    """The checkpoint to start from: --resume's path, or (`resuming` this run) the run's newest
-    readable checkpoint; None for a fresh start. Deletes saves killed midway. Rank 0 only."""
+    """The checkpoint to start from: --resume's path (this run's newer checkpoints are set aside),
+    or (`resuming` this run) its newest readable checkpoint; None for a fresh start. Deletes saves
+    killed midway. Rank 0 only."""
     remove_unfinished_saves(run_dir)
-    if resume not in ("auto", "none"):
+    if resume not in ("auto", "fresh"):
         if problem := unreadable(Path(resume)):
             raise UserError(f"--resume {resume}: unreadable checkpoint ({problem})")
+        abandon_after(run_dir, int(json.loads((Path(resume) / "meta.json").read_text())["step"]))
         return resume
     found = newest_usable(run_dir) if resuming else None
     return str(found) if found else None
 
 
-def claim_run_dir(run_dir: str | Path, config: dict, volatile: set[str], overwrite: bool,
-                  fresh: bool = False) -> bool:
+def abandon_after(run_dir: str | Path, step: int) -> None:
+    """Set aside (rename to step_N.abandoned) this run's checkpoints newer than `step`: resuming
+    from an older one starts a new timeline, and a later auto-resume must not jump back onto the
+    old one while metrics.jsonl holds the new."""
+    for path in complete_checkpoints(run_dir):
+        if int(path.name.removeprefix("step_")) > step:
+            path.rename(path.with_name(path.name + ".abandoned"))
+            print(f"set aside {path} (newer than the checkpoint resumed from)", flush=True)
+
+
+def claim_run_dir(run_dir: str | Path, config: dict, volatile: set[str], fresh: bool) -> bool:
     """Make `run_dir` this run's, before anything is written: True when it holds this same run
-    (same config.json up to the `volatile` keys) to continue, False when it is new. Another run's
-    results there are an error, and so is this run's when `fresh` (--resume none) asks to start
-    over, unless `overwrite` moves them aside to <run_dir>.old-N first. Writes nothing else (the
-    run writes config.json once it has started: write_config). Rank 0 only."""
+    (same config.json up to the `volatile` keys) to continue, False when it starts anew. Another
+    run's results there are an error unless `fresh` (--resume fresh), which moves whatever is there
+    aside to <run_dir>.old-N first (never deleted). Writes nothing else (the run writes config.json
+    once it has started: write_config). Rank 0 only."""
     root = Path(run_dir)
     results = [p for p in ("metrics.jsonl", "checkpoints", "final") if (root / p).exists()]
+    if results and fresh:
+        n = 1
+        while (aside := root.with_name(f"{root.name}.old-{n}")).exists():
+            n += 1
+        root.rename(aside)
+        print(f"moved the run in {root} to {aside}", flush=True)
+        return False
     if results:
         try:
             theirs = json.loads((root / "config.json").read_text())
@@ -184,20 +174,10 @@ def claim_run_dir(run_dir: str | Path, config: dict, volatile: set[str], overwri
                              and theirs.get(k) != config.get(k))
         except (OSError, ValueError):
             changed = ["(config.json missing or unreadable)"]
-        if changed and not overwrite:
+        if changed:
             raise UserError(f"{root} holds another run ({', '.join(results)}; its config differs "
                             f"in {', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''}): "
-                            "pass another --run-dir, or --overwrite to move it aside")
-        if fresh and not overwrite:
-            raise UserError(f"{root} holds this run's results ({', '.join(results)}): drop "
-                            "--resume none to continue it, or add --overwrite to move them aside")
-        if overwrite:
-            n = 1
-            while (aside := root.with_name(f"{root.name}.old-{n}")).exists():
-                n += 1
-            root.rename(aside)
-            print(f"moved the run in {root} to {aside}", flush=True)
-            results = []
+                            "pass another --run-dir, or --resume fresh to move it aside")
     return bool(results)
 
 
@@ -257,7 +237,7 @@ def write_meta(tmp: Path, meta: dict) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, meta: dict,
-                    keep: int) -> Path:
+                    keep: int = KEEP_CHECKPOINTS) -> Path:
     """Collective (every rank calls it): DCP shards + RNGs into step_N.tmp/, barrier, rank 0 writes
     meta.json ({"step": step} | meta), renames the directory and deletes the oldest beyond `keep`
     (0 keeps all)."""
@@ -403,3 +383,20 @@ def export_hf(model, tokenizer, src: str, out_dir: Path) -> None:
         shutil.copy(Path(src) / "generation_config.json", tmp / "generation_config.json")
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
+
+
+def on_rank0(fn, *args):
+    """fn(*args) on rank 0 alone (decisions about shared files), its result on every rank; a
+    UserError it raises is raised on every rank, so all stop together."""
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", fn(*args))]
+        except UserError as e:
+            box = [("error", str(e))]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise UserError(value)
+    return value

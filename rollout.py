@@ -165,6 +165,7 @@ class HFEngine:
 
     @torch.no_grad()
     def update_weights(self, model: nn.Module, step: int = 0) -> None:
+        self.version = step
         own = self.model.state_dict()
         for name, tensor in iter_full_tensors(model):
             own[name].copy_(tensor)
@@ -450,6 +451,7 @@ class SGLangEngine:
         then resume the KV cache and flush it (cached prefixes were computed with the old
         weights). A control call that reports failure raises with SGLang's message and the step:
         generating from half-updated or released weights must never go unnoticed."""
+        self.version = step
         self.resume_memory(step)
         if self.has_weight_update_session:
             _succeeded(self.engine.begin_weight_update(), "begin_weight_update", step)
@@ -709,7 +711,7 @@ class RemoteSGLangEngine:
 
     @torch.no_grad()
     def update_weights(self, model: nn.Module, step: int = 0) -> None:
-        self.step = step  # for the error messages of the calls below
+        self.step = self.version = step  # for the error messages of the calls below
         if self.weight_sync == "disk":
             self._update_from_disk(model)
         else:
@@ -873,62 +875,22 @@ def init_weight_group(host: str, port: int, world_size: int, group_name: str, ra
     return pg
 
 
-@dataclass
-class RolloutConfig:
-    """The rollout flags. The trainer's Config inherits them, so they are --flags like every other
-    option."""
-
-    # rollout
-    rollout_backend: Literal["hf", "sglang"] = "hf"
-    """hf: plain transformers on this rank's device; sglang: an SGLang engine in-process on this
-    GPU, or the servers of --rollout-url."""
-    rollout_url: list[str] = field(default_factory=list)
-    """SGLang server URLs (prompts are spread over them); none with --rollout-backend sglang means
-    an in-process engine on this GPU."""
-    sglang_deterministic: bool = False
-    """Reproducible SGLang rollouts: run SGLang's deterministic inference (in-process; servers must
-    be launched with --enable-deterministic-inference) and send each sample's seed, as the hf
-    engine always does. Slower sampling; without it, SGLang rollouts are not reproducible from
-    --seed."""
-    sglang_mem_fraction: float = 0.5
-    """In-process SGLang: the share of GPU memory for its weights and KV cache
-    (mem_fraction_static)."""
-    rollout_timeout: float = 600.0
-    """Seconds one HTTP request to a rollout server may take before it is retried."""
-    rollout_retries: int = 3
-    """Retries, with exponential backoff, of timeouts, connection errors and 5xx answers before
-    failing."""
-    rollout_abort_retries: int = 3
-    """Resubmissions of prompt + tokens so far when a server aborts a request; then the sample is
-    dropped."""
-    rollout_health_timeout: float = 600.0
-    """Seconds to wait at start for every server's /health_generate."""
-    weight_sync: Literal["auto", "tensor", "disk", "nccl"] = "auto"
-    """How new weights reach the engine: tensor (CUDA IPC, in-process), disk (safetensors the
-    servers load) or nccl (broadcast to servers on other GPUs); auto: tensor in-process, disk for
-    --rollout-url."""
-    weight_sync_bucket_mb: int = 512
-    """Size in MiB of the buckets in which tensor and nccl weight syncs push the weights."""
-    weight_sync_addr: str = ""
-    """nccl weight sync: host:port that trainer rank 0 listens on for the weight group (empty: this
-    host, a free port)."""
-
-
-def check_rollout_config(c: RolloutConfig, cuda: bool) -> None:
-    """Every rollout flag's range and the GPU-only settings, before anything loads; raises
+def check_rollout_config(backend: str, urls: list[str], weight_sync: str, deterministic: bool,
+                         cuda: bool) -> None:
+    """Every rollout flag's combination and the GPU-only settings, before anything loads; raises
     UserError."""
-    if c.rollout_backend == "hf" and c.rollout_url:
+    if backend == "hf" and urls:
         raise UserError("config error: --rollout-url needs --rollout-backend sglang")
-    if c.rollout_backend == "hf" and c.sglang_deterministic:
+    if backend == "hf" and deterministic:
         raise UserError("config error: --sglang-deterministic is for --rollout-backend sglang (the "
                         "hf engine is always reproducible from --seed)")
-    if c.rollout_url and c.weight_sync == "tensor":
+    if urls and weight_sync == "tensor":
         raise UserError("config error: --weight-sync tensor needs an in-process engine (drop "
                         "--rollout-url)")
-    if c.rollout_backend == "sglang" and not c.rollout_url:
-        if c.weight_sync not in ("auto", "tensor"):
+    if backend == "sglang" and not urls:
+        if weight_sync not in ("auto", "tensor"):
             raise UserError(f"config error: the in-process SGLang engine syncs weights by tensor, "
-                            f"not {c.weight_sync!r} (use --rollout-url for disk/nccl)")
+                            f"not {weight_sync!r} (use --rollout-url for disk/nccl)")
         if not cuda:
             raise UserError("config error: --rollout-backend sglang without --rollout-url runs "
                             "SGLang in-process and needs a GPU; none is available (pass "
@@ -938,32 +900,25 @@ def check_rollout_config(c: RolloutConfig, cuda: bool) -> None:
         if importlib.util.find_spec("sglang") is None:
             raise UserError("config error: --rollout-backend sglang runs SGLang in-process, but "
                             "sglang is not installed (pip install -e '.[gpu]'; see the README)")
-    if (min(c.rollout_timeout, c.rollout_health_timeout) <= 0
-            or min(c.rollout_retries, c.rollout_abort_retries) < 0):
-        raise UserError("config error: --rollout-timeout and --rollout-health-timeout must be > 0, "
-                        "--rollout-retries and --rollout-abort-retries >= 0")
-    if not 0 < c.sglang_mem_fraction < 1 or c.weight_sync_bucket_mb < 1:
-        raise UserError("config error: --sglang-mem-fraction must be in (0, 1) and "
-                        "--weight-sync-bucket-mb >= 1")
 
 
-def make_engine(cfg, device: torch.device):
-    """The engine --rollout-backend names: HF on this rank's device, SGLang servers (--rollout-url)
-    or an in-process SGLang engine on this GPU. `cfg` has the RolloutConfig fields plus model,
-    run_dir, seed."""
-    if cfg.rollout_backend == "hf":
-        return HFEngine(cfg.model, device=device,
-                        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if cfg.rollout_url:
-        sync = "disk" if cfg.weight_sync == "auto" else cfg.weight_sync
-        return RemoteSGLangEngine(cfg.rollout_url, cfg.model, cfg.run_dir, weight_sync=sync,
-                                  timeout=cfg.rollout_timeout, retries=cfg.rollout_retries,
-                                  abort_retries=cfg.rollout_abort_retries,
-                                  health_timeout=cfg.rollout_health_timeout,
-                                  bucket_mb=cfg.weight_sync_bucket_mb,
-                                  sync_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                                  nccl_addr=cfg.weight_sync_addr,
-                                  deterministic=cfg.sglang_deterministic)
-    return SGLangEngine(cfg.model, gpu_id=device.index or 0, mem_fraction=cfg.sglang_mem_fraction,
-                        seed=cfg.seed, bucket_mb=cfg.weight_sync_bucket_mb, device=device,
-                        deterministic=cfg.sglang_deterministic)
+def make_engine(backend: str, urls: list[str], model_path: str, device: torch.device, *,
+                run_dir: str, seed: int, deterministic: bool = False, weight_sync: str = "auto"):
+    """The engine --rollout-backend names: HF on this rank's device, SGLang servers (urls) or an
+    in-process SGLang engine on this GPU."""
+    if backend == "hf":
+        engine = HFEngine(model_path, device=device,
+                          dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        engine.overlaps = True
+    elif urls:
+        sync = "disk" if weight_sync == "auto" else weight_sync
+        engine = RemoteSGLangEngine(urls, model_path, run_dir, weight_sync=sync,
+                                    sync_dtype=torch.bfloat16 if device.type == "cuda" else None,
+                                    deterministic=deterministic)
+        engine.overlaps = True
+    else:
+        engine = SGLangEngine(model_path, gpu_id=device.index or 0, seed=seed, device=device,
+                              deterministic=deterministic)
+        engine.overlaps = False
+    engine.version = 0
+    return engine

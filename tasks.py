@@ -177,26 +177,30 @@ def make_chain_task(seed: int = 0, heldout_size: int = 256,
 class Task:
     make: Callable[[], tuple[list, list]]
     reward: str
+    flags: dict
+    """Its warm start and recommended flags, applied unless the user gives them."""
 
 
-TASKS: dict[str, Task] = {"arithmetic": Task(make_arithmetic_task, "exact_match"),
-                          "chain": Task(make_chain_task, "last_number")}
+TASKS: dict[str, Task] = {
+    "arithmetic": Task(make_arithmetic_task, "exact_match", {"model": "assets/tiny-arith"}),
+    "chain": Task(make_chain_task, "last_number", {"model": "assets/tiny-chain",
+                                                  "max_new_tokens": 32, "prompts_per_step": 32})}
 
 
 # -----------------------------------------------------------------------------
 # datasets
 
 
-def load_jsonl(path: str) -> list[dict]:
-    """Rows of {"prompt": str} or {"messages": [{"role", "content"}, ...]} plus any other fields,
+def load_jsonl(path: str, prompt_key: str = "prompt") -> list[dict]:
+    """Rows of {prompt_key: str} or {"messages": [{"role", "content"}, ...]} plus any other fields,
     kept whole."""
-    rows = []
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror})") from None
     except UnicodeDecodeError:
         raise UserError(f"{path}: not a UTF-8 text file (expected JSON lines)") from None
+    rows = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -206,11 +210,11 @@ def load_jsonl(path: str) -> list[dict]:
             raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
         if not isinstance(row, dict):
             raise UserError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-        has_prompt, has_messages = isinstance(row.get("prompt"),
-                                              str), isinstance(row.get("messages"), list)
+        has_prompt = isinstance(row.get(prompt_key), str)
+        has_messages = isinstance(row.get("messages"), list)
         if has_prompt == has_messages:
-            raise UserError(f'{path}:{n}: needs exactly one of "prompt" (string) or "messages" '
-                            '(list)')
+            raise UserError(f'{path}:{n}: needs exactly one of "{prompt_key}" (string; '
+                            '--prompt-key names the field) or "messages" (list)')
         if has_messages and not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
                                     for m in row["messages"]):
             raise UserError(f'{path}:{n}: every message needs "role" and "content"')
@@ -222,14 +226,14 @@ def load_jsonl(path: str) -> list[dict]:
     return rows
 
 
-def load_dataset(dataset: str, eval_dataset: str | None, reward: str
+def load_dataset(dataset: str, eval_dataset: str | None, reward: str, prompt_key: str = "prompt"
                  ) -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows) of a built-in task or of JSONL files. A built-in reward that
     reads "answer" gets it in every row, or the run stops here naming the first row without one."""
     if dataset in TASKS:
         return TASKS[dataset].make()
-    train = load_jsonl(dataset)
-    held = load_jsonl(eval_dataset) if eval_dataset else []
+    train = load_jsonl(dataset, prompt_key)
+    held = load_jsonl(eval_dataset, prompt_key) if eval_dataset else []
     if reward in NEEDS_ANSWER:
         for path, rows in ((dataset, train), (eval_dataset, held)):
             missing = next((i for i, row in enumerate(rows, 1) if "answer" not in row), None)
@@ -239,33 +243,97 @@ def load_dataset(dataset: str, eval_dataset: str | None, reward: str
     return train, held
 
 
-def encode_prompt(row: dict, tokenizer, chat_template: bool) -> list[int]:
+def adds_bos(tokenizer) -> bool:
+    """Whether the model expects a BOS token first: its tokenizer adds one to plain text (Llama,
+    Gemma base) where add_special_tokens=False does not."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a")["input_ids"][:1] == [bos] != \
+        tokenizer("a", add_special_tokens=False)["input_ids"][:1]
+
+
+def encode_prompt(row: dict, tokenizer, chat_template: bool, prompt_key: str = "prompt",
+                  bos: bool = False) -> list[int]:
+    """A row's prompt as token ids: its "messages", or its prompt field (as a user turn with
+    chat_template). The BOS token goes first when `bos`, once: chat templates often write it."""
     if "messages" in row or chat_template:
-        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        messages = row.get("messages") or [{"role": "user", "content": row[prompt_key]}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     else:
-        text = row["prompt"]
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+        text = row[prompt_key]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [tokenizer.bos_token_id] + ids if bos and ids[:1] != [tokenizer.bos_token_id] else ids
 
 
-def encode_prompts(rows: list[dict], tokenizer, chat_template: bool, name: str) -> list[list[int]]:
+def encode_prompts(rows: list[dict], tokenizer, chat_template: bool, name: str,
+                   prompt_key: str = "prompt") -> list[list[int]]:
     """Every row's prompt as token ids, or a one-line error: a chat without a template to render
     it, or characters the tokenizer has no token for (they would all become <unk>)."""
-    if (chat_template or any("messages" in r for r in rows)) and not tokenizer.chat_template:
+    if uses_chat(rows, chat_template) and not tokenizer.chat_template:
         what = "--chat-template" if chat_template else 'rows with "messages"'
         raise UserError(f"{name}: {what} need(s) a chat template, and the tokenizer has none; use "
                         '"prompt" rows without --chat-template, or a model whose tokenizer has one')
-    encoded = [encode_prompt(row, tokenizer, chat_template) for row in rows]
+    bos = adds_bos(tokenizer)
+    encoded = [encode_prompt(row, tokenizer, chat_template, prompt_key, bos) for row in rows]
     unk = tokenizer.unk_token_id
     for n, ids in enumerate(encoded, 1):
         if unk is not None and unk in ids:
-            text = rows[n - 1].get("prompt") or str(rows[n - 1].get("messages"))
+            text = rows[n - 1].get(prompt_key) or str(rows[n - 1].get("messages"))
             missing = sorted({c for c in text if unk in tokenizer(c, add_special_tokens=False)
                               ["input_ids"]})
             raise UserError(f"{name}: row {n}'s prompt has characters the tokenizer cannot encode "
                             f"({''.join(missing)!r} would become {tokenizer.unk_token}); the model "
                             "was not trained on them")
     return encoded
+
+
+def uses_chat(rows: list[dict], chat_template: bool) -> bool:
+    return chat_template or any("messages" in r for r in rows)
+
+
+def stop_token_ids(tokenizer, model: str, chat: bool) -> list[int]:
+    """Every token that ends a response, the same set for every engine: the tokenizer's eos, the
+    model's own eos ids (config.json and generation_config.json: SGLang stops on those too), and
+    with a chat template the token that ends an assistant turn (a base model's eos is not it)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    ids = [tokenizer.eos_token_id, AutoConfig.from_pretrained(model).get_text_config()
+           .eos_token_id]
+    try:
+        ids.append(GenerationConfig.from_pretrained(model).eos_token_id)
+    except OSError:  # no generation_config.json
+        pass
+    if chat:
+        ids.append(end_of_turn_id(tokenizer))
+    flat = [i for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None]
+    if not flat:
+        raise UserError(f"--model {model}: its tokenizer and configs name no end-of-sequence "
+                        "token, so no response could ever stop; set eos_token in its tokenizer")
+    return sorted(set(flat))
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The special token the chat template writes right after an assistant's message (<|im_end|>,
+    <|eot_id|>, <end_of_turn>, ...), or None."""
+    mark = "XQZ7"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {
+            "role": "assistant", "content": mark}], tokenize=False)
+    except Exception:  # a template that refuses this conversation: no end-of-turn to add
+        return None
+    after = text[text.rfind(mark) + len(mark):] if mark in text else ""
+    ids = tokenizer(after.lstrip(" "), add_special_tokens=False)["input_ids"][:1]
+    return ids[0] if ids and ids[0] in tokenizer.all_special_ids else None
+
+
+def context_length(model: str) -> int | None:
+    """The model's trained context (max_position_embeddings or the like), from config.json."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model).get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(getattr(text, name, None), int):
+            return getattr(text, name)
+    return None
 
 
 # -----------------------------------------------------------------------------
@@ -312,6 +380,8 @@ class Score:
     """None: no verdict (the reward said nothing and the row has no "answer"; or the reward failed).
     """
     metrics: dict[str, float]
+    error: str | None = None
+    """Why the reward call failed (it then scores 0)."""
 
 
 def score_one(reward_fn: Callable, completion: str, row: dict) -> Score:
@@ -333,39 +403,31 @@ def score_one(reward_fn: Callable, completion: str, row: dict) -> Score:
 
 
 def compute_rewards(reward_fn: Callable, texts: list[str], rows: list[dict],
-                    timeout: float) -> tuple[list[Score], int, str | None]:
-    """Score every completion on a daemon worker thread -> (scores, errors, first error message).
-
-    A call that raises, returns something unusable or takes longer than `timeout` seconds scores
-    0 (no verdict) and counts as an error; after a timeout the rest of the batch continues on a
-    fresh thread. A thread cannot be killed: a hung pure-Python reward keeps its daemon thread
-    busy (it never blocks exit), and one stuck in C code holding the GIL stalls us too. That is
-    fine for short string checks; a reward that runs untrusted code wants a process of its own.
-    """
-    failed = Score(0.0, None, {})
+                    timeout: float) -> list[Score]:
+    """Score every completion on a daemon worker thread. A call that raises, returns something
+    unusable or takes longer than `timeout` seconds scores 0 with no verdict and its error; after a
+    timeout the rest of the batch continues on a fresh thread. A thread cannot be killed: a hung
+    pure-Python reward keeps its daemon thread busy (it never blocks exit), and one stuck in C code
+    holding the GIL stalls us too. That is fine for string checks and HTTP judges; a reward that
+    runs untrusted code wants a process of its own."""
 
     def work(start: int, out: queue.Queue) -> None:
         for i in range(start, len(texts)):
             try:
-                out.put((i, score_one(reward_fn, texts[i], rows[i]), None))
+                out.put((i, score_one(reward_fn, texts[i], rows[i])))
             except Exception as e:
-                out.put((i, None, f"{type(e).__name__}: {e}"))
+                out.put((i, Score(0.0, None, {}, f"{type(e).__name__}: {e}")))
 
-    scores, errors, first_error, i = [failed] * len(texts), 0, None, 0
+    scores, i = [Score(0.0, None, {})] * len(texts), 0
     while i < len(texts):
         results: queue.Queue = queue.Queue()
         threading.Thread(target=work, args=(i, results), daemon=True).start()
         while i < len(texts):
             try:
-                j, score, error = results.get(timeout=timeout)
+                j, scores[i] = results.get(timeout=timeout)
             except queue.Empty:  # call i hangs: it scores 0, the next calls run on a new thread
-                errors, i = errors + 1, i + 1
-                first_error = first_error or f"a call took over --reward-timeout {timeout:g}s"
+                scores[i] = Score(0.0, None, {}, f"a call took over {timeout:g}s")
+                i += 1
                 break
-            if score is None:
-                errors += 1
-                first_error = first_error or error
-            else:
-                scores[j] = score
             i = j + 1
-    return scores, errors, first_error
+    return scores
