@@ -1,7 +1,7 @@
 """Checkpoints, resume and failure handling (issue 6): a run killed at any moment and resumed equals
 the run that was never killed; bad steps, bad rewards, empty batches and dead ranks end or
 continue cleanly; impossible options fail before any work starts. The end-to-end tests run the
-real CLI (through tests/fault_runner.py, which injects the faults) and kill it with SIGKILL."""
+real CLI (through tests/support/fault_runner.py, which injects the faults) and kill it with SIGKILL."""
 
 import json
 import os
@@ -38,7 +38,7 @@ def start(args: list[str], run_dir: Path, nproc: int = 1,
           faults: dict | None = None) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                NANOAREAL_FAULTS=json.dumps(faults or {}))
-    script = [str(ROOT / "tests" / "fault_runner.py"), *args, "--run-dir", str(run_dir)]
+    script = [str(ROOT / "tests" / "support" / "fault_runner.py"), *args, "--run-dir", str(run_dir)]
     if nproc == 1:
         cmd = [sys.executable, *script]
     else:

@@ -1,7 +1,7 @@
 """Rules 1, 3, 5, 6 of loss.py's contract across processes: FSDP2 on gloo (2 ranks) against one
 process, one micro-batch.
 
-One torchrun launch (tests/fsdp_loss_worker.py) runs every case; rank 0 saves the results and
+One torchrun launch (tests/support/fsdp_loss_worker.py) runs every case; rank 0 saves the results and
 each test below checks one case. Float32 model: agreement 1e-5 relative to the largest reference
 gradient.
 """
@@ -19,8 +19,7 @@ import torch
 
 import loss as L
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fsdp_loss_worker import CASES, ZERO_CASE  # noqa: E402
+from fsdp_loss_worker import CASES, ZERO_CASE
 
 torch.set_num_threads(1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +37,7 @@ def results(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
            "127.0.0.1",
-           "--master_port", str(free_port()), "tests/fsdp_loss_worker.py", str(out)]
+           "--master_port", str(free_port()), "tests/support/fsdp_loss_worker.py", str(out)]
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     # a hang (mismatched collectives) must fail, not block CI

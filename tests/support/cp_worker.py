@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 torch.set_num_threads(1)
 
 import loss as L  # noqa: E402
