@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import queue
 import random
@@ -25,6 +26,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 from cli import UserError
@@ -38,22 +40,60 @@ def exact_match(completion: str, row: dict) -> float:
     return float(completion.strip() == str(row["answer"]).strip())
 
 
+def answer_span(text: str) -> str | None:
+    """What a text marks as its final answer, whichever mark comes last: the inside of its last
+    \\boxed{...} (nested braces kept) or the first line after its last '####'; else None."""
+    box, mark = text.rfind("\\boxed{"), text.rfind("####")
+    if mark > box:
+        return (text[mark + 4:].strip().splitlines() or [""])[0]
+    if box < 0:
+        return None
+    depth, start = 0, box + len("\\boxed{")
+    for i, c in enumerate(text[start:], start):
+        depth += (c == "{") - (c == "}")
+        if depth < 0:
+            return text[start:i]
+    return text[start:]  # a box cut off by --max-new-tokens: what there is
+
+
+_NUMBER = re.compile(r"-?[\d,]*\.?\d+(?:/\d+)?")  # 1,234 | -3.5 | .5 | 3/4
+
+
 def final_number(text: str) -> str | None:
-    """The number after the last '#### ', else the last number in the text; commas and a trailing
-    dot dropped."""
-    m = re.search(r"####\s*(-?[\d,]*\.?\d+)", text)
-    nums = [m.group(1)] if m else re.findall(r"-?[\d,]*\.?\d+", text)
-    return nums[-1].replace(",", "").rstrip(".") if nums else None
+    """The first number of the text's final answer (answer_span: its last \\boxed{} or '#### x',
+    whichever comes last), else its last number; commas dropped, \\frac{a}{b} read as a/b."""
+    span = answer_span(text)
+    nums = _NUMBER.findall(re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"\1/\2",
+                                  text if span is None else span).replace("{,}", ","))
+    return nums[-1 if span is None else 0].replace(",", "") if nums else None
 
 
 def gsm8k(completion: str, row: dict) -> tuple[float, dict]:
-    """GSM8K style: 1 if the completion's final number (a '#### x' wins over the last number) equals
-    the answer's; the completion is correct exactly when it scores 1."""
-    got, want = final_number(completion), final_number(str(row["answer"]))
+    """GSM8K style: 1 if the completion's final_number equals the answer's (as numbers: 18.00 = 18,
+    3/4 = 0.75); the completion is correct exactly when it scores 1."""
     try:
-        ok = got is not None and want is not None and abs(float(got) - float(want)) < 1e-6
-    except ValueError:
+        got, want = (Fraction(final_number(t) or "nan") for t in (completion, str(row["answer"])))
+        ok = abs(got - want) < 1e-6
+    except (ValueError, ZeroDivisionError):  # no number, or x/0
         ok = False
+    return float(ok), {"correct": ok}
+
+
+def math_reward(completion: str, row: dict) -> tuple[float, dict]:
+    """HF math-verify: the completion's final answer (its last \\boxed{} or '#### x', else the last
+    LaTeX or number it writes) equals the row's "answer" (a number, '... #### 72' or LaTeX, with or
+    without $) as mathematics: \\frac{3}{4} = 0.75, 1,234 = 1234, \\$18.00 = 18, units dropped."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    # math-verify's own timeouts use SIGALRM, main thread only: compute_rewards times the call
+    read = lambda text: parse(text, config, parsing_timeout=None)
+    want = str(row["answer"]).rsplit("####", 1)[-1].strip()
+    gold = read(want if re.search(r"\$|\\\(|\\\[|\\boxed", want) else f"${want}$") or read(want)
+    # only the last mark: math-verify's own \boxed regex reads from the FIRST box outside $...$
+    span, boxed = answer_span(completion), completion.rfind("\\boxed{") > completion.rfind("####")
+    got = read(completion if span is None else f"\\boxed{{{span}}}" if boxed else span)
+    ok = bool(gold and got) and verify(gold, got, timeout_seconds=None)
     return float(ok), {"correct": ok}
 
 
@@ -76,8 +116,8 @@ def last_number(completion: str, row: dict) -> tuple[float, dict]:
 
 
 REWARDS: dict[str, Callable] = {"exact_match": exact_match, "gsm8k": gsm8k,
-                                "last_number": last_number}
-NEEDS_ANSWER = {"exact_match", "gsm8k", "last_number"}  # built-in rewards that read row["answer"]
+                                "last_number": last_number, "math": math_reward}
+NEEDS_ANSWER = set(REWARDS)  # every built-in reward reads row["answer"]
 
 
 # -----------------------------------------------------------------------------
@@ -214,7 +254,8 @@ def load_jsonl(path: str, prompt_key: str = "prompt") -> list[dict]:
         has_messages = isinstance(row.get("messages"), list)
         if has_prompt == has_messages:
             raise UserError(f'{path}:{n}: needs exactly one of "{prompt_key}" (string; '
-                            '--prompt-key names the field) or "messages" (list)')
+                            '--prompt-key names the field) or "messages" (list); it has '
+                            + (", ".join(map(json.dumps, row)) or "no fields"))
         if has_messages and not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
                                     for m in row["messages"]):
             raise UserError(f'{path}:{n}: every message needs "role" and "content"')
@@ -231,6 +272,9 @@ def load_dataset(dataset: str, eval_dataset: str | None, reward: str, prompt_key
     """(train rows, held-out rows) of a built-in task or of JSONL files. A built-in reward that
     reads "answer" gets it in every row, or the run stops here naming the first row without one."""
     if dataset in TASKS:
+        if prompt_key != "prompt":
+            raise UserError(f"--prompt-key {prompt_key} is for a JSONL --dataset: the built-in "
+                            f'task {dataset!r} has "prompt" rows')
         return TASKS[dataset].make()
     train = load_jsonl(dataset, prompt_key)
     held = load_jsonl(eval_dataset, prompt_key) if eval_dataset else []
@@ -254,14 +298,15 @@ def adds_bos(tokenizer) -> bool:
 def encode_prompt(row: dict, tokenizer, chat_template: bool, prompt_key: str = "prompt",
                   bos: bool = False) -> list[int]:
     """A row's prompt as token ids: its "messages", or its prompt field (as a user turn with
-    chat_template). The BOS token goes first when `bos`, once: chat templates often write it."""
-    if "messages" in row or chat_template:
+    chat_template). A chat is exactly what the template writes (its BOS, if any, as HF's and the
+    servers' apply_chat_template give it); plain text gets the BOS first when `bos`, once."""
+    chat = "messages" in row or chat_template
+    if chat:
         messages = row.get("messages") or [{"role": "user", "content": row[prompt_key]}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    else:
-        text = row[prompt_key]
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return [tokenizer.bos_token_id] + ids if bos and ids[:1] != [tokenizer.bos_token_id] else ids
+    ids = tokenizer(text if chat else row[prompt_key], add_special_tokens=False)["input_ids"]
+    bos_id = tokenizer.bos_token_id
+    return [bos_id] + ids if bos and not chat and ids[:1] != [bos_id] else ids
 
 
 def encode_prompts(rows: list[dict], tokenizer, chat_template: bool, name: str,
@@ -271,7 +316,8 @@ def encode_prompts(rows: list[dict], tokenizer, chat_template: bool, name: str,
     if uses_chat(rows, chat_template) and not tokenizer.chat_template:
         what = "--chat-template" if chat_template else 'rows with "messages"'
         raise UserError(f"{name}: {what} need(s) a chat template, and the tokenizer has none; use "
-                        '"prompt" rows without --chat-template, or a model whose tokenizer has one')
+                        f'"{prompt_key}" rows without --chat-template, or a model whose tokenizer '
+                        "has one")
     bos = adds_bos(tokenizer)
     encoded = [encode_prompt(row, tokenizer, chat_template, prompt_key, bos) for row in rows]
     unk = tokenizer.unk_token_id
@@ -321,8 +367,10 @@ def end_of_turn_id(tokenizer) -> int | None:
     except Exception:  # a template that refuses this conversation: no end-of-turn to add
         return None
     after = text[text.rfind(mark) + len(mark):] if mark in text else ""
-    ids = tokenizer(after.lstrip(" "), add_special_tokens=False)["input_ids"][:1]
-    return ids[0] if ids and ids[0] in tokenizer.all_special_ids else None
+    ids = tokenizer(after.lstrip(), add_special_tokens=False)["input_ids"][:1]
+    # Llama 3's <|eot_id|> is a special added token missing from all_special_ids
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return ids[0] if ids and ids[0] in special | set(tokenizer.all_special_ids) else None
 
 
 def context_length(model: str) -> int | None:
@@ -349,6 +397,13 @@ def resolve_reward_name(reward: str, dataset: str) -> str:
 
 def load_reward(spec: str) -> Callable:
     """A built-in reward by name, or `path/to/file.py:function` loaded from that file."""
+    if spec == "math":  # its optional dependency checked now, not at the first call
+        try:
+            import math_verify  # noqa: F401
+        except ImportError:
+            raise UserError("--reward math needs HF math-verify: pip install -e '.[math]'"
+                            ) from None
+        logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" etc.
     if spec in REWARDS:
         return REWARDS[spec]
     path, sep, name = spec.rpartition(":")
