@@ -25,6 +25,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -115,9 +116,8 @@ def last_number(completion: str, row: dict) -> tuple[float, dict]:
     return float(ok), {"correct": ok, "scratchpad": float(len(found) > 1)}
 
 
-REWARDS: dict[str, Callable] = {"exact_match": exact_match, "gsm8k": gsm8k,
-                                "last_number": last_number, "math": math_reward}
-NEEDS_ANSWER = set(REWARDS)  # every built-in reward reads row["answer"]
+REWARDS: dict[str, Callable] = {  # every one reads row["answer"]
+    "exact_match": exact_match, "gsm8k": gsm8k, "last_number": last_number, "math": math_reward}
 
 
 # -----------------------------------------------------------------------------
@@ -166,20 +166,15 @@ def chain_scratchpad(prompt: str) -> str:
 def make_chain_task(seed: int = 0, heldout_size: int = 256,
                     per_length: int = 2500) -> tuple[list, list]:
     """Chains of k = 1..8 operations (+d or *d, mod 10) on a start digit, split deterministically
-    into (train, heldout).
+    (by `seed` only) into (train, heldout).
 
-    Each row is {"prompt": "3+4*2            =", "answer": "4"}: the body right-padded with
-    spaces to 17 characters, then "=", so every prompt is 18 tokens long and a scratchpad's j-th
-    value is written a fixed distance after the j-th operand (without the padding the tiny model
-    has to find each operand at a k-dependent offset, and does not learn to). The answer is one
-    digit for any k; a response may be the digit alone (2 tokens with <eos>) or the scratchpad
-    (2k + 2 tokens): `last_number` judges only the final number, so length is the policy's choice.
-
-    Per k, min(per_length, 10 * 19^k) distinct bodies are drawn with random.Random(seed) (k = 1
-    has only 190, all used); heldout_size / 8 of each k are held out, interleaved k = 1..8, 1..8,
-    ..., so any prefix (--eval-size) is balanced over k; the rest, shuffled, is train (17434 rows
-    by default). The split depends only on `seed`, never on a run's seed.
-    """
+    Each row is {"prompt": "3+4*2            =", "answer": "4"}: the body padded to 17 characters,
+    then "=", so a scratchpad's j-th value is a fixed distance after the j-th operand (the tiny
+    model does not learn k-dependent offsets). A response may be the digit alone (2 tokens with
+    <eos>) or the scratchpad (2k + 2): `last_number` judges the final number only, so length is
+    the policy's choice. Per k, min(per_length, 10 * 19^k) distinct bodies; heldout_size / 8 of
+    each k held out, interleaved k = 1..8, 1..8, ... (any prefix is balanced over k); the rest,
+    shuffled, is train (17434 rows by default)."""
     if heldout_size % CHAIN_MAX_OPS:
         raise ValueError(f"heldout_size must be a multiple of {CHAIN_MAX_OPS} (one share per k)")
     per_k = heldout_size // CHAIN_MAX_OPS
@@ -196,14 +191,12 @@ def make_chain_task(seed: int = 0, heldout_size: int = 256,
                 bodies = [b + op for b in bodies for op in CHAIN_OPS]
             rng.shuffle(bodies)
             bodies = bodies[:want]
-        else:  # large: draw until `want` distinct
-            seen: set[str] = set()
-            bodies = []
-            while len(bodies) < want:
-                b = str(rng.randrange(10)) + "".join(rng.choice(CHAIN_OPS) for _ in range(k))
-                if b not in seen:
-                    seen.add(b)
-                    bodies.append(b)
+        else:  # large: draw until `want` distinct (a dict keeps the order of first draws)
+            drawn: dict[str, None] = {}
+            while len(drawn) < want:
+                digit = str(rng.randrange(10))  # then the ops: the draws of the shipped split
+                drawn[digit + "".join(rng.choice(CHAIN_OPS) for _ in range(k))] = None
+            bodies = list(drawn)
         rows = [{"prompt": b.ljust(CHAIN_WIDTH) + "=", "answer": str(chain_values(b)[-1])}
                 for b in bodies]
         held_by_k.append(rows[:per_k])
@@ -269,8 +262,8 @@ def load_jsonl(path: str, prompt_key: str = "prompt") -> list[dict]:
 
 def load_dataset(dataset: str, eval_dataset: str | None, reward: str, prompt_key: str = "prompt"
                  ) -> tuple[list[dict], list[dict]]:
-    """(train rows, held-out rows) of a built-in task or of JSONL files. A built-in reward that
-    reads "answer" gets it in every row, or the run stops here naming the first row without one."""
+    """(train rows, held-out rows) of a built-in task or of JSONL files. A built-in reward gets an
+    "answer" in every row, or the run stops here naming the first row without one."""
     if dataset in TASKS:
         if prompt_key != "prompt":
             raise UserError(f"--prompt-key {prompt_key} is for a JSONL --dataset: the built-in "
@@ -278,7 +271,7 @@ def load_dataset(dataset: str, eval_dataset: str | None, reward: str, prompt_key
         return TASKS[dataset].make()
     train = load_jsonl(dataset, prompt_key)
     held = load_jsonl(eval_dataset, prompt_key) if eval_dataset else []
-    if reward in NEEDS_ANSWER:
+    if reward in REWARDS:
         for path, rows in ((dataset, train), (eval_dataset, held)):
             missing = next((i for i, row in enumerate(rows, 1) if "answer" not in row), None)
             if missing is not None:
@@ -344,10 +337,8 @@ def stop_token_ids(tokenizer, model: str, chat: bool) -> list[int]:
 
     ids = [tokenizer.eos_token_id, AutoConfig.from_pretrained(model).get_text_config()
            .eos_token_id]
-    try:
+    with suppress(OSError):  # no generation_config.json
         ids.append(GenerationConfig.from_pretrained(model).eos_token_id)
-    except OSError:  # no generation_config.json
-        pass
     if chat:
         ids.append(end_of_turn_id(tokenizer))
     flat = [i for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None]
@@ -378,10 +369,8 @@ def context_length(model: str) -> int | None:
     from transformers import AutoConfig
 
     text = AutoConfig.from_pretrained(model).get_text_config()
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        if isinstance(getattr(text, name, None), int):
-            return getattr(text, name)
-    return None
+    names = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+    return next((getattr(text, n) for n in names if isinstance(getattr(text, n, None), int)), None)
 
 
 # -----------------------------------------------------------------------------
@@ -414,9 +403,7 @@ def load_reward(spec: str) -> Callable:
         raise UserError(f"--reward {spec}: no such file {path}")
     module_name = f"nanoareal_reward_{abs(hash(str(Path(path).resolve())))}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    # so the reward can be pickled or inspected like a normal module
-    sys.modules[module_name] = module
+    module = sys.modules[module_name] = importlib.util.module_from_spec(module_spec)  # picklable
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:
@@ -431,12 +418,9 @@ def load_reward(spec: str) -> Callable:
 @dataclass
 class Score:
     reward: float
-    correct: bool | None
-    """None: no verdict (the reward said nothing and the row has no "answer"; or the reward failed).
-    """
+    correct: bool | None  # None: no verdict (nothing said and no "answer", or the call failed)
     metrics: dict[str, float]
-    error: str | None = None
-    """Why the reward call failed (it then scores 0)."""
+    error: str | None = None  # why the call failed (it then scores 0)
 
 
 def score_one(reward_fn: Callable, completion: str, row: dict) -> Score:
@@ -460,11 +444,9 @@ def score_one(reward_fn: Callable, completion: str, row: dict) -> Score:
 def compute_rewards(reward_fn: Callable, texts: list[str], rows: list[dict],
                     timeout: float) -> list[Score]:
     """Score every completion on a daemon worker thread. A call that raises, returns something
-    unusable or takes longer than `timeout` seconds scores 0 with no verdict and its error; after a
-    timeout the rest of the batch continues on a fresh thread. A thread cannot be killed: a hung
-    pure-Python reward keeps its daemon thread busy (it never blocks exit), and one stuck in C code
-    holding the GIL stalls us too. That is fine for string checks and HTTP judges; a reward that
-    runs untrusted code wants a process of its own."""
+    unusable or takes over `timeout` seconds scores 0 with no verdict and its error; after a
+    timeout the batch goes on on a fresh thread. A hung call keeps its daemon thread busy (threads
+    cannot be killed; one stuck in C holding the GIL stalls us): untrusted code wants a process."""
 
     def work(start: int, out: queue.Queue) -> None:
         for i in range(start, len(texts)):

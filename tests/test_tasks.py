@@ -65,6 +65,7 @@ CASES = [
      "$\\boxed{72}$.",
      "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
      "altogether in April and May.\n#### 72", True, True),
+    ("So the answer is $\\boxed{72}$.", 72, True, True),  # a JSON number
     # no answer at all
     ("I'm sorry, I cannot determine that from the information given.", "#### 18", False, False),
     ("", "18", False, False),
@@ -349,6 +350,10 @@ def test_end_of_turn_is_the_special_token_after_an_assistant_message(families, f
     assert tasks.end_of_turn_id(tok) == tok.convert_tokens_to_ids(end)
 
 
+def test_context_length_is_read_from_config_json(families):
+    assert tasks.context_length(str(families["llama3"])) == 1024
+
+
 def test_a_tokenizer_without_any_eos_is_a_one_line_error(families):
     tok = load(families["no_eos"])
     with pytest.raises(UserError, match=r"no_eos: its tokenizer and configs name no end-of-"
@@ -412,17 +417,22 @@ def run_cli(*args: str, env_extra: dict | None = None) -> subprocess.CompletedPr
                           capture_output=True, text=True, timeout=240)
 
 
-def test_cli_trains_on_raw_gsm8k_with_prompt_key_and_gsm8k_reward(families, tmp_path):
+@pytest.mark.parametrize("reward", ["gsm8k", "math"])
+def test_cli_trains_on_raw_gsm8k_with_prompt_key(families, tmp_path, reward):
     train = write_jsonl(tmp_path / "train.jsonl", GSM8K_ROWS)
     test = write_jsonl(tmp_path / "test.jsonl", GSM8K_ROWS[:2])
     proc = run_cli("--model", str(families["gemma_base"]), "--dataset", str(train),
-                   "--eval-dataset", str(test), "--prompt-key", "question", "--reward", "gsm8k",
+                   "--eval-dataset", str(test), "--prompt-key", "question", "--reward", reward,
                    "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
                    "--max-new-tokens", "4", "--eval-every", "1", "--run-dir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [m["step"] for m in metrics] == [0, 1] and "eval/accuracy" in metrics[-1]
-    assert "reward_error_message" not in metrics[-1]
+    assert metrics[-1]["reward_errors"] == 0  # the reward ran on its worker thread without error
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").open()]
+    questions = {r["question"] for r in GSM8K_ROWS}
+    assert samples and all(s["prompt"].removeprefix("<bos>") in questions and
+                           s["prompt"].count("<bos>") == 1 for s in samples)  # BOS once
 
 
 def test_cli_reward_math_without_math_verify_fails_before_loading(families, tmp_path):
