@@ -1,20 +1,19 @@
 """GPU check of the SGLang rollout backend against the real SGLang (not collected by pytest: no
-test_ prefix).
+test_ prefix; tests/test_gpu_scripts.py runs its CPU-safe parts).
 
 One command, on a machine with one CUDA GPU and `pip install -e .[gpu]` (sglang):
 
-    python tests/gpu/check_sglang.py --model Qwen/Qwen2.5-0.5B-Instruct [--dataset
-    gsm8k_train.jsonl]
+    python tests/gpu/check_sglang.py --model Qwen/Qwen2.5-0.5B-Instruct [--dataset train.jsonl]
 
-It checks, in order, and prints one line each:
-1. logprob parity: SGLang's behaviour log-probs of its own samples vs the trainer's recomputation
-   (nanoareal.policy_logprobs, bf16, same temperature): mean and max |diff|;
+It prints one line per check:
+1. logprob parity: SGLang's behaviour log-probs of its own samples against the trainer's
+   recomputation (modeling.policy_logprobs, bf16, same temperature): mean and max |diff|;
 2. weight-sync round trip through the colocated engine (release -> resume weights ->
-   update_weights_from_tensor buckets -> resume KV cache -> flush): after perturbing the
-   trainer's weights, SGLang's log-probs follow them;
-3. a 20-step GRPO run through nanoareal's CLI with `--rollout-backend sglang` on GSM8K-format
-   JSONL (a small synthetic file is written when --dataset is not given, so the check runs
-   offline). Exits 0 with a "skipped" line when there is no CUDA or no sglang.
+   update_weights_from_tensor buckets -> resume KV cache -> flush): after the trainer's weights
+   are perturbed, SGLang's log-probs follow them;
+3. a GRPO run through nanoareal's CLI with `--rollout-backend sglang` on GSM8K-format JSONL (a
+   small synthetic file is written without --dataset, so the check runs offline).
+Exits 0 with a "skipped" line when there is no CUDA or no sglang.
 """
 
 from __future__ import annotations
@@ -42,39 +41,62 @@ def synthetic_gsm8k(path: str, n: int = 512) -> str:
     return path
 
 
-def trainer_logprobs(model, prompt, completion, temperature):
+def grpo_command(model_dir: str, data: str, steps: int, run_dir: str) -> list[str]:
+    return [sys.executable, os.path.join(ROOT, "nanoareal.py"), "--rollout-backend", "sglang",
+            "--model", model_dir, "--dataset", data, "--reward", "gsm8k", "--chat-template",
+            "--steps", str(steps), "--prompts-per-step", "16", "--group-size", "8",
+            "--max-new-tokens", "256", "--eval-every", "0", "--run-dir", run_dir, "--lr", "1e-6"]
+
+
+def trainer_model(model):
+    """The trainer's attention on `model`: packed rows, the fastest kernel this device runs."""
+    from transformers import AttentionInterface
+
+    import modeling
+
+    AttentionInterface.register("packed", modeling.packed_attention)
+    model.set_attn_implementation("packed")
+    device = next(model.parameters()).device
+    _, model.attention_kernel, _ = modeling.choose_attention(
+        "auto", device, model.dtype in modeling.HALF, softcap=False)
+    return model.eval()
+
+
+def trainer_logprobs(model, prompt: list[int], completion, temperature: float):
+    """The trainer's log-probs of a completion's tokens (modeling.policy_logprobs)."""
     import torch
 
-    import nanoareal
+    import modeling
 
+    device = next(model.parameters()).device
     full = prompt + completion.output_ids
-    ids = torch.tensor([full], device="cuda")
-    pos = torch.arange(len(full), device="cuda")[None]
-    tgt = torch.tensor(full[1:] + [0], device="cuda")
     with torch.no_grad():
-        lp, _ = nanoareal.policy_logprobs(model, ids, pos, tgt, temperature)
+        lp, _ = modeling.policy_logprobs(model, torch.tensor([full], device=device),
+                                         torch.arange(len(full), device=device)[None],
+                                         torch.tensor(full[1:] + [0], device=device), temperature)
     return lp[len(prompt) - 1 : len(full) - 1].float().cpu()
 
 
-def parity(engine, model, prompts, temperature, seeds):
+def parity(engine, model, prompts, temperature, seeds, max_new_tokens: int = 128):
+    """(mean |diff|, max |diff|, tokens) between the engine's log-probs and the trainer's."""
     import torch
 
     from rollout import SamplingParams
 
-    outs = engine.generate(prompts, SamplingParams(128, temperature), seeds)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens, temperature), seeds)
     diffs = torch.cat([(trainer_logprobs(model, p, c, temperature) - torch.tensor(c.logprobs)).abs()
                        for p, c in zip(prompts, outs)])
     return float(diffs.mean()), float(diffs.max()), int(diffs.numel())
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct")
-    ap.add_argument("--dataset", default=None,
-                    help="GSM8K-format JSONL ({prompt|messages, answer})")
+    ap.add_argument("--dataset", default=None, help="GSM8K-format JSONL ({prompt, answer} rows)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--run-dir", default="runs/check_sglang")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     try:
         import torch
 
@@ -88,22 +110,22 @@ def main() -> int:
     from huggingface_hub import snapshot_download
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout import SGLangEngine
+    import rollout
 
     model_dir = args.model if os.path.isdir(args.model) else snapshot_download(args.model)
     tok = AutoTokenizer.from_pretrained(model_dir)
     questions = ["What is 17 * 23?", "Name three prime numbers above 50.",
-                 "Explain GRPO in one sentence.",
-                 "Write a haiku about GPUs."]
-    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                     tokenize=False)
-             for q in questions]
-    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+                 "Explain GRPO in one sentence.", "Write a haiku about GPUs."]
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"] for q in questions]
     seeds = list(range(len(prompts)))
 
     # the engine first: SGLang sizes its KV cache from the free memory at start
-    engine = SGLangEngine(model_dir, gpu_id=0, mem_fraction=0.4, bucket_mb=256, device="cuda")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    rollout.SYNC_BUCKET_MB = 256
+    engine = rollout.SGLangEngine(model_dir, gpu_id=0, device="cuda", mem_fraction_static=0.4)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    model = trainer_model(model)
     ok = True
     for t in (1.0, 0.7):
         mean, mx, n = parity(engine, model, prompts, t, seeds)
@@ -120,7 +142,7 @@ def main() -> int:
     stale_mean, _, _ = parity(engine, model, prompts, 1.0, seeds)
     engine.release_memory()
     engine.resume_memory()
-    engine.update_weights(model)
+    engine.update_weights(model, 1)
     mean, mx, n = parity(engine, model, prompts, 1.0, seeds)
     print(f"[2] weight sync: before sync mean |diff| {stale_mean:.4f}; after: mean {mean:.4f}, max "
           f"{mx:.4f}")
@@ -131,20 +153,16 @@ def main() -> int:
 
     os.makedirs(os.path.dirname(os.path.abspath(args.run_dir)), exist_ok=True)
     data = args.dataset or synthetic_gsm8k(args.run_dir + "_data.jsonl")
-    cmd = [sys.executable, os.path.join(ROOT, "nanoareal.py"), "--rollout-backend", "sglang",
-           "--model", model_dir,
-           "--dataset", data, "--reward", "gsm8k", "--chat-template", "--steps", str(args.steps),
-           "--prompts-per-step", "16", "--group-size", "8", "--max-new-tokens", "256",
-           "--eval-every", "0", "--run-dir", args.run_dir, "--lr", "1e-6"]
+    cmd = grpo_command(model_dir, data, args.steps, args.run_dir)
     print("[3] " + " ".join(cmd), flush=True)
     r = subprocess.run(cmd, cwd=ROOT)
-    rows = []
     metrics = os.path.join(args.run_dir, "metrics.jsonl")
-    if os.path.exists(metrics):
-        rows = [json.loads(line) for line in open(metrics) if "reward" in line]
-    print(f"[3] {args.steps}-step run: exit {r.returncode}, {len(rows)} steps logged, "
-          f"reward first/last {rows[0]['reward'] if rows else float('nan'):.3f}/"
-          f"{rows[-1]['reward'] if rows else float('nan'):.3f}")
+    rows = [json.loads(line) for line in open(metrics) if "reward" in line] \
+        if os.path.exists(metrics) else []
+    nan = float("nan")
+    print(f"[3] {args.steps}-step run: exit {r.returncode}, {len(rows)} steps logged, reward "
+          f"first/last {rows[0]['reward'] if rows else nan:.3f}/"
+          f"{rows[-1]['reward'] if rows else nan:.3f}")
     ok &= r.returncode == 0 and len(rows) == args.steps
     print("check_sglang: " + ("OK" if ok else "FAILED"))
     return 0 if ok else 1
