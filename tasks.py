@@ -291,8 +291,8 @@ def adds_bos(tokenizer) -> bool:
 def encode_prompt(row: dict, tokenizer, chat_template: bool, prompt_key: str = "prompt",
                   bos: bool = False) -> list[int]:
     """A row's prompt as token ids: its "messages", or its prompt field (as a user turn with
-    chat_template). A chat is exactly what the template writes (its BOS, if any, as HF's and the
-    servers' apply_chat_template give it); plain text gets the BOS first when `bos`, once."""
+    chat_template). A chat is exactly what the template writes (its BOS if any, as HF's
+    apply_chat_template(tokenize=True) gives it); plain text gets the BOS first when `bos`, once."""
     chat = "messages" in row or chat_template
     if chat:
         messages = row.get("messages") or [{"role": "user", "content": row[prompt_key]}]

@@ -390,7 +390,7 @@ def test_templated_prompts_carry_the_templates_bos_exactly_once(families):
 
 def test_templated_prompts_are_exactly_what_the_template_writes(tmp_path):
     # a tokenizer that adds BOS to plain text, a template that writes none: HF's
-    # apply_chat_template(tokenize=True) and the servers' chat endpoints add none, nor do we
+    # apply_chat_template(tokenize=True) adds none (add_special_tokens=False), nor do we
     template = ("{%- for m in messages %}{{- m['role'] + ': ' + m['content'] + '<eos>' }}"
                 "{%- endfor %}{{- 'assistant: ' }}")
     tok = load(build_tokenizer(tmp_path, GEMMA, add_bos="<bos>", template=template,
