@@ -1,24 +1,17 @@
 """How nanoareal runs a Hugging Face causal LM: packed rows attended by segments on every attention
 path, Ulysses context parallel, and log-probs from the model's own head in vocabulary chunks.
 
-A packed row is a 1-D run of tokens from many sequences. `segments` [R, 4] says who attends to
-what: row r = (q_start, q_len, ctx_start, ctx_len), its q_len tokens attend causally to the
-ctx_len context tokens (a shared prompt prefix) and then to themselves. `attention_layout` turns
-that into index tensors once per micro-batch; `packed_attention`, registered with transformers,
-runs every layer's attention with them, honouring the layer's sliding window and logit softcap.
-
-Under context parallel (Ulysses) each rank runs the model on a contiguous 1/N of the row; attention
-all-to-alls from "my tokens, all heads" to "all tokens, my heads", attends over the whole row and
-all-to-alls back. Nothing here holds state: the layout (and the CP group) travel with each call.
-
-Any *ForCausalLM is run as body (`model.base_model`) + head (`model.get_output_embeddings()`, its
-bias included) + the head's transform (logit scaling, final softcapping). `check_model` runs a
-model both ways, ours and its own forward, at start: a family whose semantics this file does not
-reproduce is refused in one line instead of training on wrong log-probs.
+A packed row is a 1-D run of tokens from many sequences, its `segments` say who attends to what
+(attention_layout), and `packed_attention` (registered with transformers) runs every layer on it.
+Under Ulysses each rank runs a contiguous 1/N of the row. Nothing here holds state. Any
+*ForCausalLM runs as body (`model.base_model`) + head (output embeddings, with bias) + the head's
+transform (logit scale, final softcap); `check_model` compares that with the model's own forward
+at start: a family whose semantics this file does not reproduce is refused in one line.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -33,8 +26,7 @@ ATTENTION_PATHS = ("auto", "flash_attn", "torch_varlen", "sdpa")
 
 
 def segments_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
-    """Segments of a row of whole sequences (position_ids restart at 0 at each): [R, 4] rows
-    (start, len, 0, 0)."""
+    """Segments [R, 4] (start, len, 0, 0) of a row of whole sequences (positions restart at 0)."""
     pos = position_ids.flatten()
     start = torch.nonzero(pos == 0).flatten()
     length = torch.diff(start, append=start.new_tensor([len(pos)]))
@@ -44,17 +36,14 @@ def segments_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
 
 def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.device | None = None,
                      kernel=None, cp_group=None) -> dict:
-    """Index tensors for segment_attention, built once per micro-batch and used by every layer.
-
-    An attention row of segment r is its context followed by its own tokens; a token's slot in
-    its row is its position in its sequence (the context is the whole prompt prefix). Two
-    encodings of the same rows: `grid` (row-major [R, max_len] slots -> token, for a padded
-    batch) + `out` (token -> the slot holding its own output), and `k_index`/`cu_q`/`cu_k` for a
-    varlen kernel, whose causal mask is aligned bottom-right (queries are the last q_len keys of
-    their row). Built on the CPU (a few hundred integers; no GPU sync for the sizes) and moved to
-    `device`. `kernel`: a varlen kernel (load_kernel) for half-precision inputs; `cp_group`: the
-    context-parallel group when the row is split across ranks (num_tokens is then the whole row).
-    """
+    """Index tensors for segment_attention, built once per micro-batch for every layer. A row
+    (q_start, q_len, ctx_start, ctx_len) of `segments` [R, 4]: q_len tokens attend causally to
+    ctx_len earlier tokens (a shared prompt prefix), then to themselves; a token's slot in that
+    attention row is its position in its sequence. Padded encoding: `grid` ([R, max_len] slots ->
+    token), `out` (token -> its own slot); varlen: `k_index`, `cu_q`, `cu_k` (bottom-right causal:
+    queries are the last q_len keys of their row). Built on the CPU (no GPU sync for the sizes).
+    `kernel`: a varlen kernel for half inputs; `cp_group`: set when the row is split across ranks
+    (num_tokens is then the whole row)."""
     device = device or segments.device
     segments = segments.cpu()
     q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
@@ -79,25 +68,21 @@ def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.devi
              "k_index": src[valid], "cu_q": torch.cat([zero, torch.cumsum(q_len, 0)]).int(),
              "cu_k": torch.cat([zero, torch.cumsum(row_len, 0)]).int()}
     sizes = {"rows": len(segments), "max_len": max_len, "max_q": int(q_len.max())}
-    tensors = {k: v.to(device, non_blocking=True) for k, v in index.items()}
-    return tensors | sizes | {"kernel": kernel, "cp_group": cp_group}
+    return {k: v.to(device, non_blocking=True) for k, v in index.items()} | sizes | {
+        "kernel": kernel, "cp_group": cp_group}
 
 
 def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropout: float = 0.0,
                       window: int | None = None, softcap: float | None = None):
     """Attention of a packed row by segments: q [H, T, D], k/v [Hkv, T, D] -> [T, H, D]. `window`:
-    a query sees only the last `window` keys of its row, itself included (HF's sliding_window);
-    `softcap`: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
-
-    A varlen kernel (GPU, half precision): queries stay packed, each segment's keys are gathered
-    (its context, then itself) and the bottom-right causal mask does the rest. Otherwise a padded
-    [R, H, max_len, D] batch of the rows with a causal mask: cost ~ R * max_len^2 instead of T^2.
-    Context tokens shared by several rows are gathered into each; index_select's backward sums
-    their gradients."""
+    a query sees the last `window` keys of its row, itself included (HF's sliding_window);
+    `softcap`: scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2). A varlen
+    kernel keeps queries packed and gathers each segment's keys (context, then itself); otherwise
+    a padded [R, H, max_len, D] batch with a causal mask (cost ~ R * max_len^2, not T^2). Shared
+    context tokens are gathered into each row; index_select's backward sums their gradients."""
     scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
     if layout["kernel"] is not None and q.dtype in HALF:
-        keys = layout["k_index"]
-        kt, vt = k.transpose(0, 1).index_select(0, keys), v.transpose(0, 1).index_select(0, keys)
+        kt, vt = (x.transpose(0, 1).index_select(0, layout["k_index"]) for x in (k, v))
         return layout["kernel"](q.transpose(0, 1), kt, vt, layout, scaling, dropout, window,
                                 softcap)
     rows, length, grid = layout["rows"], layout["max_len"], layout["grid"]
@@ -112,9 +97,8 @@ def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropo
                                              scale=scaling, enable_gqa=True)
     else:  # the slots of a row are positions, so the window is a band of the causal mask
         i = torch.arange(length, device=q.device)
-        keep = i[None, :] <= i[:, None]
-        if window is not None:
-            keep = keep & (i[:, None] - i[None, :] < window)
+        behind = i[:, None] - i[None, :]  # how far key slot j is behind query slot i
+        keep = (behind >= 0) & (behind < (length if window is None else window))
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
         scores = (q @ k.transpose(-1, -2)) * scaling
         if softcap is not None:
@@ -127,10 +111,10 @@ def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropo
 
 def packed_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0, layout=None,
                      sliding_window=None, softcap=None, s_aux=None, **kwargs):
-    """transformers attention (registered as "packed"): q [1, H, T, D], k/v [1, Hkv, T, D] ->
-    ([1, T, H, D], None). transformers passes attention_mask=None to a registered function; the
-    row's layout comes in `layout`, each layer's own sliding window and softcap as keywords. Under
-    context parallel (layout["cp_group"]) T is this rank's chunk: Ulysses all-to-alls around it."""
+    """transformers attention ("packed"): q [1, H, T, D], k/v [1, Hkv, T, D] -> ([1, T, H, D],
+    None). attention_mask is None for a registered function: the row comes in `layout`, each
+    layer's window and softcap as keywords. Under context parallel (layout["cp_group"]) T is this
+    rank's chunk: Ulysses all-to-alls around it."""
     if layout is None:
         raise RuntimeError("packed attention needs the row's layout: call policy_logprobs")
     if s_aux is not None:
@@ -141,11 +125,10 @@ def packed_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0,
         return segment_attention(q[0], k[0], v[0], layout, *args)[None], None
     n = dist.get_world_size(group)
     if k.shape[1] % n:  # too few KV heads to split: repeat each, every rank gets the ones it needs
-        rep = n // math.gcd(k.shape[1], n)
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    q, k, v = (_seq_to_heads(x, group) for x in (q, k, v))
+        k, v = (x.repeat_interleave(n // math.gcd(x.shape[1], n), 1) for x in (k, v))
+    q, k, v = (_swap(x, group, 1, 2) for x in (q, k, v))
     out = segment_attention(q[0], k[0], v[0], layout, *args)  # [S, H/N, D]
-    return _heads_to_seq(out.transpose(0, 1)[None], group).transpose(1, 2), None
+    return _swap(out.transpose(0, 1)[None], group, 2, 1).transpose(1, 2), None
 
 
 def _flash_attn_kernel(q, k, v, layout, scaling, dropout, window, softcap):
@@ -159,19 +142,17 @@ def _flash_attn_kernel(q, k, v, layout, scaling, dropout, window, softcap):
 
 
 def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
-    """torch.nn.attention.varlen.varlen_attn (PyTorch's bundled FlashAttention-2): window_size
-    (-1, 0) is causal, (w-1, 0) a causal window of w keys, both aligned bottom-right as in
-    flash-attn (its FA2 mask: key j is visible to query i iff j <= i + Lk - Lq). No softcap and no
-    dropout: choose_attention never picks it for a model that needs them."""
+    """torch.nn.attention.varlen.varlen_attn (PyTorch's bundled FA2): window_size (-1, 0) is causal,
+    (w-1, 0) a window of w keys, bottom-right as in flash-attn (key j visible to query i iff
+    j <= i + Lk - Lq). No softcap, no dropout: choose_attention never picks it for those."""
     from torch.nn.attention.varlen import varlen_attn
 
     if softcap or dropout:
         raise NotImplementedError("torch varlen_attn has no softcap or dropout")
     if k.shape[1] != q.shape[1]:  # GQA: repeat the KV heads (older torch has no enable_gqa)
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
-    return varlen_attn(q, k, v, layout["cu_q"], layout["cu_k"], layout["max_q"],
-                       layout["max_len"], scale=scaling,
-                       window_size=(window - 1 if window else -1, 0))
+    return varlen_attn(q, k, v, layout["cu_q"], layout["cu_k"], layout["max_q"], layout["max_len"],
+                       scale=scaling, window_size=(window - 1 if window else -1, 0))
 
 
 def choose_attention(requested: str, device: torch.device, half: bool, softcap: bool
@@ -204,21 +185,18 @@ def choose_attention(requested: str, device: torch.device, half: bool, softcap: 
     path = next((p for p in ("flash_attn", "torch_varlen") if p not in reasons), "sdpa")
     order = ATTENTION_PATHS.index
     skipped = {k: v for k, v in reasons.items() if order(k) < order(path)}
-    if len(set(skipped.values())) == 1 and len(skipped) > 1:
-        reason = next(iter(skipped.values()))
-        return path, kernels.get(path), f"not {' nor '.join(skipped)}: {reason}"
+    if len(set(skipped.values())) == 1 and len(skipped) > 1:  # one reason for all: say it once
+        return path, kernels.get(path), f"not {' nor '.join(skipped)}: {reasons['flash_attn']}"
     return path, kernels.get(path), "; ".join(f"not {k}: {v}" for k, v in skipped.items())
 
 
 class _AllToAll(torch.autograd.Function):
-    """Block i of dim 0 goes to CP rank i. Exchanging blocks twice is the identity, so backward
-    is the same op."""
+    """Block i of dim 0 goes to CP rank i; exchanging twice is the identity, so backward is too."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        # before empty_like: it copies a permuted view's strides, which the collective ignores
-        x = x.contiguous()
+        x = x.contiguous()  # before empty_like, which copies a permuted view's strides
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x, group=group)
         return out
@@ -228,22 +206,17 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, ctx.group), None
 
 
-def _seq_to_heads(x, group):  # [B, H, S/N, D] -> [B, H/N, S, D]
-    n = dist.get_world_size(group)
-    x = _AllToAll.apply(x.unflatten(1, (n, -1)).movedim(1, 0), group)  # N head blocks -> N chunks
-    return x.movedim(0, 2).flatten(2, 3)
-
-
-def _heads_to_seq(x, group):  # [B, H/N, S, D] -> [B, H, S/N, D]
-    n = dist.get_world_size(group)
-    x = _AllToAll.apply(x.unflatten(2, (n, -1)).movedim(2, 0), group)  # N chunks -> N head blocks
-    return x.movedim(0, 1).flatten(1, 2)
+def _swap(x, group, split: int, join: int):
+    """Dim `split` cut into N blocks, block i sent to CP rank i, the blocks received joined along
+    dim `join`: heads for tokens [B, H, S/N, D] -> [B, H/N, S, D] is (1, 2), the way back (2, 1)."""
+    x = _AllToAll.apply(x.unflatten(split, (dist.get_world_size(group), -1)).movedim(split, 0),
+                        group)
+    return x.movedim(0, join).flatten(join, join + 1)
 
 
 class GatherSequence(torch.autograd.Function):
-    """[..., T/N] per CP rank -> [..., T] on every CP rank. Every rank's loss reads all T values,
-    so the gradient of this rank's slice is the *sum* over the group of the incoming gradients,
-    sliced."""
+    """[..., T/N] per CP rank -> [..., T] on every CP rank. Every rank's loss reads all T values:
+    the gradient of this rank's slice is the *sum* over the group of the incoming gradients."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -287,8 +260,8 @@ def gather_row(logprobs, entropy, group, num_tokens: int) -> tuple:
 
 
 def check_model_source(name: str) -> None:
-    """--model must be a model directory (config.json in it) or a hub id that can be fetched: a
-    wrong path is one line at once, not a minute of retries against a hub that cannot be reached
+    """--model must be a model directory (config.json and tokenizer files) or a hub id that can be
+    fetched: a wrong path is one line at once, not a minute of retries against an unreachable hub
     (a hub id already in the local cache works offline)."""
     import os
     import socket
@@ -301,11 +274,10 @@ def check_model_source(name: str) -> None:
     if path.exists():
         if not (path / "config.json").is_file():
             raise UserError(f"--model {name}: not a model directory (it has no config.json)")
-        tokenizer_files = ("tokenizer.json", "tokenizer.model", "vocab.json",
-                           "tokenizer_config.json")
-        if not any((path / f).is_file() for f in tokenizer_files):
+        files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+        if not any((path / f).is_file() for f in files):
             raise UserError(f"--model {name}: no tokenizer files there (none of "
-                            f"{', '.join(tokenizer_files)}); save the tokenizer with the model")
+                            f"{', '.join(files)}); save the tokenizer with the model")
         return
     if name.startswith((".", "/", "~")) or name.count("/") > 1:  # a path, not an org/name id
         raise UserError(f"--model {name}: no such directory")
@@ -317,8 +289,7 @@ def check_model_source(name: str) -> None:
     except Exception:  # not a valid repo id either
         raise UserError(f"--model {name}: no such directory, nor a Hugging Face hub id") from None
     where = f"no such directory, and {name!r} is not in the local Hugging Face cache"
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "") or os.environ.get(
-            "TRANSFORMERS_OFFLINE", "0") not in ("0", ""):
+    if {os.environ.get(v, "0") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")} - {"0", ""}:
         raise UserError(f"--model {name}: {where} (HF_HUB_OFFLINE is set)")
     host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
     try:
@@ -329,9 +300,8 @@ def check_model_source(name: str) -> None:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks FSDP2 shards one by one: the modules whose class the model marks as never to be
-    split (`_no_split_modules`: its decoder layers), else the children of its longest ModuleList.
-    Innermost first, as fully_shard needs."""
+    """The blocks FSDP2 shards one by one, innermost first: modules of the classes the model never
+    splits (`_no_split_modules`), else the children of its longest ModuleList."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
@@ -340,21 +310,19 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks[::-1]
 
 
+# model_type prefix -> (the config field that scales its head's logits, whether it divides by it)
+HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", False),
+               "hyperclovax": ("logits_scaling", False), "falcon_h1": ("lm_head_multiplier", False)}
+
+
 def head_transform(config) -> tuple[float, float | None]:
-    """(scale, softcap) that a family's forward applies to its lm_head output: logits * scale,
-    then softcap * tanh(logits / softcap). Families not listed apply neither; check_model catches
-    one that applies something else."""
+    """(scale, softcap) a family's forward applies to its lm_head output: logits * scale, then
+    softcap * tanh(logits / softcap). check_model catches a family that applies something else."""
     text = config.get_text_config()
     kind = getattr(text, "model_type", "") or ""
-    scale = 1.0
-    if kind.startswith("granite") and getattr(text, "logits_scaling", None):
-        scale = 1.0 / text.logits_scaling  # Granite divides
-    elif kind.startswith("cohere") and getattr(text, "logit_scale", None):
-        scale = float(text.logit_scale)
-    elif kind.startswith("hyperclovax") and getattr(text, "logits_scaling", None):
-        scale = float(text.logits_scaling)  # HyperCLOVA X multiplies
-    elif kind == "falcon_h1" and getattr(text, "lm_head_multiplier", None):
-        scale = float(text.lm_head_multiplier)
+    field, divide = next((v for k, v in HEAD_SCALES.items() if kind.startswith(k)), (None, False))
+    value = getattr(text, field, None) if field else None
+    scale = 1.0 if not value else 1.0 / value if divide else float(value)
     return scale, getattr(text, "final_logit_softcapping", None) or None
 
 
@@ -362,13 +330,9 @@ def policy_logprobs(model, input_ids, position_ids, targets, temperature: float 
                     chunk: int = 1024, segments: torch.Tensor | None = None,
                     layout: dict | None = None):
     """log pi(target_t | prefix) and the entropy at every position of a packed row -> ([T], [T]).
-
-    `segments` is the row's attention layout (pack_microbatches); without it, every run of
-    position_ids from 0 is a sequence of its own. Context parallel passes the whole row's `layout`
-    instead. Logits exist only `chunk` tokens at a time and are recomputed in backward
-    (activation checkpointing), so a 150k vocabulary never holds fp32 logits for a whole
-    micro-batch.
-    """
+    `segments`: the row's layout (pack_microbatches; default: each run of position_ids from 0 is a
+    sequence); context parallel passes the whole row's `layout`. Logits exist `chunk` tokens at a
+    time, recomputed in backward: a 150k vocabulary never holds fp32 logits for a micro-batch."""
     if layout is None:
         if segments is None:
             segments = segments_from_positions(position_ids.cpu())
@@ -387,14 +351,10 @@ def policy_logprobs(model, input_ids, position_ids, targets, temperature: float 
 
 def chunk_logprobs(hidden, weight, bias, targets, temperature: float = 1.0, scale: float = 1.0,
                    softcap: float | None = None):
-    """Log-probs of `targets` and entropies from hidden states [n, d] and the head, in fp32 at
-    least. Half-precision inputs are multiplied with a float32 result: logits rounded to bf16
-    would err by ~0.06 at a logit of 20, far more than the ratio clip's 0.2 tolerates near 1."""
-    if hidden.dtype in (torch.float16, torch.bfloat16):
-        logits = _matmul_fp32(hidden, weight.t())
-        logits = logits + bias.float() if bias is not None else logits
-    else:
-        logits = F.linear(hidden, weight, bias)
+    """Log-probs of `targets` and entropies [n] from hidden states [n, d] and the head, in fp32 at
+    least (HeadLogits): logits rounded to bf16 would err by ~0.06 at a logit of 20, far more than
+    the ratio clip's 0.2 tolerates near 1."""
+    logits = HeadLogits.apply(hidden, weight, bias)
     if scale != 1.0:
         logits = logits * scale
     if softcap is not None:
@@ -406,24 +366,50 @@ def chunk_logprobs(hidden, weight, bias, targets, temperature: float = 1.0, scal
     return logprobs, entropy
 
 
-_MM_OUT_DTYPE: dict[torch.device, bool] = {}
+@functools.cache
+def mm_out_dtype_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch.mm(a, b, out_dtype=torch.float32) runs for `dtype` inputs on `device`: torch
+    2.13 has CUDA and XPU kernels for fp16/bf16 inputs, none on the CPU. Probed once, on inputs
+    that need no gradient: aten::mm.dtype has no derivative (HeadLogits supplies one)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        x = torch.ones(1, 1, device=device, dtype=dtype)
+        return torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
+    except Exception:  # NotImplementedError: no kernel on this device; TypeError: an older torch
+        return False
 
 
-def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b for half-precision a, b with a float32 result: on CUDA, torch.mm's out_dtype (the
-    half inputs, fp32 accumulation and output, no fp32 copy of a 150k x d weight); elsewhere, or
-    where that op is missing, by upcasting the inputs."""
-    if a.is_cuda:
-        if a.device not in _MM_OUT_DTYPE:
-            try:
-                x = torch.ones(2, 2, device=a.device, dtype=a.dtype, requires_grad=True)
-                torch.mm(x, x, out_dtype=torch.float32).sum().backward()
-                _MM_OUT_DTYPE[a.device] = True
-            except Exception:
-                _MM_OUT_DTYPE[a.device] = False
-        if _MM_OUT_DTYPE[a.device]:
-            return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
+def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b accumulated in fp32 at least, returned as out_dtype: half GEMMs where mm's out_dtype
+    runs, else by upcasting both (CPU)."""
+    if a.dtype == b.dtype and mm_out_dtype_runs(a.device, a.dtype):
+        return torch.mm(a, b, out_dtype=out_dtype)
+    up = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    return (a.to(up) @ b.to(up)).to(out_dtype)
+
+
+class HeadLogits(torch.autograd.Function):
+    """hidden [n, d] @ weight [V, d].T (+ bias) -> logits [n, V] in fp32 (fp64 for fp64 inputs),
+    by half GEMMs both ways: never an fp32 copy of a 150k x d head. Backward rounds the logit
+    gradient to the inputs' dtype, as any half GEMM's backward does; grad_hidden, a sum over the
+    vocabulary, accumulates and returns fp32 (cuBLAS may reduce a half-output split-K in bf16);
+    grad_weight, a sum over the chunk's tokens, comes out in half: no [V, d] fp32 temporary."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias):
+        ctx.save_for_backward(hidden, weight, bias)
+        logits = _mm(hidden, weight.t(), torch.promote_types(hidden.dtype, torch.float32))
+        return logits if bias is None else logits + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias = ctx.saved_tensors
+        g, need = grad.to(hidden.dtype), ctx.needs_input_grad
+        up = torch.promote_types(hidden.dtype, torch.float32)
+        return (_mm(g, weight, up).to(hidden.dtype) if need[0] else None,
+                _mm(g.t(), hidden, weight.dtype) if need[1] else None,
+                grad.sum(0).to(bias.dtype) if need[2] else None)
 
 
 def check_model(model, vocab_size: int) -> str | None:
@@ -439,26 +425,23 @@ def check_model(model, vocab_size: int) -> str | None:
     g = torch.Generator().manual_seed(0)
     prompt, tails = (torch.randint(vocab_size, (k,), generator=g).tolist() for k in (n // 2, n))
     tails = [tails[: n // 2], tails[n // 2 :][: n // 3]]
-    seqs = [prompt + t for t in tails]
     p, device = len(prompt), next(model.parameters()).device
+    tensor = functools.partial(torch.tensor, device=device)
     ids = prompt[:-1] + sum((prompt[-1:] + t[:-1] for t in tails), [])
     pos = list(range(p - 1)) + sum((list(range(p - 1, p - 1 + len(t))) for t in tails), [])
-    targets = prompt[1:] + sum((t for t in tails), [])
     segments = torch.tensor([[0, p - 1, 0, 0], [p - 1, len(tails[0]), 0, p - 1],
                              [p - 1 + len(tails[0]), len(tails[1]), 0, p - 1]])
     implementation = model.config._attn_implementation
     try:
         with torch.no_grad():
-            ours, _ = policy_logprobs(model, torch.tensor([ids], device=device),
-                                      torch.tensor([pos], device=device),
-                                      torch.tensor(targets, device=device), segments=segments)
+            ours, _ = policy_logprobs(model, tensor([ids]), tensor([pos]),
+                                      tensor(prompt[1:] + tails[0] + tails[1]), segments=segments)
             model.set_attn_implementation("eager")
             theirs = []
-            for k, s in enumerate(seqs):
-                logits = model(input_ids=torch.tensor([s], device=device), use_cache=False).logits
-                lp = logits[0].float().log_softmax(-1)[:-1].gather(-1, torch.tensor(
-                    s[1:], device=device)[:, None]).squeeze(-1)
-                theirs.append(lp if k == 0 else lp[p - 1 :])
+            for k, t in enumerate(tails):
+                s = tensor(prompt + t)
+                lp = model(input_ids=s[None], use_cache=False).logits[0].float().log_softmax(-1)
+                theirs.append(lp[:-1].gather(-1, s[1:, None]).squeeze(-1)[0 if k == 0 else p - 1 :])
     except Exception as e:  # e.g. an attention keyword packed_attention does not implement
         return f"its forward fails under nanoareal's packed attention ({type(e).__name__}: {e})"
     finally:

@@ -1,0 +1,184 @@
+"""The head's log-probs: fp32 logits from half GEMMs (modeling.HeadLogits) in forward and backward.
+
+References are plain autograd on upcast copies. The GPU path (torch.mm with out_dtype, whose kernels
+are CUDA/XPU only) runs here on a CPU through a dispatch mode that supplies aten::mm.dtype with the
+checks of torch's cuda/Blas.cpp `_mm_dtype_out_cuda`, and records every op it sees.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+
+import modeling
+
+torch.set_num_threads(1)
+N, D, V = 24, 16, 300  # tokens, hidden size, vocabulary: no two equal, so shapes tell tensors apart
+HALF = (torch.float16, torch.bfloat16)
+
+
+ARGS = (0.7, 0.5, 30.0)  # temperature, logit scale, final softcap
+
+
+def head_inputs(dtype):
+    g = torch.Generator().manual_seed(0)
+    hidden, weight, bias = (torch.randn(*s, generator=g) for s in ((N, D), (V, D), (V,)))
+    return (hidden.to(dtype), (weight * 1.5).to(dtype), bias.to(dtype),
+            torch.randint(V, (N,), generator=g))
+
+
+def reference(hidden, weight, bias, targets, temperature, scale, softcap):
+    """Log-probs and entropies by plain autograd."""
+    logits = F.linear(hidden, weight, bias) * scale
+    logp = (softcap * torch.tanh(logits / softcap) / temperature).log_softmax(-1)
+    return logp.gather(-1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+
+def run(fn, inputs, targets):
+    """[log-probs, entropies, grad hidden, grad weight, grad bias] of a mix of log-probs and
+    entropies through `fn`, on copies of `inputs`."""
+    inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    lp, ent = fn(*inputs, targets, *ARGS)
+    mix = torch.randn(2, N, generator=torch.Generator().manual_seed(1))
+    ((lp * mix[0]).sum() + (ent * mix[1]).sum()).backward()
+    return [lp, ent] + [x.grad for x in inputs]
+
+
+def checkpointed(*args):  # as policy_logprobs runs it: the forward again in backward
+    return torch.utils.checkpoint.checkpoint(modeling.chunk_logprobs, *args, use_reentrant=False)
+
+
+@pytest.fixture
+def fresh_probe():
+    """mm_out_dtype_runs caches its probe per (device, dtype): forget it around a test that
+    changes which kernels exist."""
+    modeling.mm_out_dtype_runs.cache_clear()
+    yield
+    modeling.mm_out_dtype_runs.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_head_logprobs_and_gradients_equal_an_upcast_fp32_reference(dtype):
+    *inputs, targets = head_inputs(dtype)
+    got = run(modeling.chunk_logprobs, inputs, targets)
+    want = run(reference, [x.float() for x in inputs], targets)
+    for g, w in zip(got[:2], want[:2]):  # fp32 logits: rounding them to half errs by ~1e-2
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    for g, w, name in zip(got[2:], want[2:], ("hidden", "weight", "bias")):
+        assert g.dtype == dtype, name  # half gradients, within half rounding of the fp32 ones
+        assert (g.float() - w).norm() / w.norm() < torch.finfo(dtype).eps, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fp32_and_fp64_head_logits_and_gradients_equal_a_plain_linear(dtype):
+    *inputs, _ = head_inputs(dtype)
+    upstream = torch.randn(N, V, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    results = []
+    for fn in (modeling.HeadLogits.apply, F.linear):
+        xs = [x.clone().requires_grad_() for x in inputs]
+        logits = fn(*xs)
+        (logits * upstream).sum().backward()
+        results.append([logits] + [x.grad for x in xs])
+    tol = {torch.float32: 2e-6, torch.float64: 1e-13}[dtype]
+    for g, w in zip(*results):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+
+
+class MmOutDtypeDevice(TorchDispatchMode):
+    """A device with aten::mm.dtype: its kernel as torch's CUDA one checks and computes it (half
+    or same-dtype inputs, fp32 accumulation, out_dtype output); every op dispatched is recorded as
+    (op, output dtypes and shapes, input dtypes and shapes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if func is torch.ops.aten.mm.dtype:
+            a, b, out_dtype = args
+            if a.dtype != b.dtype:
+                raise RuntimeError("input dtypes must be the same")
+            if out_dtype != a.dtype and not (out_dtype == torch.float32 and a.dtype in HALF):
+                raise RuntimeError("out_dtype must be the same as input dtype or fp32 for "
+                                   "fp16/bf16 inputs")
+            out = (a.float() @ b.float()).to(out_dtype)
+        else:
+            out = func(*args, **kwargs)
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        self.ops.append((func, [(o.dtype, tuple(o.shape)) for o in outs
+                                if isinstance(o, torch.Tensor)],
+                         [(t.dtype, tuple(t.shape)) for t in tensors]))
+        return out
+
+
+def test_without_an_mm_out_dtype_kernel_the_probe_says_so_and_the_head_upcasts(fresh_probe):
+    """torch 2.13's CPU has no aten::mm.dtype kernel: the probe must fail cleanly, and the head
+    take the upcast path (the tests above ran it)."""
+    assert not modeling.mm_out_dtype_runs(torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(NotImplementedError):
+        x = torch.ones(1, 1, dtype=torch.bfloat16)
+        torch.mm(x, x, out_dtype=torch.float32)
+
+
+def test_where_mm_out_dtype_runs_the_head_uses_it_both_ways_and_never_copies_the_weight(
+        fresh_probe):
+    *inputs, targets = head_inputs(torch.bfloat16)
+    plain = run(checkpointed, inputs, targets)  # the upcast path, as on this CPU
+    modeling.mm_out_dtype_runs.cache_clear()
+    with MmOutDtypeDevice() as device:
+        got = run(checkpointed, inputs, targets)
+        assert not modeling.mm_out_dtype_runs(torch.device("cpu"), torch.float32)  # halves only
+    bf16, fp32 = torch.bfloat16, torch.float32
+    gemms = [(ins, outs[0][0]) for func, outs, ins in device.ops if func is torch.ops.aten.mm.dtype]
+    logits = ([(bf16, (N, D)), (bf16, (D, V))], fp32)
+    assert gemms == [([(bf16, (1, 1))] * 2, fp32),  # the probe, once
+                     logits, logits,  # forward, then its recompute in backward
+                     ([(bf16, (N, V)), (bf16, (V, D))], fp32),  # grad hidden: a sum over V
+                     ([(bf16, (V, N)), (bf16, (N, D))], bf16)]  # grad weight: a sum over N
+    assert not [op for op in device.ops if op[0] in (torch.ops.aten.mm.default,
+                                                     torch.ops.aten.addmm.default)]
+    assert not [op for op in device.ops  # no fp32 copy of the weight, nor a [V, D] fp32 grad
+                if any(d == fp32 and s in ((V, D), (D, V)) for d, s in op[1])]
+    for g, w in zip(got, plain):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)  # the same fp32 accumulation
+
+
+def test_policy_logprobs_of_an_fp32_model_equal_its_own_forward_values_and_gradients():
+    """Log-probs, entropies and their gradients through the chunked, checkpointed head of a tiny
+    fp32 Llama with tied embeddings (the head's weight gradient adds to the embedding's), against
+    its own per-sequence forward's log_softmax."""
+    config = AutoConfig.for_model("llama", vocab_size=V, hidden_size=D, intermediate_size=32,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AttentionInterface.register("packed", modeling.packed_attention)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    seqs = [torch.randint(V, (n,)).tolist() for n in (9, 6)]
+    ids = sum((s[:-1] for s in seqs), [])
+    pos = sum((list(range(len(s) - 1)) for s in seqs), [])
+    targets = torch.tensor(sum((s[1:] for s in seqs), []))
+    mix = torch.randn(2, len(ids))
+
+    def objective(lp, ent):
+        model.zero_grad()
+        ((lp * mix[0]).sum() + (ent * mix[1]).sum()).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    model.set_attn_implementation("packed")
+    lp, ent = modeling.policy_logprobs(model, torch.tensor([ids]), torch.tensor([pos]), targets,
+                                       temperature=0.8, chunk=5)
+    grads = objective(lp, ent)
+    model.set_attn_implementation("eager")
+    logp = torch.cat([model(input_ids=torch.tensor([s[:-1]]), use_cache=False).logits[0]
+                      for s in seqs]).div(0.8).log_softmax(-1)
+    want = (logp.gather(-1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1))
+    assert lp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(lp, want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, want[1], rtol=1e-5, atol=1e-5)
+    for g, w in zip(grads, objective(*want)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
