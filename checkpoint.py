@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from cli import Stopped, UserError
 
-KEEP_CHECKPOINTS = 2  # the newest complete checkpoints a run keeps
+KEEP_CHECKPOINTS = 2  # the newest complete checkpoints a run keeps (0: all)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -205,7 +205,7 @@ class Preemption:
             self.signal = signum
 
     def signal_sums(self) -> dict:
-        """{"signal": "<number>"} once a signal came, for logs.reduce_sums (which keeps strings
+        """{"signal": "<number>"} once a signal came, for logs.reduce_metrics (which keeps strings
         whole): a signal that reached one rank stops them all."""
         return {} if self.signal is None else {"signal": str(self.signal)}
 
@@ -236,11 +236,10 @@ def write_meta(tmp: Path, meta: dict) -> None:
     atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1))
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, meta: dict,
-                    keep: int = KEEP_CHECKPOINTS) -> Path:
+def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
     """Collective (every rank calls it): DCP shards + RNGs into step_N.tmp/, barrier, rank 0 writes
-    meta.json ({"step": step} | meta), renames the directory and deletes the oldest beyond `keep`
-    (0 keeps all)."""
+    meta.json ({"step": step} | meta), renames the directory and deletes the oldest beyond
+    KEEP_CHECKPOINTS."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -262,6 +261,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, meta: dict
         _fsync_dir(final.parent)
         older = [p for p in complete_checkpoints(run_dir)
                  if int(p.name.removeprefix("step_")) < step]
+        keep = KEEP_CHECKPOINTS
         for old in older[: max(len(older) - keep + 1, 0)] if keep > 0 else []:
             shutil.rmtree(old)
     dist.barrier()

@@ -15,7 +15,7 @@ import sys
 import time
 import types
 import typing
-from dataclasses import fields, replace
+from dataclasses import fields
 from typing import Literal, TypeVar, Union
 
 T = TypeVar("T")
@@ -46,16 +46,16 @@ def why(e: BaseException, limit: int = 200) -> str:
 # flags and TOML
 
 
-def parse(cls: type[T], argv: list[str], preset=lambda partial: {}) -> T:
+def parse(cls: type[T], argv: list[str], preset=lambda dataset: {}) -> T:
     """Flags -> a `cls` dataclass. Defaults come in layers, later ones winning: the dataclass's,
-    `preset(partial)` (e.g. a built-in task's recommended flags, given what was parsed), the
-    --config TOML's keys, the command line."""
+    `preset(dataset)` (a built-in task's own flags), the --config TOML's keys, the command line."""
     import tyro
 
     args = _toml_as_flags(cls, argv) + list(argv)
     check_flags(cls, args)
-    partial = tyro.cli(cls, args=args)
-    return tyro.cli(cls, args=args, default=replace(cls(), **preset(partial)))
+    dataset = next((a.partition("=")[2] or args[i + 1] for i, a in reversed(list(enumerate(args)))
+                    if a.partition("=")[0] == "--dataset"), getattr(cls, "dataset", None))
+    return tyro.cli(cls, args=as_flags(cls, preset(dataset), "a built-in task") + args)
 
 
 def _toml_as_flags(cls: type, argv: list[str]) -> list[str]:
@@ -70,15 +70,20 @@ def _toml_as_flags(cls: type, argv: list[str]) -> list[str]:
             values = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise UserError(f"--config {path}: {e}") from None
+    return as_flags(cls, values, f"--config {path}")
+
+
+def as_flags(cls: type, values: dict, where: str) -> list[str]:
+    """{"max_new_tokens": 32, "adv_std": False} -> ["--max-new-tokens", "32", "--no-adv-std"]."""
     hints, flags = typing.get_type_hints(cls), []
     for key, value in values.items():
         name = key.replace("-", "_")
         if name not in hints or name == "config":
-            raise UserError(f"--config {path}: unknown key {key!r} (keys are the flags of --help)")
+            raise UserError(f"{where}: unknown key {key!r} (keys are the flags of --help)")
         flag = "--" + name.replace("_", "-")
         if _base(hints[name]) is bool:
             if not isinstance(value, bool):
-                raise UserError(f"--config {path}: {key} = {value!r} must be true or false")
+                raise UserError(f"{where}: {key} = {value!r} must be true or false")
             flags.append(flag if value else "--no-" + flag[2:])
         else:
             flags += [flag, *map(str, value if isinstance(value, list) else [value])]

@@ -100,35 +100,39 @@ class Logger:
             self.wandb.finish()
 
 
-def reduce_metrics(sums: dict, maxes: dict) -> tuple[dict, dict]:
-    """Every rank's counters added up and maxima taken, in ONE collective (ranks may hold different
-    keys: a reward's own metrics); a string (an error message) keeps the first one seen."""
+MAXIMA = {"importance_weight_max", "gen_s"}  # counters reduced by max over ranks, not summed
+
+
+def reduce_metrics(sums: dict) -> dict:
+    """Every rank's counters added up (MAXIMA: the largest taken) in ONE collective; ranks may
+    hold different keys (a reward's own metrics), and a string (an error message) keeps the first
+    one seen."""
     import torch.distributed as dist
 
-    gathered = [(sums, maxes)]
+    gathered = [sums]
     if dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (sums, maxes))
+        dist.all_gather_object(gathered, sums)
     total: dict = {}
-    top: dict = {}
-    for part_sums, part_maxes in gathered:
-        for k, v in part_sums.items():
-            total[k] = total.get(k, v) if isinstance(v, str) else total.get(k, 0.0) + float(v)
-        for k, v in part_maxes.items():
-            top[k] = max(top.get(k, v), v)
-    return total, top
+    for part in gathered:
+        for k, v in part.items():
+            if isinstance(v, str):
+                total.setdefault(k, v)
+            else:
+                total[k] = max(total.get(k, v), v) if k in MAXIMA else total.get(k, 0.0) + float(v)
+    return total
 
 
-def step_metrics(sums: dict, maxes: dict, stats: dict, times: dict, lr: float, step: int) -> dict:
-    """The step's metrics.jsonl line from the summed counters, the maxima, the training stats
-    (grad norm, the loss terms by name, "x/y" loss stats) and the phase times."""
+def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> dict:
+    """The step's metrics.jsonl line from the summed counters, the training stats (grad norm, the
+    loss terms by name, "x/y" loss stats) and the phase times."""
     metrics = {name: sums[num] / sums[den] for name, (num, den) in MEANS.items()
                if sums.get(den, 0) > 0}
     metrics["staleness"] = step - 1 - metrics.get("policy_version", step - 1)
-    metrics |= {"importance_weight/max": maxes.get("importance_weight", 1.0),
+    metrics |= {"importance_weight/max": sums.get("importance_weight_max", 1.0),
                 "zero_var_groups": sums.get("zero_var_groups", 0),
                 "reward_errors": sums.get("reward_errors", 0), "lr": lr,
-                "gen_tokens_per_s": sums.get("response_tokens", 0) / max(maxes.get("gen_s", 0),
+                "gen_tokens_per_s": sums.get("response_tokens", 0) / max(sums.get("gen_s", 0),
                                                                          1e-9),
                 "train_tokens_per_s": sums.get("trained_tokens", 0) / max(times["train"], 1e-9),
                 "train_positions": sums.get("positions", 0)}

@@ -236,8 +236,11 @@ class MicroBatch:
 
 
 def as_microbatch(mb: MicroBatch | Mapping) -> MicroBatch:
-    """A MicroBatch, or a mapping of its field names (tests, scripts) made into one."""
-    return mb if isinstance(mb, MicroBatch) else MicroBatch(**mb)
+    """A MicroBatch, or the MicroBatch fields of a mapping (tests, a custom term's batch)."""
+    if isinstance(mb, MicroBatch):
+        return mb
+    names = {f.name for f in fields(MicroBatch)}
+    return MicroBatch(**{k: v for k, v in mb.items() if k in names})
 
 
 Stats = dict[str, tuple[Tensor, Tensor]]  # name -> (total, count): a global fraction
@@ -246,7 +249,8 @@ Stats = dict[str, tuple[Tensor, Tensor]]  # name -> (total, count): a global fra
 @dataclass
 class LossTerm:
     """One term: loss_fn(mb) -> numerator share, or (it, stats); normalizer_fn(mb) -> its share of
-    the denominator, from masks and weights only (it runs before any forward)."""
+    the denominator, from masks and weights only (it runs before any forward). `mb` is whatever
+    the caller passes: the trainer's MicroBatch, or any mapping with its per-token fields."""
 
     name: str
     loss_fn: Callable[[MicroBatch], Tensor | tuple[Tensor, Stats]]
@@ -289,8 +293,8 @@ class LossReduction:
     def begin_step(self, microbatches: list) -> None:
         """Every term's normalizer over this rank's micro-batches; one all_reduce -> global Z_k."""
         local = torch.zeros(len(self.terms), dtype=torch.float64)
-        for mb in map(as_microbatch, microbatches):
-            mb.validate()
+        for mb in microbatches:
+            as_microbatch(mb).validate()
             for k, term in enumerate(self.terms):
                 n = float(torch.as_tensor(term.normalizer_fn(mb), dtype=torch.float64))
                 if not math.isfinite(n) or n < 0:
@@ -306,7 +310,7 @@ class LossReduction:
         """The micro-batch's loss for backward: sum_k coef_k * loss_fn(mb) / Z_k."""
         if not self.Z:
             raise RuntimeError("call begin_step(microbatches) before computing micro-batch losses")
-        mb = as_microbatch(mb).validate(masks=False)
+        as_microbatch(mb).validate(masks=False)
         total = None
         for term in self.terms:
             value = term.loss_fn(mb)
@@ -556,8 +560,10 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = KL_ESTIMATOR) -> Tensor:
-    """Per-token KL penalty (KL_ESTIMATORS) of log-probs against reference log-probs."""
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str | None = None) -> Tensor:
+    """Per-token KL penalty (KL_ESTIMATORS; default KL_ESTIMATOR) of log-probs against reference
+    log-probs."""
+    estimator = estimator or KL_ESTIMATOR
     return _choice("kl-estimator", estimator, KL_ESTIMATORS)(log_ratio(logprobs, ref_logprobs))
 
 
@@ -681,10 +687,11 @@ def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
         ref = torch.where(mb.denom_mask > 0, mb.ref_logprobs, mb.logprobs.detach())
         return masked_sum(kl_penalty(mb.logprobs, ref), mb.loss_mask, name="kl")
 
-    terms = [LossTerm("policy", policy, policy_norm)]
-    if cfg.entropy_coef != 0.0:
-        entropy = lambda mb: masked_sum(mb.entropy, mb.loss_mask, name="entropy")
-        terms.append(LossTerm("entropy", entropy, token_count, -cfg.entropy_coef))
-    if cfg.kl_coef != 0.0:
-        terms.append(LossTerm("kl", kl, token_count, cfg.kl_coef))
-    return LossReduction(terms, group=group, cp_factor=cp_factor)
+    entropy = lambda mb: masked_sum(mb.entropy, mb.loss_mask, name="entropy")
+    terms = [("policy", policy, policy_norm, 1.0),
+             ("entropy", entropy, token_count, -cfg.entropy_coef), ("kl", kl, token_count,
+                                                                    cfg.kl_coef)]
+    typed = lambda fn: lambda mb: fn(as_microbatch(mb))  # a mapping works too (tests, scripts)
+    return LossReduction([LossTerm(name, typed(fn), typed(norm), coef)
+                          for name, fn, norm, coef in terms if coef != 0.0],
+                         group=group, cp_factor=cp_factor)

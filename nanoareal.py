@@ -180,6 +180,18 @@ class Config:
     cp_size: Volatile[int] = 1
     """Context parallel (Ulysses): ranks that split each micro-batch's tokens (exact, same run)."""
 
+    def __post_init__(self):
+        # the defaults that depend on other flags, filled once, when the config is made (from the
+        # command line or in code): the task's reward, the surrogate's mode and clip range, the
+        # correction's threshold, constant's divisor. Given values are kept, so a replace() that
+        # changes --policy-loss keeps the clip range already filled in.
+        self.reward = tasks.resolve_reward_name(self.reward, self.dataset)
+        for k, v in loss.resolve_loss_flags(
+                self.policy_loss, self.loss_aggregation, self.eps_low, self.eps_high,
+                self.loss_aggregation_divisor, self.correction, self.correction_threshold,
+                self.max_new_tokens).items():
+            setattr(self, k, v)
+
 
 VOLATILE = {k for k, hint in typing.get_type_hints(Config, include_extras=True).items()
             if "volatile" in getattr(hint, "__metadata__", ())}
@@ -215,14 +227,14 @@ def main(argv: list[str]) -> None:
             # max(0, step - K); the engine starts on the batch for step + K meanwhile
             samples = rollouts.take(step)
             set_advantages(samples, cfg)  # GRPO / RLOO within each group
-            sums, maxes = rollout_sums(samples, ranks)
+            sums = rollout_sums(samples, ranks)
             if cfg.filter_zero_variance:  # no signal: only normalizer mass
                 samples = [s for s in samples if not s.zero_variance]
             t1 = time.perf_counter()
             # loss and optimizer step(s); a colocated engine frees its GPU memory meanwhile
             engine.release_memory()
             lr = set_lr(optimizer, run.updates, cfg)
-            train_sums, train_maxes, stats = train_on_samples(
+            train_sums, stats = train_on_samples(
                 model, ref_model, optimizer, reduction, samples, cfg, device, ranks)
             run.updates += int(stats.pop("updated"))
             engine.resume_memory()
@@ -234,9 +246,8 @@ def main(argv: list[str]) -> None:
                      "sync": time.perf_counter() - t3, "step": time.perf_counter() - t0}
             # TRY NOT TO MODIFY: metrics and what every rank must agree on (a signal one of them
             # got, a checkpoint due) in one collective; eval, log, checkpoint, stop on a signal
-            sums, maxes = reduce_metrics(sums | train_sums | run.flags(preempt),
-                                         maxes | train_maxes)
-            metrics = step_metrics(sums, maxes, stats, times, lr, step + 1)
+            sums = reduce_metrics(sums | train_sums | run.flags(preempt))
+            metrics = step_metrics(sums, stats, times, lr, step + 1)
             if data.evalset and every(cfg.eval_every, step + 1, cfg.steps):
                 metrics |= run.evaluated(evaluate(engine, data, reward_fn, cfg, ranks))
             logger.log(step + 1, metrics)  # metrics.jsonl, wandb, a console line
@@ -257,37 +268,29 @@ def main(argv: list[str]) -> None:
 def parse_config(argv: list[str]) -> Config:
     """Flags, --config TOML and a built-in task's own flags -> a resolved, checked Config; a
     mistake in any is one line."""
-    preset = lambda partial: tasks.TASKS[partial.dataset].flags if partial.dataset in \
-        tasks.TASKS else {}
-    cfg = resolve_config(cli.parse(Config, argv, preset))
-    validate_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-    return cfg
+    preset = lambda dataset: tasks.TASKS[dataset].flags if dataset in tasks.TASKS else {}
+    return validate_config(resolve_config(cli.parse(Config, argv, preset)),
+                           int(os.environ.get("WORLD_SIZE", 1)))
 
 
 def resolve_config(cfg: Config) -> Config:
-    """Every default that depends on other flags, filled in once (nothing downstream fills any):
-    the shipped model's path, a checkpoint's base model, the task's reward, the loss flags
-    (loss.resolve_loss_flags), and the run directory's name."""
+    """The defaults that need the file system: the shipped model's path from any directory, a
+    checkpoint's base model (--model a checkpoint resumes from it), the run directory's name."""
     model, resume_from = cfg.model, cfg.resume
     if not Path(model).exists() and (ROOT / model).is_dir():  # assets/... from any directory
         model = str(ROOT / model)
     if (Path(model) / "meta.json").is_file():  # a checkpoint: its run's base model, its weights
         meta = json.loads((Path(model) / "meta.json").read_text())
         model, resume_from = meta["config"]["model"], cfg.model
-    cfg = replace(cfg, model=model, resume=resume_from,
-                  reward=tasks.resolve_reward_name(cfg.reward, cfg.dataset),
-                  **loss.resolve_loss_flags(
-                      cfg.policy_loss, cfg.loss_aggregation, cfg.eps_low, cfg.eps_high,
-                      cfg.loss_aggregation_divisor, cfg.correction, cfg.correction_threshold,
-                      cfg.max_new_tokens))
+    cfg = replace(cfg, model=model, resume=resume_from)
     identity = {k: v for k, v in asdict(cfg).items() if k not in VOLATILE}
     return replace(cfg, run_dir=cfg.run_dir or checkpoint.run_dir_name(
         cfg.dataset, cfg.loss_aggregation, cfg.seed, identity))
 
 
-def validate_config(cfg: Config, world: int) -> None:
+def validate_config(cfg: Config, world: int) -> Config:
     """Every check of the flags, before anything heavy loads: a mistake is one line naming the
-    flag (a UserError). Checks only: resolve_config filled the defaults."""
+    flag (a UserError). Checks only; returns cfg."""
     cuda = torch.cuda.is_available()
     checks = [
         (min(cfg.prompts_per_step, cfg.max_new_tokens, cfg.micro_batch_tokens) >= 1
@@ -324,6 +327,7 @@ def validate_config(cfg: Config, world: int) -> None:
         raise UserError(f"config error: {e}") from None
     rollout.check_rollout_config(cfg.rollout_backend, cfg.rollout_url, cfg.weight_sync,
                                  cfg.sglang_deterministic, cuda)
+    return cfg
 
 
 @dataclass(frozen=True)
@@ -591,11 +595,11 @@ def score(samples: list[Sample], rows: list[dict], reward_fn, tokenizer) -> None
         s.reward, s.correct, s.metrics, s.reward_error = sc.reward, sc.correct, sc.metrics, sc.error
 
 
-def rollout_sums(samples: list[Sample], ranks: Ranks) -> tuple[dict, dict]:
-    """This rank's counters of a batch (advantages set) for the step's metrics (logs.MEANS), and
-    its generation time (a maximum over ranks); a CP group counts its shared batch once."""
+def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:
+    """This rank's counters of a batch (advantages set) for the step's metrics (logs.MEANS) and
+    its generation time (gen_s, a maximum over ranks); a CP group counts its shared batch once."""
     if ranks.cp_rank != 0:
-        return {}, {}
+        return {}
     sums = Counter({"samples": len(samples), "reward": 0.0, "judged": 0, "correct": 0})
     for s in samples:
         n = len(s.completion.output_ids)
@@ -611,7 +615,7 @@ def rollout_sums(samples: list[Sample], ranks: Ranks) -> tuple[dict, dict]:
     sums["zero_var_groups"] = len({s.group for s in samples if s.zero_variance})
     error = next((s.reward_error for s in samples if s.reward_error), None)
     sums = dict(sums) | ({"reward_error_message": error} if error else {})
-    return sums, {"gen_s": samples[0].gen_s} if samples else {}
+    return sums | ({"gen_s": samples[0].gen_s} if samples else {})
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo",
@@ -654,11 +658,11 @@ def set_advantages(samples: list[Sample], cfg: Config) -> None:
 
 def train_on_samples(model, ref_model, optimizer, reduction: loss.LossReduction,
                      samples: list[Sample], cfg: Config, device, ranks: Ranks
-                     ) -> tuple[dict, dict, dict]:
+                     ) -> tuple[dict, dict]:
     """One rollout batch -> --num-minibatches optimizer steps, each on a share of the groups.
-    Returns this rank's counters, its maxima, and the step's stats: grad norm (the mini-batches'
-    mean), skipped (non-finite) steps, whether any update happened, the loss terms' global values
-    (the mini-batches' mean)."""
+    Returns this rank's counters (logs.reduce_metrics adds them up over ranks) and the step's
+    stats: grad norm (the mini-batches' mean), skipped (non-finite) steps, whether any update
+    happened, the loss terms' global values (the mini-batches' mean)."""
     groups = sorted({s.group for s in samples})
     shares = [set(groups[i :: cfg.num_minibatches]) for i in range(cfg.num_minibatches)]
     group = dist.group.WORLD if ranks.world > 1 else None
@@ -673,16 +677,17 @@ def train_on_samples(model, ref_model, optimizer, reduction: loss.LossReduction,
     sums = Counter({"trained_tokens": sum(len(s.prompt_ids + s.completion.output_ids)
                                           for s in samples),
                     "positions": sum(len(mb.input_ids) for mbs in packed for mb in mbs)})
-    stats, maxes = Counter(), {"importance_weight": 0.0}
+    stats, iw_max = Counter(), 0.0
     for mbs in packed:
-        counters, iw_max, out = train_minibatch(model, optimizer, reduction, mbs, cfg, device,
-                                                ranks)
+        counters, mb_iw_max, out = train_minibatch(model, optimizer, reduction, mbs, cfg, device,
+                                                   ranks)
         sums.update(counters)
-        maxes["importance_weight"] = max(maxes["importance_weight"], iw_max)
+        iw_max = max(iw_max, mb_iw_max)
         stats.update({k: v / len(packed) for k, v in out.items() if k != "updated"})
         stats["updated"] = max(stats["updated"], out["updated"])
     stats["skipped_steps"] *= len(packed)  # a count, not a mean
-    return (dict(sums) if ranks.cp_rank == 0 else {}), maxes, dict(stats)
+    sums = dict(sums) if ranks.cp_rank == 0 else {}  # a CP group counts its tokens once
+    return sums | {"importance_weight_max": iw_max}, dict(stats)
 
 
 def frozen_logprobs(model, ref_model, mbs: list[MicroBatch], cfg: Config, device,
@@ -742,7 +747,7 @@ def train_minibatch(model, optimizer, reduction: loss.LossReduction, mbs: list[M
 
 
 def pack_microbatches(samples: list[Sample], cfg: Config,
-                      share_prompts: bool = SHARE_PROMPTS) -> list[MicroBatch]:
+                      share_prompts: bool | None = None) -> list[MicroBatch]:
     """Pack samples into micro-batches of at most --micro-batch-tokens fed positions.
 
     Per-token tensors are aligned with the *predicted* token: position j of a sequence predicts
@@ -762,6 +767,7 @@ def pack_microbatches(samples: list[Sample], cfg: Config,
     groups = torch.tensor([s.group for s in samples], dtype=torch.long)
     weights, norm_weights = loss.response_weights(cfg.loss_aggregation, denom, groups,
                                                   cfg.loss_aggregation_divisor)
+    share_prompts = SHARE_PROMPTS if share_prompts is None else share_prompts
     keys = [tuple(s.prompt_ids[:-1]) if share_prompts else i for i, s in enumerate(samples)]
     return [build_microbatch([samples[i] for i in idx], [keys[i] for i in idx],
                              weights[idx].tolist(), norm_weights[idx].tolist(),
@@ -963,7 +969,7 @@ def evaluate(engine, data: Data, reward_fn, cfg: Config, ranks: Ranks) -> dict[s
                 for k in ks:
                     sums[f"pass@{k}"] = sums.get(f"pass@{k}", 0) + 1 - math.comb(
                         n - c, k) / math.comb(n, k)
-    sums, _ = reduce_metrics(sums, {})
+    sums = reduce_metrics(sums)
     out = {"eval/accuracy": sums["correct"] / max(sums["judged"], 1)}
     return out | {f"eval/{k}": v / max(sums.get("k_judged", 0), 1) for k, v in sums.items()
                   if "@" in k}

@@ -115,14 +115,16 @@ def one_rank_group():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_training_step_gradient_equals_a_plain_padded_forward(family, tmp_path, one_rank_group):
+def test_training_step_gradient_equals_a_plain_padded_forward(family, tmp_path, one_rank_group,
+                                                              monkeypatch):
     path = build(tmp_path, family, FAMILIES[family])
     batch = samples()
     want = padded_reference_grads(path, batch)
     scale = torch.cat([g.flatten() for g in want.values()]).norm()
     assert scale > 0
     for share in (True, False):
-        cfg = N.Config(model=path, micro_batch_tokens=24, share_prompts=share, grad_clip=1e9,
+        monkeypatch.setattr(N, "SHARE_PROMPTS", share)
+        cfg = N.Config(model=path, micro_batch_tokens=24, grad_clip=1e9,
                        loss_aggregation="token_mean")
         model = N.load_model(cfg, torch.device("cpu"), N.Ranks())
         capture = GradCapture(model)

@@ -178,20 +178,20 @@ def test_packing_with_shared_prompts_feeds_each_prompt_once_per_micro_batch():
     samples = [s(0, [5, 6, 7], [8, 9]), s(0, [5, 6, 7], [10]), s(1, [4, 4], [3, 3, 3, 1])]
     (mb,) = N.pack_microbatches(samples, cfg)  # 10 positions instead of 12: one micro-batch
     # prefix [5 6] once; tails [7 8] and [7] at positions 2..; group 1: prefix [4], tail [4 3 3 3]
-    assert mb["input_ids"][0].tolist() == [5, 6, 7, 8, 7, 4, 4, 3, 3, 3]
-    assert mb["position_ids"][0].tolist() == [0, 1, 2, 3, 2, 0, 1, 2, 3, 4]
-    assert mb["targets"].tolist() == [6, 7, 8, 9, 10, 4, 3, 3, 3, 1]
-    assert mb["loss_mask"].tolist() == [0, 0, 1, 1, 1, 0, 1, 1, 1, 1]
-    assert mb["seq_ids"].tolist() == [-1, -1, 0, 0, 1, -1, 2, 2, 2, 2]
-    assert mb["behave_logprobs"][2:5].tolist() == pytest.approx([-0.1, -0.2, -0.1])
-    assert mb["segments"].tolist() == [[0, 2, 0, 0], [2, 2, 0, 2], [4, 1, 0, 2], [5, 1, 0, 0],
+    assert mb.input_ids.tolist() == [5, 6, 7, 8, 7, 4, 4, 3, 3, 3]
+    assert mb.position_ids.tolist() == [0, 1, 2, 3, 2, 0, 1, 2, 3, 4]
+    assert mb.targets.tolist() == [6, 7, 8, 9, 10, 4, 3, 3, 3, 1]
+    assert mb.loss_mask.tolist() == [0, 0, 1, 1, 1, 0, 1, 1, 1, 1]
+    assert mb.seq_ids.tolist() == [-1, -1, 0, 0, 1, -1, 2, 2, 2, 2]
+    assert mb.behave_logprobs[2:5].tolist() == pytest.approx([-0.1, -0.2, -0.1])
+    assert mb.segments.tolist() == [[0, 2, 0, 0], [2, 2, 0, 2], [4, 1, 0, 2], [5, 1, 0, 0],
                                        [6, 4, 5, 1]]
     # a group cut by the budget: the next micro-batch carries its own copy of the prompt
     cut = N.pack_microbatches(samples, N.Config(micro_batch_tokens=5))
-    assert [m["input_ids"][0].tolist() for m in cut] == [[5, 6, 7, 8, 7], [4, 4, 3, 3, 3]]
+    assert [m.input_ids.tolist() for m in cut] == [[5, 6, 7, 8, 7], [4, 4, 3, 3, 3]]
     small = N.pack_microbatches(samples[:2], N.Config(micro_batch_tokens=4))
-    assert [m["input_ids"][0].tolist() for m in small] == [[5, 6, 7, 8], [5, 6, 7]]
-    assert small[1]["segments"].tolist() == [[0, 2, 0, 0], [2, 1, 0, 2]]
+    assert [m.input_ids.tolist() for m in small] == [[5, 6, 7, 8], [5, 6, 7]]
+    assert small[1].segments.tolist() == [[0, 2, 0, 0], [2, 1, 0, 2]]
 
 
 @pytest.mark.parametrize("family, path", [  # torch varlen_attn has no softcap: never for Gemma 2
@@ -216,13 +216,14 @@ def test_shared_prompt_logprobs_and_gradients_equal_per_sequence_forwards(family
     model.set_attn_implementation("packed")
     use_path(path, model, monkeypatch)
     for budget in (64, 12):  # one micro-batch; groups cut across micro-batches
-        mbs = N.pack_microbatches(samples, N.Config(micro_batch_tokens=budget, share_prompts=True))
+        mbs = N.pack_microbatches(samples, N.Config(micro_batch_tokens=budget), share_prompts=True)
         assert (budget == 64) == (len(mbs) == 1)
         got = []
         for mb in mbs:
-            logprobs, _ = modeling.policy_logprobs(model, mb["input_ids"], mb["position_ids"],
-                                                   mb["targets"], segments=mb["segments"])
-            got.append(logprobs[mb["seq_ids"] >= 0])
+            logprobs, _ = modeling.policy_logprobs(model, mb.input_ids[None],
+                                                   mb.position_ids[None], mb.targets,
+                                                   segments=mb.segments)
+            got.append(logprobs[mb.seq_ids >= 0])
         got = torch.cat(got)
         g = torch.autograd.grad((got * torch.linspace(-1, 1, len(got), dtype=got.dtype)).sum(),
                                 weight)[0]
@@ -278,14 +279,15 @@ def test_attention_path_is_the_fastest_that_can_run_and_an_impossible_request_is
 
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean", "prompt_mean"])
 def test_training_step_with_shared_prompts_equals_whole_sequences(mode, one_rank_group,
-                                                                  exact_rmsnorm):
+                                                                  exact_rmsnorm, monkeypatch):
     """train_on_samples end to end (packing, FSDP2, LossReduction, clip, optimizer): the same
     gradient with and without shared prompts, for micro-batches that cut groups apart; fewer
     positions computed."""
     samples = random_samples(1)
     results = {}
     for share in (False, True):
-        cfg = N.Config(micro_batch_tokens=16, share_prompts=share, loss_aggregation=mode,
+        monkeypatch.setattr(N, "SHARE_PROMPTS", share)
+        cfg = N.Config(micro_batch_tokens=16, loss_aggregation=mode,
                        grad_clip=1e9, dtype="float64", model=TINY, eps_high=0.28,
                        entropy_coef=0.01)
         model = N.load_model(cfg, torch.device("cpu"), N.Ranks())
@@ -299,7 +301,7 @@ def test_training_step_with_shared_prompts_equals_whole_sequences(mode, one_rank
     assert shared["positions"] < plain["positions"]
     assert shared["trained_tokens"] == plain["trained_tokens"]
     assert shared["denom_tokens"] == plain["denom_tokens"]
-    for key in ("entropy_sum", "mismatch_sum"):
+    for key in ("entropy", "mismatch"):
         assert shared[key] == pytest.approx(plain[key], rel=1e-10)
     for key, value in plain_stats.items():
         assert shared_stats[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key

@@ -58,8 +58,7 @@ def test_readme_reward_example_runs_through_the_cli_and_logs_its_metrics(tmp_pat
     assert len(reward_example().strip().splitlines()) <= 12
     run_dir = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "nanoareal.py"), "--reward", f"{path}:score", "--steps", "2",
-           "--prompts-per-step", "8", "--group-size", "4", "--eval-every", "2", "--eval-size", "32",
-           "--run-dir", str(run_dir)]
+           "--prompts-per-step", "8", "--group-size", "4", "--eval-every", "2", "--run-dir", str(run_dir)]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

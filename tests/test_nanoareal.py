@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -20,8 +19,8 @@ from cli import UserError
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "assets" / "tiny-arith")
 # small but real: 8 prompts x 4 samples through the whole loop
-FAST = ["--prompts-per-step", "8", "--group-size", "4", "--eval-size", "32", "--eval-every", "2"]
-NOISE = ("time/", "tokens_per_s")  # wall-clock metrics legitimately differ between runs
+FAST = ["--prompts-per-step", "8", "--group-size", "4", "--eval-every", "2"]
+NOISE = ("time/", "gen_tokens_per_s", "train_tokens_per_s")  # wall-clock: differs between runs
 
 
 def run_cli(args: list[str], nproc: int = 1, timeout: int = 240,
@@ -56,14 +55,16 @@ def test_cli_run_writes_metrics_console_wandb_and_a_loadable_export(tmp_path):
     assert set(rows[0]) == {"step", "eval/accuracy"}
     for r in rows[1:]:
         for key in ("reward", "accuracy", "loss/policy", "response_len", "policy/clip_frac",
-                    "zero_adv_frac", "truncated_frac", "grad_norm", "tokens_per_s", "time/rollout",
-                    "time/train", "time/sync", "entropy", "lr"):
+                    "zero_adv_frac", "truncated_frac", "grad_norm", "gen_tokens_per_s",
+                    "train_tokens_per_s", "time/rollout", "time/train", "time/sync", "entropy",
+                    "lr", "staleness", "policy_version", "importance_weight/mean",
+                    "importance_weight/max", "logprob_mismatch"):
             assert key in r and math.isfinite(r[key]), key
         assert 0 <= r["reward"] <= 1 and r["response_len"] > 0 and r["grad_norm"] > 0
     assert "eval/accuracy" in rows[2]
     # the learning rate each step used: linear warm-up over 2 steps, lr (step + 1) / 3
     assert [r["lr"] for r in rows[1:]] == pytest.approx([1e-4 / 3, 2e-4 / 3])
-    assert "step 2/2  reward" in proc.stdout and "final held-out accuracy" in proc.stdout
+    assert "step 2/2  reward" in proc.stdout and "final held-out eval/accuracy" in proc.stdout
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
@@ -80,8 +81,7 @@ def test_same_seed_gives_identical_metrics_and_another_seed_does_not(tmp_path):
     args = [*FAST, "--steps", "2", "--eval-every", "0"]
     run_cli([*args, "--run-dir", str(tmp_path / "a")])
     run_cli([*args, "--run-dir", str(tmp_path / "b")])
-    run_cli([*args, "--run-dir", str(tmp_path / "c"), "--seed", "1", "--eval-every", "2",
-             "--eval-size", "256"])
+    run_cli([*args, "--run-dir", str(tmp_path / "c"), "--seed", "1", "--eval-every", "2"])
     a, b, c = (_comparable(read_metrics(tmp_path / x)) for x in "abc")
     assert a == b
     assert a[0] != c[1]
@@ -146,30 +146,30 @@ def _sample(group: int, prompt: list[int], out: list[int], reason="stop", adv=0.
 
 def test_pack_microbatches_aligns_targets_masks_and_respects_the_token_budget():
     # shared prompts: tests/test_attention.py
-    cfg = N.Config(micro_batch_tokens=10, share_prompts=False)
+    cfg = N.Config(micro_batch_tokens=10)
     samples = [_sample(0, [5, 6, 7], [8, 9]), _sample(0, [5, 6, 7], [10]),
                _sample(1, [4, 4], [3, 3, 3, 1])]
-    mbs = N.pack_microbatches(samples, cfg)
+    mbs = N.pack_microbatches(samples, cfg, share_prompts=False)
     # a sequence's last token is never an input (it predicts nothing): 4 + 3 positions, then 5
-    assert [mb["input_ids"].numel() for mb in mbs] == [7, 5]
+    assert [mb.input_ids.numel() for mb in mbs] == [7, 5]
     mb = mbs[0]
-    assert mb["input_ids"][0].tolist() == [5, 6, 7, 8, 5, 6, 7]
-    assert mb["position_ids"][0].tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert mb.input_ids.tolist() == [5, 6, 7, 8, 5, 6, 7]
+    assert mb.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2]
     # position j predicts token j+1 of the same sequence
-    assert mb["targets"].tolist() == [6, 7, 8, 9, 6, 7, 10]
-    assert mb["loss_mask"].tolist() == [0, 0, 1, 1, 0, 0, 1]
-    assert mb["behave_logprobs"][2:4].tolist() == pytest.approx([-0.1, -0.2])
-    assert mb["seq_ids"].tolist() == [-1, -1, 0, 0, -1, -1, 1]
-    assert mb["segments"].tolist() == [[0, 4, 0, 0], [4, 3, 0, 0]]
+    assert mb.targets.tolist() == [6, 7, 8, 9, 6, 7, 10]
+    assert mb.loss_mask.tolist() == [0, 0, 1, 1, 0, 0, 1]
+    assert mb.behave_logprobs[2:4].tolist() == pytest.approx([-0.1, -0.2])
+    assert mb.seq_ids.tolist() == [-1, -1, 0, 0, -1, -1, 1]
+    assert mb.segments.tolist() == [[0, 4, 0, 0], [4, 3, 0, 0]]
 
 
 def test_mask_truncated_removes_truncated_responses_from_numerator_and_denominator():
     cfg = N.Config(mask_truncated=True, loss_aggregation="seq_mean")
     samples = [_sample(0, [5, 6], [8, 9], "length"), _sample(0, [5, 6], [10, 1])]
     mb = N.pack_microbatches(samples, cfg)[0]  # shared prefix [5], tails [6 8] and [6 10]
-    assert mb["loss_mask"].tolist() == [0, 0, 0, 1, 1]
-    assert mb["denom_mask"].tolist() == mb["loss_mask"].tolist()
-    assert mb["norm_weight"][3].item() == pytest.approx(0.5)
+    assert mb.loss_mask.tolist() == [0, 0, 0, 1, 1]
+    assert mb.denom_mask.tolist() == mb.loss_mask.tolist()
+    assert mb.norm_weight[3].item() == pytest.approx(0.5)
 
 
 # -----------------------------------------------------------------------------
@@ -217,9 +217,9 @@ def test_group_advantage_edge_cases():
 def test_zero_variance_groups_are_detected_per_sample():
     samples = [N.Sample(g, [1], None, reward=r) for g, r in
                zip([0, 0, 1, 1, 2, 2], [1.0, 1.0, 0.0, 1.0, 0.0, 0.0])]
-    sums = N.set_advantages(samples, N.Config())
+    N.set_advantages(samples, N.Config())
     assert [s.zero_variance for s in samples] == [True, True, False, False, True, True]
-    assert sums == {"zero_adv_sum": 4, "zero_var_groups": 2}
+    assert [s.advantage for s in samples][:2] == [0.0, 0.0]
 
 
 # -----------------------------------------------------------------------------
@@ -246,6 +246,8 @@ def test_a_step_never_holds_a_prompt_twice_across_an_epoch_boundary():
 class SeedRecorder:
     """A rollout engine that records the seeds it is asked to sample with."""
 
+    version = 0
+
     def generate(self, prompts, sampling, seeds):
         self.seeds = list(seeds)
         return [N.Completion([2], [-1.0], "length") for _ in seeds]
@@ -255,9 +257,8 @@ def test_groups_are_the_step_slots_and_seeds_differ_even_for_a_row_drawn_twice()
     rows = N.prompts_for_step(3, 8, step=0, seed=0)  # more slots than rows: rows repeat
     assert len(rows) == 8 and len(set(rows)) == 3
     cfg = N.Config(group_size=4, max_new_tokens=1)
-    tok = types.SimpleNamespace(eos_token_id=1)
     engine = SeedRecorder()
-    samples = N.generate(engine, [[5], [6], [7]], list(enumerate(rows)), 0, cfg, tok)
+    samples = N.generate(engine, [[5], [6], [7]], list(enumerate(rows)), 0, cfg, stop_ids=[1])
     assert [s.group for s in samples] == [g for g in range(8) for _ in range(4)]
     assert [s.row for s in samples] == [r for r in rows for _ in range(4)]
     assert len(set(engine.seeds)) == 32  # two copies of a row are sampled independently
@@ -308,15 +309,12 @@ def test_gsm8k_reward_extracts_the_final_number():
     (["--num-minibatches", "0"], "--num-minibatches"),
     (["--rollout-url", "http://127.0.0.1:1"], "--rollout-backend sglang"),
     (["--grad-clip", "-1"], "--grad-clip -1.0: must be > 0, or 0"),
-    (["--top-p", "0"], "--top-p must be in"),
-    (["--top-k", "0"], "--top-k -1"),
     (["--temperature", "0"], "--temperature 0.0: rollouts must sample"),
-    (["--kl-estimator", "k2", "--kl-coef", "-1"], "--kl-coef >= 0"),
+    (["--kl-coef", "-1"], "--kl-coef must be >= 0"),
 ])
 def test_contradictory_options_fail_in_one_line_naming_the_flags(args, message):
-    cfg = N.parse_config(args)
     with pytest.raises(UserError, match=message):
-        N.validate_config(cfg, world=1)
+        N.parse_config(args)
 
 
 def test_config_file_supplies_defaults_and_flags_override(tmp_path):

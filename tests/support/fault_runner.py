@@ -16,6 +16,7 @@ Steps are the 0-based loop index (step k logs metrics line k + 1). Keys, all opt
                           all)
   nan_from_step: k        the advantages of step k and later are NaN (non-finite loss, skipped
                           optimizer steps)
+  constants: {name: v}    module constants set first ("nanoareal.MAX_BAD_STEPS": 2, ...)
 Every rank writes its pid to run_dir/pid.rank{r} at start.
 """
 
@@ -26,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import checkpoint  # noqa: E402
 import cli  # noqa: E402
 import nanoareal as N  # noqa: E402
@@ -44,12 +45,12 @@ def touch(name: str) -> None:
     (RUN_DIR / name).write_text(str(os.getpid()))
 
 
-def generate(engine, encoded, prompts, step, cfg, tokenizer):
+def generate(engine, encoded, prompts, step, cfg, stop_ids):
     STEP[0] = step
     if FAULTS.get("pause_in_step") == step and RANK in FAULTS.get("pause_ranks", [RANK]):
         touch(f"in_step_{step}.rank{RANK}")
         time.sleep(600)
-    out = _generate(engine, encoded, prompts, step, cfg, tokenizer)
+    out = _generate(engine, encoded, prompts, step, cfg, stop_ids)
     if FAULTS.get("nan_from_step", math.inf) <= step:
         N.group_advantages = lambda rewards, *a, **k: torch_nan(len(rewards))
     return out
@@ -80,6 +81,9 @@ def write_meta(tmp: Path, meta: dict) -> None:
     _write_meta(tmp, meta)
 
 
+for name, value in FAULTS.get("constants", {}).items():  # {"nanoareal.MAX_BAD_STEPS": 2, ...}
+    module, _, attr = name.rpartition(".")
+    setattr(sys.modules[module], attr, value)
 _generate, _reward, _write_meta = N.generate, tasks.REWARDS["exact_match"], checkpoint.write_meta
 N.generate, tasks.REWARDS["exact_match"], checkpoint.write_meta = generate, reward, write_meta
 touch(f"pid.rank{RANK}")
