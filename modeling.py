@@ -60,13 +60,12 @@ def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.devi
                       q_start[:, None] + j - ctx_len[:, None])
     valid = j < row_len[:, None]
     seg = torch.repeat_interleave(torch.arange(len(segments)), q_len)
-    zero = segments.new_zeros(1)
     # padding slots (after each row's real slots, so the causal mask hides them) read token 0:
     # any real token works, its outputs are dropped and no real query sees it (so no gradient)
     index = {"grid": torch.where(valid, src, 0).flatten(),
              "out": seg * max_len + ctx_len[seg] + torch.arange(num_tokens) - q_start[seg],
-             "k_index": src[valid], "cu_q": torch.cat([zero, torch.cumsum(q_len, 0)]).int(),
-             "cu_k": torch.cat([zero, torch.cumsum(row_len, 0)]).int()}
+             "k_index": src[valid], "cu_q": F.pad(torch.cumsum(q_len, 0), (1, 0)).int(),
+             "cu_k": F.pad(torch.cumsum(row_len, 0), (1, 0)).int()}
     sizes = {"rows": len(segments), "max_len": max_len, "max_q": int(q_len.max())}
     return {k: v.to(device, non_blocking=True) for k, v in index.items()} | sizes | {
         "kernel": kernel, "cp_group": cp_group}
@@ -85,13 +84,9 @@ def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropo
         kt, vt = (x.transpose(0, 1).index_select(0, layout["k_index"]) for x in (k, v))
         return layout["kernel"](q.transpose(0, 1), kt, vt, layout, scaling, dropout, window,
                                 softcap)
-    rows, length, grid = layout["rows"], layout["max_len"], layout["grid"]
-
-    def to_grid(x):  # [h, T, D] -> [rows, h, max_len, D]
-        x = x.transpose(0, 1).index_select(0, grid)
-        return x.view(rows, length, x.shape[1], x.shape[2]).transpose(1, 2)
-
-    q, k, v = to_grid(q), to_grid(k), to_grid(v)
+    rows, length = layout["rows"], layout["max_len"]
+    q, k, v = (x.transpose(0, 1).index_select(0, layout["grid"]).unflatten(0, (rows, length))
+               .transpose(1, 2) for x in (q, k, v))  # [h, T, D] -> [rows, h, max_len, D]
     if window is None and softcap is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
                                              scale=scaling, enable_gqa=True)
@@ -105,8 +100,7 @@ def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropo
             scores = softcap * torch.tanh(scores / softcap)
         probs = scores.masked_fill(~keep, float("-inf")).softmax(-1)
         out = F.dropout(probs, dropout) @ v
-    out = out.transpose(1, 2).reshape(rows * length, out.shape[1], out.shape[3])
-    return out.index_select(0, layout["out"])
+    return out.transpose(1, 2).flatten(0, 1).index_select(0, layout["out"])
 
 
 def packed_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0, layout=None,
@@ -234,9 +228,9 @@ class GatherSequence(torch.autograd.Function):
 
 
 def ulysses_chunk(ids, pos, targets, segments, group, device, kernel=None) -> tuple[tuple, dict]:
-    """This CP rank's contiguous 1/N of a packed row -> ((ids [1, T/N], positions [1, T/N],
-    targets [T/N]) on `device`, the layout of the whole row). The row is padded to a multiple of
-    N with a segment of its own, which no real token attends to; gather_row cuts it off."""
+    """This CP rank's 1/N of a packed row -> ((ids [1, T/N], positions [1, T/N], targets [T/N]) on
+    `device`, the whole row's layout), padded to a multiple of N by a segment of its own (no real
+    token attends to it; gather_row cuts it off)."""
     T, n, r = len(ids), dist.get_world_size(group), dist.get_rank(group)
     pad = -T % n
     ids, targets = F.pad(ids, (0, pad)), F.pad(targets, (0, pad))
@@ -304,10 +298,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     splits (`_no_split_modules`), else the children of its longest ModuleList."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if not blocks:
-        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-        blocks = list(max(lists, key=len)) if lists else []
-    return blocks[::-1]
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return (blocks or list(max(lists, key=len, default=[])))[::-1]
 
 
 # model_type prefix -> (the config field that scales its head's logits, whether it divides by it)
@@ -330,9 +322,9 @@ def policy_logprobs(model, input_ids, position_ids, targets, temperature: float 
                     chunk: int = 1024, segments: torch.Tensor | None = None,
                     layout: dict | None = None):
     """log pi(target_t | prefix) and the entropy at every position of a packed row -> ([T], [T]).
-    `segments`: the row's layout (pack_microbatches; default: each run of position_ids from 0 is a
-    sequence); context parallel passes the whole row's `layout`. Logits exist `chunk` tokens at a
-    time, recomputed in backward: a 150k vocabulary never holds fp32 logits for a micro-batch."""
+    `segments` (default: each run of position_ids from 0 is a sequence) or, under CP, the whole
+    row's `layout`. The fp32 logits of a 150k vocabulary exist `chunk` tokens at a time (recomputed
+    in backward), never for a whole micro-batch."""
     if layout is None:
         if segments is None:
             segments = segments_from_positions(position_ids.cpu())
@@ -352,8 +344,7 @@ def policy_logprobs(model, input_ids, position_ids, targets, temperature: float 
 def chunk_logprobs(hidden, weight, bias, targets, temperature: float = 1.0, scale: float = 1.0,
                    softcap: float | None = None):
     """Log-probs of `targets` and entropies [n] from hidden states [n, d] and the head, in fp32 at
-    least (HeadLogits): logits rounded to bf16 would err by ~0.06 at a logit of 20, far more than
-    the ratio clip's 0.2 tolerates near 1."""
+    least: bf16 logits would err by ~0.06 at a logit of 20, more than the ratio clip tolerates."""
     logits = HeadLogits.apply(hidden, weight, bias)
     if scale != 1.0:
         logits = logits * scale
@@ -368,9 +359,8 @@ def chunk_logprobs(hidden, weight, bias, targets, temperature: float = 1.0, scal
 
 @functools.cache
 def mm_out_dtype_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch.mm(a, b, out_dtype=torch.float32) runs for `dtype` inputs on `device`: torch
-    2.13 has CUDA and XPU kernels for fp16/bf16 inputs, none on the CPU. Probed once, on inputs
-    that need no gradient: aten::mm.dtype has no derivative (HeadLogits supplies one)."""
+    """Whether torch.mm(a, b, out_dtype=torch.float32) runs here (torch 2.13: CUDA and XPU kernels
+    for fp16/bf16 inputs, no CPU one). Probed once, without autograd: mm.dtype has no derivative."""
     if dtype not in (torch.float16, torch.bfloat16):
         return False
     try:
@@ -381,8 +371,7 @@ def mm_out_dtype_runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a @ b accumulated in fp32 at least, returned as out_dtype: half GEMMs where mm's out_dtype
-    runs, else by upcasting both (CPU)."""
+    """a @ b accumulated in fp32 at least, as out_dtype: a half GEMM where it runs, else upcast."""
     if a.dtype == b.dtype and mm_out_dtype_runs(a.device, a.dtype):
         return torch.mm(a, b, out_dtype=out_dtype)
     up = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
@@ -390,11 +379,10 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
 
 
 class HeadLogits(torch.autograd.Function):
-    """hidden [n, d] @ weight [V, d].T (+ bias) -> logits [n, V] in fp32 (fp64 for fp64 inputs),
-    by half GEMMs both ways: never an fp32 copy of a 150k x d head. Backward rounds the logit
-    gradient to the inputs' dtype, as any half GEMM's backward does; grad_hidden, a sum over the
-    vocabulary, accumulates and returns fp32 (cuBLAS may reduce a half-output split-K in bf16);
-    grad_weight, a sum over the chunk's tokens, comes out in half: no [V, d] fp32 temporary."""
+    """hidden [n, d] @ weight [V, d].T (+ bias) -> logits [n, V] in fp32 (fp64 for fp64), by half
+    GEMMs both ways: no fp32 copy of a 150k x d head. Backward rounds the logit gradient to the
+    inputs' dtype, as any half GEMM's backward does. grad_hidden sums over V: fp32 out (cuBLAS may
+    split-K a half output in bf16); grad_weight sums over n: half out, no [V, d] fp32 temporary."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias):
@@ -413,10 +401,9 @@ class HeadLogits(torch.autograd.Function):
 
 
 def check_model(model, vocab_size: int) -> str | None:
-    """Run the (unsharded) model both ways on two samples sharing a prompt: our packed, shared-
-    prompt forward and its own per-sequence forward (eager attention). None when they agree, else
-    why not, in words. Long enough to cross a small sliding window, and it calls every attention
-    keyword and head transform the model uses, so an unsupported one surfaces here, at start."""
+    """None if our packed shared-prompt forward of the (unsharded) model equals its own eager
+    per-sequence forward on two samples sharing a prompt, else why not. Long enough to cross a
+    small window; it meets every attention keyword and head transform the model uses."""
     if model.config._attn_implementation != "packed":
         return "its attention does not go through transformers' AttentionInterface"
     text = model.config.get_text_config()
@@ -431,7 +418,6 @@ def check_model(model, vocab_size: int) -> str | None:
     pos = list(range(p - 1)) + sum((list(range(p - 1, p - 1 + len(t))) for t in tails), [])
     segments = torch.tensor([[0, p - 1, 0, 0], [p - 1, len(tails[0]), 0, p - 1],
                              [p - 1 + len(tails[0]), len(tails[1]), 0, p - 1]])
-    implementation = model.config._attn_implementation
     try:
         with torch.no_grad():
             ours, _ = policy_logprobs(model, tensor([ids]), tensor([pos]),
@@ -445,7 +431,7 @@ def check_model(model, vocab_size: int) -> str | None:
     except Exception as e:  # e.g. an attention keyword packed_attention does not implement
         return f"its forward fails under nanoareal's packed attention ({type(e).__name__}: {e})"
     finally:
-        model.set_attn_implementation(implementation)
+        model.set_attn_implementation("packed")
     diff = float((ours.float() - torch.cat(theirs).float()).abs().max())
     if not diff <= 1e-4:  # eager attention's softmax runs in fp32 even for fp64 models
         return (f"nanoareal's packed forward disagrees with the model's own by {diff:.2g} in "
