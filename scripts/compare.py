@@ -1,0 +1,180 @@
+"""Compare runs: held-out metrics, reward and response lengths vs step (each variant's seeds as a
+mean line and a min-max band) and a markdown table of final metrics, mean ± std over seeds.
+
+    python scripts/compare.py runs/ppo_vs_gspo                     # a study of scripts/ablate.py
+    python scripts/compare.py runs/a-s0 runs/a-s1 runs/b-s0        # runs: a = a-s0 + a-s1, b
+    python scripts/compare.py ppo=runs/x,runs/y gspo=runs/z --out runs/cmp   # named groups
+
+An argument is a study directory (its runs, grouped by the variants of its study.json), a folder
+of run directories, one run directory (grouped with the others of its name less a trailing
+-s<seed>), or NAME=DIR,DIR,... Writes to --out (default: the one study directory given, else
+./compare): eval.png (every eval/* metric), train.png (reward, response length, of correct and
+of incorrect responses, share cut at --max-new-tokens, the reward's own reward/* shares; trailing
+means) and compare.md, the table, also printed: final held-out metrics, training metrics averaged
+over the last steps, steps reached and wall time per run (from study.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+
+SEED = re.compile(r"-s\d+$")  # the seed suffix of ablate.py's run directories
+WINDOW = 10  # last steps averaged for the table's training metrics
+SMOOTH = 5  # trailing steps averaged in train.png: per-step training metrics are noisy
+TRAIN_KEYS = ("reward", "response_len", "response_len/correct", "response_len/incorrect",
+              "truncated_frac")
+
+
+def fail(message: str) -> None:
+    print(f"compare: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def collect(args: list[str]) -> dict[str, list[Path]]:
+    """{variant: its run directories} from the command line's arguments."""
+    groups: dict[str, list[Path]] = {}
+    for arg in args:
+        name, eq, dirs = arg.partition("=")
+        d = Path(arg)
+        if eq and not d.exists():
+            groups.setdefault(name, []).extend(Path(x) for x in dirs.split(",") if x)
+        elif (d / "study.json").is_file():
+            study = json.loads((d / "study.json").read_text())
+            for run, rec in study["runs"].items():
+                if (d / run / "metrics.jsonl").is_file():  # a run not started yet has no curve
+                    groups.setdefault(rec["variant"], []).append(d / run)
+        elif (d / "metrics.jsonl").is_file():
+            groups.setdefault(SEED.sub("", d.name), []).append(d)
+        elif runs := sorted(p.parent for p in d.glob("*/metrics.jsonl")):
+            for run in runs:
+                groups.setdefault(SEED.sub("", run.name), []).append(run)
+        else:
+            fail(f"{arg}: no metrics.jsonl there (not a run, a folder of runs, a study, nor "
+                 "NAME=DIR,DIR)")
+    for run in (r for rs in groups.values() for r in rs):
+        if not (run / "metrics.jsonl").is_file():
+            fail(f"{run}: not a run directory (no metrics.jsonl)")
+    return groups
+
+
+def read_rows(run: Path) -> list[dict]:
+    rows = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # an empty line, or one cut by a kill
+            pass
+    return rows
+
+
+def series(rows: list[dict], key: str, smooth: int = 1) -> dict[int, float]:
+    """{step: value} of one metric, a trailing mean over `smooth` logged steps."""
+    pts = [(r["step"], r[key]) for r in rows if key in r]
+    return {s: statistics.mean(v for _, v in pts[max(0, i - smooth + 1) : i + 1])
+            for i, (s, _) in enumerate(pts)}
+
+
+def wall(run: Path) -> float | None:
+    study = run.parent / "study.json"
+    rec = json.loads(study.read_text())["runs"].get(run.name, {}) if study.is_file() else {}
+    return rec.get("wall_s")
+
+
+def cell(values: list[float | None]) -> str:
+    v = [x for x in values if x is not None]
+    if not v:
+        return "—"
+    return f"{statistics.mean(v):.3f}" + (f" ± {statistics.stdev(v):.3f}" if len(v) > 1 else "")
+
+
+def table(groups: dict[str, list[Path]], runs: dict[str, list[list[dict]]], eval_keys: list[str],
+          train_keys: list[str]) -> str:
+    head = ["variant", "runs", "steps", *[f"{k} (final)" for k in eval_keys],
+            *[f"{k} (last {WINDOW} steps)" for k in train_keys], "wall time per run (s)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, rs in runs.items():
+        finals = [[list(series(r, k).values())[-1:] or [None] for r in rs] for k in eval_keys]
+        lasts = [[statistics.mean(v[-WINDOW:]) if (v := list(series(r, k).values())) else None
+                  for r in rs] for k in train_keys]
+        steps = sorted({max(row["step"] for row in r) for r in rs})
+        walls = [wall(run) for run in groups[name]]
+        cells = [f"`{name}`", str(len(rs)), ", ".join(map(str, steps)),
+                 *[cell([v[0] for v in f]) for f in finals], *[cell(v) for v in lasts],
+                 ", ".join("—" if w is None else f"{w:.0f}" for w in walls)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(runs: dict[str, list[list[dict]]], keys: list[str], path: Path, title: str,
+         smooth: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ncols = min(3, len(keys))
+    nrows = math.ceil(len(keys) / ncols)
+    width = 4.6 * ncols if ncols > 1 else 7.0
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width, 3.4 * nrows + 0.5), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for i, (name, rs) in enumerate(runs.items()):
+            curves = [c for r in rs if (c := series(r, key, smooth))]
+            if not curves:
+                continue
+            steps = sorted(set().union(*curves))
+            at = [[c[s] for c in curves if s in c] for s in steps]  # runs may end at other steps
+            style = {"color": f"C{i % 10}", "ls": ("-", "--", ":", "-.")[i // 10 % 4]}
+            ax.plot(steps, [statistics.mean(v) for v in at], label=name, lw=1.4,
+                    marker="o" if smooth == 1 else None, ms=3, **style)
+            if len(curves) > 1:
+                ax.fill_between(steps, [min(v) for v in at], [max(v) for v in at],
+                                color=style["color"], alpha=0.15, lw=0)
+        ax.set_title(key, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(keys):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="study directories, run directories or NAME=DIR,DIR")
+    p.add_argument("--out", type=Path, help="where the plots and compare.md go")
+    args = p.parse_args()
+    groups = collect(args.runs)
+    runs = {name: [read_rows(d) for d in dirs] for name, dirs in groups.items()}
+    present = {k for rs in runs.values() for r in rs for row in r for k in row}
+    eval_keys = sorted((k for k in present if k.startswith("eval/")),
+                       key=lambda k: (k != "eval/accuracy", k))
+    train_keys = [k for k in TRAIN_KEYS if k in present] + sorted(
+        k for k in present if k.startswith("reward/"))
+    study_dir = len(args.runs) == 1 and (Path(args.runs[0]) / "study.json").is_file()
+    out = args.out or (Path(args.runs[0]) if study_dir else Path("compare"))
+    out.mkdir(parents=True, exist_ok=True)
+    text = table(groups, runs, eval_keys, train_keys)
+    (out / "compare.md").write_text(text + "\n")
+    print(text)
+    seeds = "mean and min-max over each variant's runs"
+    if eval_keys:
+        plot(runs, eval_keys, out / "eval.png", f"held-out metrics: {seeds}", 1)
+    if train_keys:
+        plot(runs, train_keys, out / "train.png",
+             f"training samples per step: {seeds}, trailing {SMOOTH}-step means", SMOOTH)
+    print(f"compare: {out / 'compare.md'}" + "".join(
+        f", {out / f}" for f in ("eval.png", "train.png") if (out / f).exists()))
+
+
+if __name__ == "__main__":
+    main()
