@@ -16,8 +16,6 @@ import modeling
 torch.set_num_threads(1)
 N, D, V = 24, 16, 300  # tokens, hidden size, vocabulary: no two equal, so shapes tell tensors apart
 HALF = (torch.float16, torch.bfloat16)
-
-
 ARGS = (0.7, 0.5, 30.0)  # temperature, logit scale, final softcap
 
 
