@@ -148,7 +148,7 @@ def test_cli_cp2_run_logs_the_same_first_step_as_one_process(tmp_path):
     if not (model / "config.json").exists():
         pytest.skip("assets/tiny-arith not built yet")
     args = ["--model", str(model), "--steps", "2", "--prompts-per-step", "4", "--group-size", "4",
-            "--eval-every", "0", "--entropy-coef", "0.01", "--threads", "1"]
+            "--eval-every", "0", "--entropy-coef", "0.01"]
     torchrun(2, "nanoareal.py", *args, "--cp-size", "2", "--run-dir", str(tmp_path / "cp2"))
     assert na.run([*args, "--run-dir", str(tmp_path / "cp1")]) == 0
     cp1, cp2 = ([json.loads(line) for line in (tmp_path / d / "metrics.jsonl").open()]

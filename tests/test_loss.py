@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 import random
-import types
 
 import pytest
 import torch
+from reference import build, policy_token_loss
 
 import loss as L
 
@@ -161,29 +161,14 @@ def to_padded(mb: dict, key: str, values: torch.Tensor | None = None) -> torch.T
     return torch.stack([torch.cat([r, r.new_zeros(width - len(r))]) for r in rows])
 
 
-def build(mode: str = "token_mean", divisor: float | None = None, group=None, cp_factor: int = 1,
-          policy_loss: str = "ppo", eps_low=None, eps_high=None, correction: str = "none",
-          correction_threshold=None, entropy_coef=0.0, kl_coef=0.0) -> L.LossReduction:
-    """build_loss from loss flags, resolved and checked as the trainer does (the divisor goes to
-    the constant mode only)."""
-    flags = L.resolve_loss_flags(policy_loss, mode, eps_low, eps_high,
-                                 divisor if mode == "constant" else None, correction,
-                                 correction_threshold, max_new_tokens=8)
-    cfg = types.SimpleNamespace(policy_loss=policy_loss, correction=correction,
-                                entropy_coef=entropy_coef, kl_coef=kl_coef, **flags)
-    L.check_loss_flags(cfg)
-    return L.build_loss(cfg, group=group, cp_factor=cp_factor)
-
-
 def with_params(monkeypatch, cfg: dict) -> dict:
-    """A surrogate's non-flag hyper-parameters (dual clip, SAPO's taus) set where a user sets them:
-    its registry entry. Returns the flags."""
-    flags = {k: v for k, v in cfg.items() if k != "params"}
+    """Set a case's non-flag surrogate parameters for the test (reference.surrogate_params);
+    returns its flags."""
     if "params" in cfg:
         entry = L.SURROGATES[cfg["policy_loss"]]
         monkeypatch.setitem(L.SURROGATES, cfg["policy_loss"],
                             L.Surrogate(entry.fn, entry.params | cfg["params"], entry.aggregation))
-    return flags
+    return {k: v for k, v in cfg.items() if k != "params"}
 
 
 def sum_term(name: str = "policy", key: str = "token_loss") -> L.LossTerm:
@@ -301,37 +286,12 @@ SURROGATE_CONFIGS = {
 
 
 def reference_policy_objective(mb: dict, leaf: torch.Tensor, mode: str, groups: torch.Tensor,
-                               cfg: dict,
-                               divisor: float) -> torch.Tensor:
-    """The full-batch objective from the surrogate's token loss and `aggregate`, one piece, no
-    weights."""
-    kw = {"eps_low": cfg.get("eps_low", 0.2), "eps_high": cfg.get("eps_high", 0.2)}
-    params = cfg.get("params", {})
-    # "behave": PPO clipped around the behaviour policy itself (pi_prox := pi_behave)
-    prox = mb["behave_logprobs"] if cfg.get("correction") == "behave" else mb["prox_logprobs"]
-    args = (leaf, prox, mb["advantages"])
-    name = cfg["policy_loss"]
-    if name == "ppo":
-        token_loss, _ = L.ppo_surrogate(*args, dual_clip=params.get("dual_clip"), **kw)
-    elif name == "gspo":
-        token_loss, _ = L.gspo_surrogate(*args, mb["seq_ids"], mb["loss_mask"], **kw)
-    elif name == "cispo":
-        token_loss, _ = L.cispo_surrogate(*args, eps_high=kw["eps_high"])
-    else:
-        token_loss, _ = L.sapo_surrogate(*args, tau_pos=params["tau_pos"],
-                                         tau_neg=params["tau_neg"])
-    m = mb["loss_mask"]
-    if cfg.get("correction") in ("truncate", "mask"):
-        # independent re-statement of decoupled PPO: w = pi_prox / pi_behave, capped or rejected
-        w = torch.exp(mb["prox_logprobs"] - mb["behave_logprobs"])
-        if cfg["correction"] == "truncate":
-            token_loss = token_loss * torch.clamp(w, max=cfg["correction_threshold"])
-        else:
-            token_loss = token_loss * w
-            m = m * (w <= cfg["correction_threshold"]).to(m.dtype)
+                               cfg: dict, divisor: float) -> torch.Tensor:
+    """The full-batch objective: the reference token loss, `aggregate`, one piece, no weights."""
+    token_loss, m = policy_token_loss(cfg, leaf, mb["prox_logprobs"], mb["behave_logprobs"],
+                                      mb["advantages"], mb["seq_ids"], mb["loss_mask"])
     return L.aggregate(to_padded(mb, "", token_loss), to_padded(mb, "", m), mode=mode,
-                       group_ids=groups,
-                       denom_mask=to_padded(mb, "denom_mask"), divisor=divisor)
+                       group_ids=groups, denom_mask=to_padded(mb, "denom_mask"), divisor=divisor)
 
 
 @pytest.mark.parametrize("surrogate", list(SURROGATE_CONFIGS))

@@ -92,8 +92,10 @@ def row_logits(model, model_dir: str, dtype, ranks):
 def run(cfg0, device, ranks, model_dir: str, dtype, modes: list[str]) -> dict:
     model = na.load_model(cfg0, device, ranks)
     vocab = model.config.vocab_size
-    row = {"input_ids": torch.tensor(ROW_IDS), "position_ids": torch.tensor(ROW_POS),
-           "targets": torch.tensor(ROW_IDS[0][1:] + [0])}
+    pos = torch.tensor(ROW_POS[0])
+    row = L.MicroBatch(input_ids=torch.tensor(ROW_IDS[0]), position_ids=pos,
+                       targets=torch.tensor(ROW_IDS[0][1:] + [0]),
+                       segments=modeling.segments_from_positions(pos))
     logprobs, entropy = na.microbatch_forward(model, row, cfg0, device, ranks)
     result = {"logits": row_logits(model, model_dir, dtype, ranks), "logprobs": logprobs,
               "entropy": entropy,
@@ -105,7 +107,7 @@ def run(cfg0, device, ranks, model_dir: str, dtype, modes: list[str]) -> dict:
     for mode in modes:
         cfg = na.validate_config(replace(cfg0, loss_aggregation=mode,
                                          loss_aggregation_divisor=None), ranks.world)
-        mbs = na.even_out_microbatches(na.pack_microbatches(mine, cfg))
+        mbs = na.even_out(na.pack_microbatches(mine, cfg), ranks)
         reduction = L.build_loss(cfg, group=dist.group.WORLD if ranks.world > 1 else None,
                                  cp_factor=ranks.cp_size)
         capture = GradCapture(model)
@@ -126,7 +128,7 @@ def main(argv=None):
     cfg0 = na.parse_config(["--micro-batch-tokens", "16", "--entropy-coef", "0.01", "--grad-clip",
                             "1e9", "--max-new-tokens", "6", "--cp-size", str(args.cp),
                             "--dtype", args.dtype])
-    ranks, device = na.setup_distributed(cfg0)
+    ranks, device = na.setup_distributed(cfg0.cp_size)
     cfg = na.validate_config(cfg0, ranks.world)
     # every aggregation mode on the first model; the others (e.g. KV-head replication) need only one
     results = {os.path.basename(m): run(replace(cfg, model=m), device, ranks, m, dtype,

@@ -20,18 +20,21 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                os.path.dirname(os.path.abspath(__file__))]
+from reference import build, policy_token_loss, surrogate_params  # noqa: E402
+
 import loss as L  # noqa: E402
 
 torch.set_num_threads(1)
 
 VOCAB, DIVISOR, ENTROPY_COEF, KL_COEF = 32, 8.0, 0.01, 0.05
-SURROGATE_OF_MODE = {  # every mode with a different surrogate, decoupled PPO in both cap modes
-    "token_mean": dict(policy_loss="ppo", eps_high=0.28, dual_clip=1.5, behaviour_cap=1.1,
-                       behaviour_cap_mode="mask"),
+SURROGATE_OF_MODE = {  # every mode with a different surrogate, and every off-policy correction
+    "token_mean": dict(policy_loss="ppo", eps_high=0.28, params={"dual_clip": 1.5},
+                       correction="mask", correction_threshold=1.1),
     "seq_mean": dict(policy_loss="gspo", eps_low=0.02, eps_high=0.03),
-    "prompt_mean": dict(policy_loss="cispo", behaviour_cap=1.1, behaviour_cap_mode="truncate"),
-    "constant": dict(policy_loss="sapo"),
+    "prompt_mean": dict(policy_loss="cispo", correction="truncate", correction_threshold=1.1),
+    "constant": dict(policy_loss="sapo", correction="behave"),
 }
 # name -> (data variant, mode, layout, gradient scaling)
 CASES = {
@@ -170,23 +173,8 @@ def reference(model, seqs, mode: str, cfg: dict) -> tuple[dict, dict]:
     model.zero_grad(set_to_none=True)
     mb = pack(seqs, torch.ones(len(seqs)), torch.ones(len(seqs)), list(range(len(seqs))))
     logp, entropy = forward(model, mb)
-    prox, adv, m = mb["prox_logprobs"], mb["advantages"], mb["loss_mask"]
-    kw = {"eps_low": cfg.get("eps_low", 0.2), "eps_high": cfg.get("eps_high", 0.2)}
-    if cfg["policy_loss"] == "ppo":
-        token_loss, _ = L.ppo_surrogate(logp, prox, adv, dual_clip=cfg.get("dual_clip"), **kw)
-    elif cfg["policy_loss"] == "gspo":
-        token_loss, _ = L.gspo_surrogate(logp, prox, adv, mb["seq_ids"], m, **kw)
-    elif cfg["policy_loss"] == "cispo":
-        token_loss, _ = L.cispo_surrogate(logp, prox, adv, eps_high=kw["eps_high"])
-    else:
-        token_loss, _ = L.sapo_surrogate(logp, prox, adv)
-    if cfg.get("behaviour_cap") is not None:
-        w_beh = torch.exp(prox - mb["behave_logprobs"])
-        if cfg["behaviour_cap_mode"] == "truncate":
-            w_beh = w_beh.clamp(max=cfg["behaviour_cap"])
-        else:
-            m = m * (w_beh <= cfg["behaviour_cap"]).float()
-        token_loss = token_loss * w_beh
+    token_loss, m = policy_token_loss(cfg, logp, mb["prox_logprobs"], mb["behave_logprobs"],
+                                      mb["advantages"], mb["seq_ids"], mb["loss_mask"])
     groups = torch.tensor([s["group"] for s in seqs])
     d = padded(mb, mb["denom_mask"])
     policy = L.aggregate(padded(mb, token_loss), padded(mb, m), mode=mode, group_ids=groups,
@@ -246,13 +234,9 @@ def run_case(models: dict, seqs, rank0_count: int, mode: str, layout: str, scali
     n_real = len(mbs)
     mbs += [empty_microbatch() for _ in range(int(n) - len(mbs))]
 
-    flags = {"eps_low": 0.2, "eps_high": 0.2} | cfg
-    flags["sapo_tau_pos"] = flags.pop("tau_pos", 1.0)
-    flags["sapo_tau_neg"] = flags.pop("tau_neg", 1.05)
-    red = L.build_loss(L.LossConfig(loss_aggregation=mode,
-                                    loss_aggregation_divisor=DIVISOR if mode == "constant"
-                                    else None, entropy_coef=ENTROPY_COEF, kl_coef=KL_COEF, **flags),
-                       group=dist.group.WORLD, cp_factor=cp_factor)
+    flags = {k: v for k, v in cfg.items() if k != "params"}
+    red = build(mode, DIVISOR, dist.group.WORLD, cp_factor, entropy_coef=ENTROPY_COEF,
+                kl_coef=KL_COEF, **flags)
     model.zero_grad(set_to_none=True)
     normalizer_mbs = mbs
     if layout == "cp_full_sequence":  # begin_step sees this CP rank's own token shard: each once
@@ -332,10 +316,11 @@ def main(out_path: str) -> None:
     results = {"cases": {}}
     for name, (variant, mode, layout, scaling) in CASES.items():
         seqs, rank0_count = data[variant]
-        result = run_case(models, seqs, rank0_count, mode, layout, scaling)
-        if rank == 0:
-            result["ref_grads"], result["ref_reported"] = reference(base, seqs, mode,
-                                                                    SURROGATE_OF_MODE[mode])
+        case = SURROGATE_OF_MODE[mode]
+        with surrogate_params(case["policy_loss"], case.get("params", {})):
+            result = run_case(models, seqs, rank0_count, mode, layout, scaling)
+            if rank == 0:
+                result["ref_grads"], result["ref_reported"] = reference(base, seqs, mode, case)
         results["cases"][name] = result
     seqs, rank0_count = data["all_inactive"]
     results["cases"][ZERO_CASE] = run_case(models, seqs, rank0_count, "seq_mean",
