@@ -40,6 +40,12 @@ NAME = re.compile(r"[A-Za-z0-9_.+-]+")  # a variant's name is part of its run di
 OWN_FLAGS = ("--seed", "--run-dir")  # set per run here
 
 
+def shown(path: Path | str) -> str:
+    """A path as a user would type it here: relative below the working directory."""
+    rel = os.path.relpath(path)
+    return str(path) if rel.startswith("..") else rel
+
+
 def fail(message: str) -> None:
     print(f"ablate: {message}", file=sys.stderr)
     sys.exit(2)
@@ -228,7 +234,7 @@ def main() -> None:
     if args.dry_run:
         for name, (_, _, cmd) in runs.items():
             print(f"{name} ({study['runs'][name]['status']}): python "
-                  f"{shlex.join([os.path.relpath(cmd[1]), *cmd[2:]])}")
+                  f"{shlex.join([shown(cmd[1]), *cmd[2:]])}")
         return
     save(study, out)
     failed = run_all(runs, todo, study, out, max(1, min(args.jobs, len(todo) or 1)))
@@ -237,7 +243,7 @@ def main() -> None:
         print(f"FAILED {name} (exit {study['runs'][name]['exit']}), the end of "
               f"{out / name / 'log.txt'}:\n    " + "\n    ".join(tail), file=sys.stderr)
     print(f"ablate: {len(runs) - len(failed)} of {len(runs)} runs finished; compare them with: "
-          f"python {os.path.relpath(Path(__file__).parent / 'compare.py')} {out}", flush=True)
+          f"python {shown(Path(__file__).parent / 'compare.py')} {out}", flush=True)
     sys.exit(1 if failed else 0)
 
 

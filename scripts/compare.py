@@ -137,6 +137,7 @@ def plot(runs: dict[str, list[list[dict]]], keys: list[str], path: Path, title: 
                                 color=style["color"], alpha=0.15, lw=0)
         ax.set_title(key, fontsize=10)
         ax.set_xlabel("step")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(keys):]:
         ax.axis("off")
