@@ -12,12 +12,12 @@ and one `[variants.NAME]` table per variant, its keys written as in a --config f
 `adv-std = false`); a variant or the base may also be one string of flags (`gspo = "--policy-loss
 gspo"` under `[variants]`). --variant, --seeds, --out and the flags after `--` add to the file or
 override it. Run NAME-sS is `python nanoareal.py <base> <variant> --seed S --run-dir OUT/NAME-sS`,
-with OMP_NUM_THREADS = cores / --jobs, its output appended to OUT/NAME-sS/log.txt. Every variant's
-flags go through nanoareal's own parser before any run starts. A rerun skips finished runs (the last
-step in metrics.jsonl, final/ written) and restarts the others with the same command: nanoareal
-resumes them from their newest checkpoint. A failed run does not stop the others (exit status 1 at
-the end). OUT/study.json records the variants, flags, seeds and each run's wall time. --dry-run
-checks every variant's flags and prints the commands.
+with OMP_NUM_THREADS = cores / --jobs, its output appended to OUT/NAME-sS/log.txt; the flags of
+each variant with a run to start go through nanoareal's own parser first. A rerun skips the runs
+that the same command finished (last step in metrics.jsonl, final/ written) and restarts the others:
+nanoareal resumes them from their newest checkpoint. A failed run does not stop the others (exit
+status 1 at the end). OUT/study.json records the variants, flags, seeds and each run's wall time.
+--dry-run checks every variant's flags and prints the commands.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 POLL_S = 0.2  # how often running runs are checked for an exit
@@ -46,7 +47,7 @@ def shown(path: Path | str) -> str:
     return str(path) if rel.startswith("..") else rel
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     print(f"ablate: {message}", file=sys.stderr)
     sys.exit(2)
 
@@ -88,11 +89,11 @@ def load_study(args) -> tuple[list[str], dict[str, list[str]], list[int], Path]:
             fail(f"--variant {spec!r}: expected NAME=\"FLAGS\"")
         variants[name] = shlex.split(flags)
     variants = variants or {"base": []}  # seeds of the base alone
-    for name, flags in [("base", base), *variants.items()]:
-        if not NAME.fullmatch(name):
-            fail(f"variant name {name!r}: use letters, digits and _.+- (it names directories)")
+    for name in (n for n in variants if not NAME.fullmatch(n)):
+        fail(f"variant name {name!r}: use letters, digits and _.+- (it names directories)")
+    for where, flags in [("the base", base), *((f"variant {n}", f) for n, f in variants.items())]:
         if own := [f for f in flags if f.split("=")[0] in OWN_FLAGS]:
-            fail(f"{name}: {own[0]} is set per run by ablate.py (use --seeds, --out)")
+            fail(f"{where}: {own[0]} is set per run by ablate.py (use --seeds, --out)")
     seeds = args.seeds or study.get("seeds", [0])
     out = args.out or study.get("out") or f"runs/{Path(args.study).stem if args.study else 'study'}"
     return base, variants, seeds, Path(out)

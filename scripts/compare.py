@@ -23,6 +23,7 @@ import re
 import statistics
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 SEED = re.compile(r"-s\d+$")  # the seed suffix of ablate.py's run directories
 WINDOW = 10  # last steps averaged for the table's training metrics
@@ -31,7 +32,7 @@ TRAIN_KEYS = ("reward", "response_len", "response_len/correct", "response_len/in
               "truncated_frac")
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     print(f"compare: {message}", file=sys.stderr)
     sys.exit(2)
 

@@ -138,6 +138,15 @@ def test_a_bad_variant_flag_is_one_line_naming_it_before_any_run_starts(tmp_path
         "ablate: variant typo: unknown flag --policy-los (did you mean --policy-loss?)"]
 
 
+def test_a_variant_name_that_cannot_name_a_directory_or_a_per_run_flag_is_one_line(tmp_path):
+    for args, line in ((["--variant", "a/b=--lr 1e-4"], "ablate: variant name 'a/b': use "),
+                       (["--variant", "a=--seed 3"], "ablate: variant a: --seed is set per run"),
+                       (["--", "--run-dir", "x"], "ablate: the base: --run-dir is set per run")):
+        proc = script("ablate.py", *args, cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(line) and not list(tmp_path.iterdir())
+
+
 def test_compare_writes_plots_and_a_table_of_the_runs_final_metrics_mean_and_std(study):
     cwd, _ = study
     proc = script("compare.py", "out", cwd=cwd)
