@@ -10,8 +10,8 @@ processes on a shared machine) is attributed to:
   `pack_microbatches`;
 - begin_step: every micro-batch's normalizers, validation, and the one all_reduce of Z;
 - per-micro-batch overhead in `reduction(mb)`: everything outside the terms' `loss_fn`
-  (validation, the normalizer recomputation, `.item()` of the numerator, 1/Z scaling) plus
-  `record_stat` calls made inside the loss functions;
+  (validation, accumulating the numerator and the stats the loss functions return, 1/Z
+  scaling);
 - reported(): the one all_reduce of numerators and stats. The surrogate itself (ratio, clip,
   masked weighted sum) is the loss, not bookkeeping; it is shown for context.
 """
@@ -56,7 +56,6 @@ def instrument(reduction: L.LossReduction, clock: Clock):
     reduction.begin_step = clock.wrap("begin_step", reduction.begin_step)
     reduction.reported = clock.wrap("reported", reduction.reported)
     call = clock.wrap("call_overhead", type(reduction).__call__.__get__(reduction))
-    reduction.record_stat = clock.wrap("record_stat", reduction.record_stat)
     for term in reduction.terms:
         object.__setattr__(term, "loss_fn", clock.wrap("loss_fn", term.loss_fn))
     L.response_weights = clock.wrap("response_weights", L.response_weights)
@@ -74,9 +73,9 @@ def main():
     args = p.parse_args()
     fix_threads(1)
     nano = NanoRun(make_config(prompts_per_step=args.prompts_per_step, group_size=args.group_size,
-                               device="cpu", loss_aggregation=args.loss_aggregation,
+                               loss_aggregation=args.loss_aggregation,
                                warmup_steps=0, eval_every=0))
-    samples, _ = nano.rollout(0)
+    samples = nano.rollout(0)
     clock = Clock()
     call = instrument(nano.reduction, clock)
     # reduction(batch) in train_minibatch calls the instance: route it through the timed bound
@@ -92,7 +91,7 @@ def main():
         step = time.process_time() - t
         if i >= args.warmup:
             rows.append((step, dict(clock.total)))
-    keys = ["response_weights", "begin_step", "call_overhead", "record_stat", "reported"]
+    keys = ["response_weights", "begin_step", "call_overhead", "reported"]
     book = [sum(r[1].get(k, 0.0) for k in keys) / r[0] for r in rows]
     n_mbs = len(N.pack_microbatches(samples, nano.cfg))
 

@@ -95,9 +95,8 @@ def main():
     plen, clen = args.prompt_len or (256 if gpu else 6), args.completion_len or (768 if gpu else 3)
     name = args.model if not gpu or args.model != "assets/tiny-arith" else "qwen2.5-0.5b"
     budget = args.micro_batch_tokens or (16384 if gpu else N.Config.micro_batch_tokens)
-    cfg = N.Config(device=args.device, model=model_dir(name, args.num_layers),
-                   micro_batch_tokens=budget)
-    ranks, device = N.setup_distributed(cfg)
+    cfg = N.Config(model=model_dir(name, args.num_layers), micro_batch_tokens=budget)
+    ranks, device = N.setup_distributed(cfg.cp_size)
     model = N.load_model(cfg, device, ranks)
     hf = model.config
     vocab = hf.vocab_size
@@ -111,7 +110,7 @@ def main():
                                      [-1.0] * clen, "length"),
                         advantage=1.0) for i in range(seqs)]
     mbs = N.pack_microbatches(samples, cfg)
-    T = sum(mb["input_ids"].numel() for mb in mbs)
+    T = sum(mb.input_ids.numel() for mb in mbs)
 
     n_matmul = sum(p.numel() for n, p in model.named_parameters()
                    if p.dim() == 2 and "embed_tokens" not in n)
@@ -120,7 +119,7 @@ def main():
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     d_attn = hf.num_attention_heads * head_dim
     L = plen + clen
-    seg = torch.cat([mb["segments"] for mb in mbs])
+    seg = torch.cat([mb.segments for mb in mbs])
     q, c = seg[:, 1], seg[:, 3]
     pairs = int((q * c + q * (q + 1) // 2).sum())
     flops = 6 * n_matmul * T + 12 * hf.num_hidden_layers * d_attn * pairs

@@ -1,9 +1,9 @@
 """Shared bench plumbing: nanoareal driven in-process through its own functions, one step at a time.
 
-`NanoRun(cfg).step(k)` is the body of `nanoareal.main`'s loop (rollout -> reward -> advantages ->
-train_on_samples -> scheduler -> update_weights -> metrics) without the file logging, eval and
-progress bar, so a bench can time it step by step and interleave it with something else (TRL) in
-the same process.
+`NanoRun(cfg).step(k)` is the body of `nanoareal.main`'s loop (the batch for step k from the
+Rollouts queue -> advantages -> train_on_samples -> weight sync) without the file logging, eval
+and progress bar, so a bench can time it step by step and interleave it with something else (TRL)
+in the same process.
 """
 
 from __future__ import annotations
@@ -34,70 +34,60 @@ def fix_threads(n: int = 1) -> None:
 
 
 def make_config(**overrides) -> N.Config:
-    cfg = N.Config(**overrides)
-    return N.validate_config(cfg, 1)
+    return N.validate_config(N.Config(**overrides), 1)
 
 
 class NanoRun:
-    """nanoareal's set-up (model, optimizer, scheduler, LossReduction, rollout engine) as in
-    `main`, and its loop body one step at a time."""
+    """nanoareal's set-up as in `main` (data, reward, engine, FSDP2 model, AdamW, LossReduction,
+    the Rollouts queue of --max-staleness) and its loop body one step at a time."""
 
     def __init__(self, cfg: N.Config):
-        from transformers import AutoTokenizer
-
         self.cfg = cfg
         if dist.is_initialized():
-            cuda = torch.cuda.is_available() and cfg.device != "cpu"
-            self.ranks, self.device = N.Ranks(), torch.device("cuda" if cuda else "cpu")
+            self.ranks = N.Ranks()
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
-            self.ranks, self.device = N.setup_distributed(cfg)
+            self.ranks, self.device = N.setup_distributed(cfg.cp_size)
         torch.manual_seed(cfg.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        self.train_items, _ = tasks.load_dataset(cfg.dataset, None, cfg.reward)
-        self.encoded = [tasks.encode_prompt(r, self.tokenizer, cfg.chat_template)
-                        for r in self.train_items]
+        self.data = N.load_data(cfg)
         self.reward_fn = tasks.load_reward(cfg.reward)
-        self.engine = rollout.make_engine(cfg, self.device)
-        self.model = N.load_model(cfg, self.device, self.ranks)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
-                                           betas=(cfg.beta1, cfg.beta2),
-                                           weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0)
+        self.engine = rollout.make_engine(cfg.rollout_backend, cfg.rollout_url, cfg.model,
+                                          self.device, run_dir="runs/bench", seed=cfg.seed)
+        self.model, _, self.optimizer = N.load_models(cfg, self.device, self.ranks)
         self.reduction = L.build_loss(cfg)
+        self.rollouts = N.Rollouts(lambda s: N.rollout_batch(self.engine, self.data,
+                                                             self.reward_fn, s, cfg, self.ranks),
+                                   cfg.max_staleness, self.engine.overlaps, self.ranks, {})
 
-    def prompts(self, step: int) -> list[int]:
-        return N.prompts_for_step(len(self.train_items), self.cfg.prompts_per_step, step,
-                                  self.cfg.seed)
-
-    def rollout(self, step: int) -> tuple[list[N.Sample], dict]:
-        """generate -> reward -> advantages, as main's loop: the samples train_on_samples takes,
-        and this step's rollout sums."""
-        slots = list(enumerate(self.prompts(step)))
-        samples = N.generate(self.engine, self.encoded, slots, step, self.cfg, self.tokenizer)
-        sums = N.score(samples, self.train_items, self.reward_fn, self.tokenizer, self.cfg)
-        return samples, sums | N.set_advantages(samples, self.cfg)
+    def rollout(self, step: int) -> list[N.Sample]:
+        """This step's batch, its advantages set: what train_on_samples takes."""
+        samples = self.rollouts.take(step)
+        N.set_advantages(samples, self.cfg)
+        return samples
 
     def train(self, samples: list[N.Sample]) -> tuple[dict, dict]:
-        out = N.train_on_samples(self.model, None, self.optimizer, self.reduction, samples,
-                                 self.cfg, self.device, self.ranks)
-        self.scheduler.step()
-        return out
+        return N.train_on_samples(self.model, None, self.optimizer, self.reduction, samples,
+                                  self.cfg, self.device, self.ranks)
 
     def step(self, step: int) -> dict[str, float]:
-        """One full GRPO step, timed like `main` (t0..t3); returns times and token counts (main's
-        metric formatting and file logging are left out)."""
+        """One full GRPO step, timed like `main`; returns times and token counts (main's metric
+        formatting and file logging are left out)."""
         t0 = time.perf_counter()
-        samples, sums = self.rollout(step)
+        samples = self.rollout(step)
         t1 = time.perf_counter()
-        train_sums, train_stats = self.train(samples)
+        sums, stats = self.train(samples)
         t2 = time.perf_counter()
-        self.engine.update_weights(self.model)
+        self.rollouts.wait()
         t3 = time.perf_counter()
-        m = N.reduce_sums(sums | train_sums)  # main's one metrics collective
-        return {"time/step": t3 - t0, "time/rollout": t1 - t0, "time/train": t2 - t1,
-                "time/sync": t3 - t2, "generated_tokens": m["response_len_sum"],
-                "real_tokens": m["response_len_sum"] + m["prompt_len_sum"],
-                "grad_norm": train_stats["grad_norm"]}
+        self.engine.update_weights(self.model, step + 1)
+        t4 = time.perf_counter()
+        generated = sum(len(s.completion.output_ids) for s in samples)
+        return {"time/step": t4 - t0, "time/rollout": t1 - t0 + t3 - t2, "time/train": t2 - t1,
+                "time/sync": t4 - t3, "generated_tokens": generated,
+                "real_tokens": sums["trained_tokens"], "grad_norm": stats["grad_norm"]}
+
+    def close(self) -> None:
+        self.rollouts.close()
 
 
 class PositionCounter:

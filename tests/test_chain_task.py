@@ -189,25 +189,15 @@ def test_two_step_cli_run_logs_lengths_by_correctness(tmp_path):
         assert r["accuracy"] == r["reward"]
 
 
-def test_ablation_runs_the_task_with_its_flags_and_the_no_std_variants(tmp_path):
-    import importlib.util
+def test_the_task_brings_its_model_and_flags_unless_the_user_gives_them(tmp_path):
+    """`--dataset chain` alone used to train the arithmetic model on the chain task."""
+    import nanoareal as N
 
-    spec = importlib.util.spec_from_file_location("ablation", ROOT / "bench" / "ablation.py")
-    ablation = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ablation)
-    assert ablation.variant_flags("seq_mean:no-std") == ["--loss-aggregation", "seq_mean",
-                                                         "--no-adv-std"]
-    assert ablation.variant_flags("constant") == ["--loss-aggregation", "constant"]
-    with pytest.raises(Exception, match="MODE:no-std"):
-        ablation.check_variant("seq_mean:no-clip")
-    assert ablation.run_dir(tmp_path, "constant:no-std", 2).name == "constant-nostd-s2"
-    # the task's recommended flags, except those given again
-    assert ablation.merge_flags(ablation.TASK_FLAGS["chain"], ["--max-new-tokens=24", "--steps",
-                                                               "4"]) == [
-        "--model", "assets/tiny-chain", "--prompts-per-step", "32", "--max-new-tokens=24",
-        "--steps", "4"]
-    log = tmp_path / "stdout.log"
-    log.write_text("Loading weights: 100%|##########| 39/39 [00:00<00:00, 3502.29it/s]\n"
-                   "  9%|#         | 9/100 [00:10<01:23,  1.09it/s]step 10 | eval 0.41\rerror\n")
-    ablation.trim_log(log)
-    assert log.read_text() == "step 10 | eval 0.41\nerror\n"
+    cfg = N.parse_config(["--dataset", "chain"])
+    assert Path(cfg.model).name == "tiny-chain"
+    assert (cfg.max_new_tokens, cfg.prompts_per_step, cfg.reward) == (32, 32, "last_number")
+    toml = tmp_path / "c.toml"
+    toml.write_text('dataset = "chain"\nprompts_per_step = 16\n')
+    cfg = N.parse_config(["--config", str(toml), "--max-new-tokens", "24"])
+    assert Path(cfg.model).name == "tiny-chain"
+    assert (cfg.max_new_tokens, cfg.prompts_per_step) == (24, 16)  # the user's flags win
