@@ -161,3 +161,22 @@ def test_cli_cp2_run_logs_the_same_first_step_as_one_process(tmp_path):
     for k in losses + ["entropy"]:
         assert abs(one[k] - two[k]) < TOL, (k, one[k], two[k])
     assert abs(one["grad_norm"] - two["grad_norm"]) < 1e-4 * max(1.0, one["grad_norm"])
+
+
+def test_a_context_parallel_group_scores_its_batch_once(tmp_path):
+    """A reward that differs between the CP group's ranks (a judge, a random draw, a timeout on
+    one rank) used to give each rank its own rewards: with --filter-zero-variance they kept
+    different samples, and the Ulysses all-to-alls saw different rows. The group's first rank
+    scores; here its rewards are random and the other rank's all 0, so a rank that scored for
+    itself would filter every group away and leave the other rank training alone."""
+    reward = tmp_path / "ranked.py"
+    reward.write_text("import os, random\n\ndef score(completion, row):\n"
+                      "    return random.random() if os.environ['RANK'] == '0' else 0.0\n")
+    torchrun(2, "nanoareal.py", "--model", str(ROOT / "assets" / "tiny-arith"), "--steps", "2",
+             "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0", "--cp-size", "2",
+             "--filter-zero-variance", "--reward", f"{reward}:score",
+             "--run-dir", str(tmp_path / "run"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert 0 < r["reward"] < 1 and r["zero_var_groups"] == 0 and r["grad_norm"] > 0

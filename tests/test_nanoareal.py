@@ -370,3 +370,27 @@ def test_bf16_compute_keeps_fp32_master_weights_so_small_updates_land(one_rank_g
     deltas = _one_step(cfg, torch.optim.AdamW, lr=1e-6)
     moved = sum(int((d != 0).sum()) for d in deltas) / sum(d.numel() for d in deltas)
     assert moved > 0.5, f"only {moved:.1%} of the parameters moved"
+
+
+def test_a_step_with_nothing_to_learn_from_moves_neither_the_weights_nor_adamw(one_rank_group):
+    """Every response masked (--mask-truncated, all cut) gives a global normalizer of 0: AdamW must
+    not step, or its momentum from the step before and its bias correction move every weight."""
+    import loss as L
+
+    cfg = N.Config(model=TINY, warmup_steps=0, mask_truncated=True)
+    model, _, optimizer = N.load_models(cfg, torch.device("cpu"), N.Ranks())
+    reduction = L.build_loss(cfg)
+    ok = [_sample(g, [4 + g, 13, 5], [6 + g, 1], adv=(-1) ** g) for g in range(4)]
+    _, stats = N.train_on_samples(model, None, optimizer, reduction, ok, cfg,
+                                  torch.device("cpu"), N.Ranks())
+    assert stats["updated"] == 1
+    before = [p.detach().full_tensor().clone() for p in model.parameters()]
+    steps = [float(s["step"]) for s in optimizer.state.values()]
+    cut = [_sample(g, [4 + g, 13, 5], [6 + g, 7], "length", adv=(-1) ** g) for g in range(4)]
+    for samples in (cut, []):  # all masked; or every group filtered away
+        _, stats = N.train_on_samples(model, None, optimizer, reduction, samples, cfg,
+                                      torch.device("cpu"), N.Ranks())
+        assert stats["updated"] == 0 and stats["grad_norm"] == 0
+    assert all(torch.equal(b, p.detach().full_tensor()) for b, p in zip(before,
+                                                                         model.parameters()))
+    assert [float(s["step"]) for s in optimizer.state.values()] == steps
