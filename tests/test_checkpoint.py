@@ -1,7 +1,8 @@
 """Checkpoints, resume and failure handling (issue 6): a run killed at any moment and resumed equals
 the run that was never killed; bad steps, bad rewards, empty batches and dead ranks end or
 continue cleanly; impossible options fail before any work starts. The end-to-end tests run the
-real CLI (through tests/support/fault_runner.py, which injects the faults) and kill it with SIGKILL."""
+real CLI (through tests/support/fault_runner.py, which injects the faults) and kill it with
+SIGKILL."""
 
 import json
 import os

@@ -1,15 +1,14 @@
 """Context parallel (Ulysses), issue 5: splitting every packed micro-batch across N ranks changes
 nothing.
 
-Reference = one process without CP, run in this process (tests/support/cp_worker.py's `main`). The CP
-runs are real torchrun launches of the same worker on CPU gloo: CP=2 on 2 ranks, and dp 2 x cp 2
-on 4 ranks. Tiny random Llamas: "gqa" (4 query heads, 2 KV heads: split as they are), "kv1" (4
-and 1: fewer KV heads than CP ranks) and "kv3" (6 and 3: KV heads not divisible by N); for the
-last two the KV heads are replicated so every rank gets the ones it needs; and a tiny Gemma 2
-(a sliding window of 3, attention and final logit softcaps). Compared in float32:
-logits and log-probs of a packed row whose length is not a multiple of N, the full gradient of
-every parameter and the reported loss terms (all four aggregation modes on "gqa", token_mean on
-the others).
+Reference = one process without CP, run in this process (tests/support/cp_worker.py's `main`). The
+CP runs are real torchrun launches of the same worker on CPU gloo: CP=2 on 2 ranks, and dp 2 x cp 2
+on 4 ranks. Tiny random Llamas: "gqa" (4 query heads, 2 KV heads: split as they are), "kv1" (4 and
+1: fewer KV heads than CP ranks) and "kv3" (6 and 3: KV heads not divisible by N); for the last two
+the KV heads are replicated so every rank gets the ones it needs; and a tiny Gemma 2 (a sliding
+window of 3, attention and final logit softcaps). Compared in float32: logits and log-probs of a
+packed row whose length is not a multiple of N, the full gradient of every parameter and the
+reported loss terms (all four aggregation modes on "gqa", token_mean on the others).
 """
 
 import importlib.util
@@ -33,7 +32,8 @@ torch.set_num_threads(1)
 
 
 def _load_worker():
-    spec = importlib.util.spec_from_file_location("cp_worker", ROOT / "tests" / "support" / "cp_worker.py")
+    spec = importlib.util.spec_from_file_location("cp_worker",
+                                                  ROOT / "tests" / "support" / "cp_worker.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -115,7 +115,8 @@ def test_cp2_logits_grads_and_reported_losses_equal_one_process_for_every_mode(n
                                                                                tmp_path):
     out = tmp_path / "cp.pt"
     models = [tiny_models[m] for m in ("gqa", "kv1", "kv3", "gemma2")]
-    torchrun(nproc, "tests/support/cp_worker.py", "--models", *models, "--cp", "2", "--out", str(out))
+    torchrun(nproc, "tests/support/cp_worker.py", "--models", *models, "--cp", "2", "--out",
+             str(out))
     result = torch.load(out)
     assert set(result) == {"gqa", "kv1", "kv3", "gemma2"}
     assert_matches_reference(result, reference, f"{nproc} ranks")

@@ -1,9 +1,9 @@
 """Rules 1, 3, 5, 6 of loss.py's contract across processes: FSDP2 on gloo (2 ranks) against one
 process, one micro-batch.
 
-One torchrun launch (tests/support/fsdp_loss_worker.py) runs every case; rank 0 saves the results and
-each test below checks one case. Float32 model: agreement 1e-5 relative to the largest reference
-gradient.
+One torchrun launch (tests/support/fsdp_loss_worker.py) runs every case; rank 0 saves the
+results and each test below checks one case. Float32 model: agreement 1e-5 relative to the
+largest reference gradient.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import sys
 
 import pytest
 import torch
+from fsdp_loss_worker import CASES, ZERO_CASE
 
 import loss as L
-
-from fsdp_loss_worker import CASES, ZERO_CASE
 
 torch.set_num_threads(1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,8 +1,9 @@
 """A user's runs are never lost and a user's mistakes are one line (issue 13). Every test here runs
 the real CLI: the mistakes table (exit code 2, one stderr line, nothing on disk touched), run
 directories (two different commands keep both runs, the same command resumes, --resume fresh
-moves the old run aside, resuming an older checkpoint sets the newer ones aside), SIGINT mid-run then a rerun that ends exactly like an uninterrupted run, and
-each way a checkpoint can be broken."""
+moves the old run aside, resuming an older checkpoint sets the newer ones aside), SIGINT mid-run
+then a rerun that ends exactly like an uninterrupted run, and each way a checkpoint can be
+broken."""
 
 from __future__ import annotations
 
