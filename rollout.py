@@ -1,92 +1,108 @@
-"""Rollout engines: turn prompt token ids into sampled completions with behaviour log-probs.
+"""Rollout engines: prompt token ids -> sampled completions with their behaviour log-probs.
 
-One small interface, a few backends:
-
-    engine.generate(prompt_ids, sampling, seeds) -> list[Completion]  # one per (prompt, seed)
-    engine.update_weights(model, step)  # every rank calls it: FSDP2 gathers are collectives
-    engine.release_memory() / engine.resume_memory()   # around the training phase (colocated GPU)
-    engine.shutdown()
-
-Backends:
-- `HFEngine`: plain transformers on CPU (or one GPU). Used by the default run and the tests. It
-  keeps its own copy of the weights, exactly like an inference server, so weight sync is a real
-  copy.
-- SGLang (in-process `sglang.Engine` colocated on the trainer's GPU, or remote servers over
-  HTTP): see the SGLang section below.
-
-Behaviour log-probs follow SGLang's definition: `log_softmax(logits / temperature)` of the
-sampled token, taken *before* top-p / top-k truncation. The trainer computes its log-probs with
-the same temperature so the ratio pi_theta / pi_behave is 1 when the weights are equal.
+One interface (`Engine`), three backends: `HFEngine` (transformers on this rank's device, its own
+copy of the weights), `SGLangEngine` (in-process, on the trainer's GPU) and `RemoteSGLangEngine`
+(SGLang servers over HTTP). Behaviour log-probs are SGLang's: log_softmax(logits / temperature)
+of the sampled token before top-p/top-k, as the trainer's, so pi/pi_behave is 1 at equal weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
 import shutil
+import signal
 import socket
+import tempfile
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from cli import UserError
+
+HTTP_TIMEOUT_S = 600.0  # one request to a server; a timed-out /generate is aborted, then re-posted
+HTTP_RETRIES = 3  # retries of a timeout, connection error or 5xx, backing off exponentially
+HTTP_BACKOFF_S = 0.5  # the first back-off; it doubles at every retry
+ABORT_TIMEOUT_S = 10.0  # POST /abort_request before a timed-out /generate is re-posted
+ABORT_RESUBMITS = 3  # resubmissions (prompt + tokens so far) of a request a server aborted
+HEALTH_TIMEOUT_S = 600.0  # how long to wait for a server's /health_generate at start
+HTTP_THREADS = 1024  # requests in flight per rank: more than a rank's whole batch
+SYNC_BUCKET_MB = 512  # weights per update_weights_from_tensor / _from_distributed call
+WEIGHT_GROUP_TIMEOUT_S = 600.0  # the NCCL weight group: its rendezvous and every broadcast
+SGLANG_MEM_FRACTION = 0.5  # in-process engine: its share of the GPU (weights + KV cache)
+SGLANG_PORT_BASE, SGLANG_PORT_STRIDE = 20000, 10  # in-process engine ports: base + stride x rank
 
 
 @dataclass
 class SamplingParams:
     max_new_tokens: int
-    temperature: float = 1.0
-    """0 means greedy."""
+    temperature: float = 1.0  # 0 is greedy
     top_p: float = 1.0
-    top_k: int = -1
-    """-1 disables top-k (SGLang's convention)."""
+    top_k: int = -1  # -1 disables top-k (SGLang's convention)
     stop_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
 class Completion:
     output_ids: list[int]
-    logprobs: list[float]
-    """Behaviour log-prob of each output token: log_softmax(logits / temperature), before
-    top-p/top-k."""
-    finish_reason: str
-    """"stop" (a stop token was sampled, and is included in output_ids), "length" or "abort"."""
+    logprobs: list[float]  # behaviour log-prob of each output token
+    finish_reason: str  # "stop" (ends in a stop token, included), "length" or "abort"
+
+
+class Engine(Protocol):
+    """What the trainer needs of a rollout engine: one completion per (prompt, seed); every rank
+    calls update_weights (FSDP2 gathers are collectives); release/resume_memory bracket the
+    training phase (a colocated engine frees the GPU)."""
+
+    version: int  # the policy version (optimizer steps) of the weights it holds
+    overlaps: bool  # can generate on a background thread while the trainer trains
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
+                 seeds: list[int]) -> list[Completion]: ...
+    def update_weights(self, model: nn.Module, version: int) -> None: ...
+    def release_memory(self) -> None: ...
+    def resume_memory(self) -> None: ...
+    def shutdown(self) -> None: ...
 
 
 def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, full tensor) for every parameter and buffer of a (possibly FSDP2-sharded) model.
-
-    `DTensor.full_tensor()` is an all-gather: every rank must iterate the same names in the same
-    order, even ranks that throw the result away.
-    """
+    """(name, full tensor) of every parameter and buffer of a (possibly FSDP2-sharded) model.
+    `full_tensor()` is an all-gather: every rank iterates, in the same order."""
     for name, tensor in model.state_dict().items():
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
         yield name, tensor.detach()
 
 
+def _check_seeds(prompt_ids: list, seeds: list) -> None:
+    if len(prompt_ids) != len(seeds):
+        raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
+
+
 # -----------------------------------------------------------------------------
-# Counter-based sampling noise: the sample drawn for (seed, position) never depends on the batch it
-# was generated in, the rank that generated it, or how many other prompts there were. That is what
-# makes a run reproducible across world sizes.
+# Counter-based sampling noise: the sample drawn for (seed, position) never depends on the batch,
+# the rank or the number of prompts, so a run reproduces across world sizes.
 
 _MASK32 = 0xFFFFFFFF
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser on int64 tensors (or Python ints) holding values in [0, 2^32).
-
-    Products may overflow int64, but only the low 32 bits are kept and those wrap correctly.
-    """
+    """MurmurHash3's 32-bit finaliser on int64 tensors (or ints) in [0, 2^32); products may
+    overflow int64, but only their low 32 bits are kept, and those wrap correctly."""
     h = h ^ (h >> 16)
     h = (h * 0x85EBCA6B) & _MASK32
     h = h ^ (h >> 13)
@@ -105,8 +121,8 @@ def mix_seed(*parts: int) -> int:
 def gumbel_noise(seeds: torch.Tensor, position: int, vocab_size: int,
                  device: torch.device | str | None = None) -> torch.Tensor:
     """Gumbel(0, 1) noise [B, V] keyed by (seed_b, position, token): argmax(logits + noise) samples
-    softmax. Computed on `device` (the logits'): B x V hashes a token are too many for a CPU when
-    V is 150k; integer hashing is exact anywhere, so the noise does not depend on the device."""
+    softmax. Integer hashing is exact on any device, so it runs on the logits' (B x V hashes a
+    token are too many for a CPU at V = 150k)."""
     seeds = seeds.to(device=device, dtype=torch.int64)
     key = _fmix32(seeds ^ ((position * 0x9E3779B1 + 0x7F4A7C15) & _MASK32))
     token = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
@@ -116,14 +132,10 @@ def gumbel_noise(seeds: torch.Tensor, position: int, vocab_size: int,
     return -torch.log(-torch.log(u))
 
 
-def sample_tokens(
-    logits: torch.Tensor, sampling: SamplingParams, seeds: torch.Tensor, position: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return (token ids [B], behaviour log-probs [B]).
-
-    The log-prob is taken from the temperature-scaled distribution before truncation (SGLang's
-    definition).
-    """
+def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.Tensor,
+                  position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row: (token ids [B], behaviour log-probs [B]), the log-prob taken before
+    truncation (SGLang's definition)."""
     logits = logits.float()
     if sampling.temperature == 0:
         tokens = logits.argmax(-1)
@@ -136,9 +148,8 @@ def sample_tokens(
         truncated = truncated.masked_fill(scaled < kth, float("-inf"))
     if sampling.top_p < 1.0:
         sorted_logits, order = torch.sort(truncated, dim=-1, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        # keep the token that crosses p
-        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= sampling.top_p
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop_sorted = (probs.cumsum(-1) - probs) >= sampling.top_p  # keeps the token crossing p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         truncated = truncated.masked_fill(drop, float("-inf"))
     noise = gumbel_noise(seeds, position, logits.shape[-1], logits.device)
@@ -151,40 +162,35 @@ def sample_tokens(
 
 
 class HFEngine:
-    """Rollouts on a private transformers copy of the policy (CPU default; works on one GPU too)."""
+    """Rollouts on a private transformers copy of the policy (CPU default; one GPU works too)."""
+
+    overlaps = True  # a background thread hides generation behind training (NOTES: overlap)
 
     def __init__(self, model_path: str, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32,
-                 batch_size: int = 512):
+                 dtype: torch.dtype = torch.float32, batch_size: int = 512):
         from transformers import AutoModelForCausalLM
 
-        self.device = torch.device(device)
+        self.device, self.batch_size, self.version = torch.device(device), batch_size, 0
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         self.model = self.model.to(self.device).eval()
-        self.batch_size = batch_size
 
     @torch.no_grad()
-    def update_weights(self, model: nn.Module, step: int = 0) -> None:
-        self.version = step
+    def update_weights(self, model: nn.Module, version: int) -> None:
         own = self.model.state_dict()
         for name, tensor in iter_full_tensors(model):
             own[name].copy_(tensor)
+        self.version = version
 
-    def release_memory(self) -> None:
-        """Nothing to release: the HF copy keeps its memory (it is the policy's size, no KV cache
-        outlives a generate call)."""
-
-    def resume_memory(self) -> None:
-        pass
+    def release_memory(self) -> None: ...  # no KV cache outlives a generate call
+    def resume_memory(self) -> None: ...
 
     def shutdown(self) -> None:
         self.model = None
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
                  seeds: list[int]) -> list[Completion]:
-        if len(prompt_ids) != len(seeds):
-            raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
-        # Bucketing by prompt length keeps padding (and wasted attention) small.
+        _check_seeds(prompt_ids, seeds)
+        # bucketing by prompt length keeps padding (and wasted attention) small
         order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
         out: list[Completion | None] = [None] * len(prompt_ids)
         for start in range(0, len(order), self.batch_size):
@@ -199,16 +205,13 @@ class HFEngine:
 
         # Each distinct prompt is prefilled once and its KV cache copied to its rows (a GRPO group
         # shares one prompt), and rows that sampled a stop token leave the batch, so decoding costs
-        # ~ the tokens generated. The noise is keyed by (seed, position), so neither changes which
-        # token a row samples from its logits.
+        # ~ the tokens generated. The noise is keyed by (seed, position): neither changes a sample.
         unique: dict[tuple[int, ...], int] = {}
         row_prompt = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
         B, L = len(prompts), max(len(p) for p in prompts)
-        pad = 0
-        input_ids = torch.full((len(unique), L), pad, dtype=torch.long)
+        input_ids = torch.zeros((len(unique), L), dtype=torch.long)
         attention = torch.zeros((len(unique), L), dtype=torch.long)
-        # left padding: every row's next token sits at the same column
-        for b, p in enumerate(unique):
+        for b, p in enumerate(unique):  # left padding: every row's next token in the same column
             input_ids[b, L - len(p):] = torch.tensor(p)
             attention[b, L - len(p):] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
@@ -216,18 +219,16 @@ class HFEngine:
         seed_t = torch.tensor(seeds, dtype=torch.int64)
         stop = torch.tensor(sampling.stop_token_ids or [-1], device=self.device)
         cache = DynamicCache()
-        # transformers renamed `past_key_values` to `cache` (5.2x); accept both so older versions
-        # work too
-        params = inspect.signature(self.model.forward).parameters
-        cache_kw = "cache" if "cache" in params else "past_key_values"
+        # transformers 5.2x renamed `past_key_values` to `cache`; older versions work too
+        kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else \
+            "past_key_values"
         logits = self.model(input_ids=input_ids, attention_mask=attention,
-                            position_ids=position_ids,
-                            use_cache=True, **{cache_kw: cache}).logits[:, -1]
+                            position_ids=position_ids, use_cache=True, **{kw: cache}).logits[:, -1]
         rows = torch.tensor(row_prompt, device=self.device)
         cache.reorder_cache(rows)  # [unique prompts] -> [rows]
         logits, attention, step_pos = logits[rows], attention[rows], position_ids[rows, -1:]
         live = torch.arange(B)  # the original row of every row still in the batch
-        tokens = torch.full((B, sampling.max_new_tokens), pad, dtype=torch.long)
+        tokens = torch.zeros((B, sampling.max_new_tokens), dtype=torch.long)
         logps = torch.zeros((B, sampling.max_new_tokens), dtype=torch.float32)
         for t in range(sampling.max_new_tokens):
             tok, lp = sample_tokens(logits, sampling, seed_t[live], t)
@@ -244,89 +245,57 @@ class HFEngine:
             step_pos = step_pos + 1
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
             logits = self.model(input_ids=tok[:, None], attention_mask=attention,
-                                position_ids=step_pos,
-                                use_cache=True, **{cache_kw: cache}).logits[:, -1]
+                                position_ids=step_pos, use_cache=True, **{kw: cache}).logits[:, -1]
         results = []
-        tokens, logps = tokens.cpu(), logps.cpu()
-        for b in range(B):
-            row = tokens[b].tolist()
-            n = len(row)
-            reason = "length"
-            for j, tok_id in enumerate(row):
-                if tok_id in sampling.stop_token_ids:
-                    n, reason = j + 1, "stop"
-                    break
-            results.append(Completion(row[:n], logps[b, :n].tolist(), reason))
+        for row, lps in zip(tokens.tolist(), logps.tolist()):
+            n = next((j + 1 for j, t in enumerate(row) if t in sampling.stop_token_ids), len(row))
+            stopped = n > 0 and row[n - 1] in sampling.stop_token_ids
+            results.append(Completion(row[:n], lps[:n], "stop" if stopped else "length"))
         return results
 
 
 # -----------------------------------------------------------------------------
-# SGLang: in-process engine colocated on the trainer's GPU, or remote servers over HTTP.
-#
-# SGLang facts that bite (read from SGLang's source, 0.5.x):
-# - Behaviour log-probs (`meta_info["output_token_logprobs"]`, a list of (logprob, token_id,
-#   text_or_None)) are log_softmax(logits / temperature) of the sampled token, taken before
-#   top-p/top-k truncation. Setting the environment variable SGLANG_RETURN_ORIGINAL_LOGPROB makes
-#   them temperature-1 log-probs instead, which breaks the pi_theta / pi_behave ratio for any
-#   temperature != 1: we refuse to start with it.
-# - temperature 0 is greedy (SGLang turns it into top_k=1 at temperature 1): its log-probs are
-#   log_softmax(logits).
-# - `finish_reason` is a dict: {"type": "stop", "matched": id}, {"type": "length", "length": n} or
-#   {"type": "abort", "message": ...}. With a stop token id, the matched token is the last output
-#   token.
-# - The KV-cache budget is computed from *free* GPU memory when the engine starts: create the engine
-#   before the trainer allocates (nanoareal.main does), and size it with `mem_fraction_static`.
-# - Memory release/resume (`enable_memory_saver=True`): tags "kv_cache", "weights" and, where
-#   sglang.srt.constants has GPU_MEMORY_TYPE_CUDA_GRAPH, "cuda_graph". Release needs an idle engine;
-#   resuming a tag that is not released raises. Order around a training step: release all -> train
-#   -> resume "weights" -> push the new weights -> resume "kv_cache" (+ "cuda_graph") -> flush the
-#   cache. Resuming the KV cache only after the update leaves room for the gathered weight buckets.
-# - From 0.5.21, tensor and distributed weight updates must run inside begin_weight_update() /
-#   end_weight_update() (HTTP: POST /begin_weight_update {} and /end_weight_update {}); older
-#   versions have neither (the in-process Engine lacks the methods, the HTTP server answers 404).
-# - `update_weights_from_tensor(named_tensors, load_format=None, flush_cache=True)` sends CUDA-IPC
-#   handles; it is the only in-memory path when trainer and engine share a GPU (NCCL between two
-#   processes on one GPU fails with "Duplicate GPU detected"). Pass flush_cache=False for all but
-#   the last bucket.
-# - `sampling_seed` is a per-request sampling parameter only in newer versions (older ones reject
-#   unknown keys); we send it when the installed SamplingParams has the field (in-process) or until
-#   a server rejects it (remote). SGLang honours it only under enable_deterministic_inference
-#   (--sglang-deterministic): otherwise the seed is ignored and rollouts are not reproducible.
-# - Control calls (update_weights_from_tensor, begin/end_weight_update, memory release/resume,
-#   flush_cache; their HTTP routes) report failure in their result, (success, message) or
-#   {"success": false, "message": ...}, instead of raising: every result is checked (_succeeded).
-# - Empty the trainer's CUDA cache before resume_memory_occupation (sglang issue #14092).
-# - /server_info (from 0.5.10) replaces the deprecated /get_server_info.
-
-def _finish_type(finish_reason) -> str:
-    if isinstance(finish_reason, dict):
-        return str(finish_reason.get("type", "abort"))
-    return "abort" if finish_reason is None else str(finish_reason)
+# SGLang, in-process or remote. Facts that bite (read from its source, 0.5.10-0.5.23):
+# - output_token_logprobs is [(logprob, token_id, None)], log_softmax(logits / T) before top-p/k;
+#   SGLANG_RETURN_ORIGINAL_LOGPROB would make it T=1 (refused). Temperature 0 is greedy.
+# - The KV-cache budget comes from the GPU memory free at start: create the engine first.
+# - Memory release/resume: enable_memory_saver=True, an idle engine, tags kv_cache, weights,
+#   cuda_graph; resuming an unreleased tag raises. A step: release all -> train -> resume weights
+#   -> push -> resume the rest -> flush, so the pushed buckets are freed before the KV cache
+#   returns; empty the trainer's CUDA cache first (sglang #14092: cu_mem_create out of memory).
+# - From 0.5.21 tensor and distributed updates run between begin_weight_update() and
+#   end_weight_update() (HTTP: 404 before). A disk update must not: it post-processes the weights
+#   itself (load_weights_and_postprocess) and leaves the session unmarked, so end would run
+#   post_load_weights and process_weights_after_loading again.
+# - update_weights_from_tensor (CUDA IPC) is the only in-memory path on a shared GPU (NCCL on one
+#   GPU: "Duplicate GPU detected"). Control calls report failure in their result ((success, msg),
+#   {"success": false}) instead of raising: every result is checked.
+# - sampling_seed is honoured only under enable_deterministic_inference. ServerArgs and
+#   SamplingParams are msgspec Structs from 0.5.20. /server_info replaces /get_server_info (0.5.10).
 
 
-def completion_from_sglang(out: dict) -> Completion:
-    """One SGLang generate result (HTTP JSON or in-process dict) -> Completion.
-
-    Token ids come from `output_token_logprobs` so ids and log-probs can never be misaligned.
-    """
+def completion_from_sglang(out: dict, stop_ids: list[int]) -> Completion:
+    """One SGLang generate result (HTTP JSON or in-process dict) -> Completion, its ids from
+    output_token_logprobs (never misaligned with the log-probs). SGLang stops on the request's stop
+    ids and the model's eos ids; when one is the last allowed token, <= 0.5.17 reports "length"
+    (it tests the length first), 0.5.18+ "stop": the tokens decide, ending in a stop id is stop."""
     meta = out["meta_info"]
     pairs = meta.get("output_token_logprobs") or []
-    ids = [int(p[1]) for p in pairs]
-    logprobs = [float(p[0]) for p in pairs]
     if not pairs and out.get("output_ids"):
         raise RuntimeError("SGLang returned output_ids without output_token_logprobs: send "
                            "return_logprob=True")
-    return Completion(ids, logprobs, _finish_type(meta.get("finish_reason")))
+    ids, reason = [int(p[1]) for p in pairs], meta.get("finish_reason")
+    reason = reason.get("type", "abort") if isinstance(reason, dict) else reason or "abort"
+    return Completion(ids, [float(p[0]) for p in pairs],
+                      "stop" if ids and ids[-1] in stop_ids else reason)
 
 
 def _sampling_dict(sampling: SamplingParams, max_new_tokens: int, seed: int | None) -> dict:
     d = {"max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
-         "top_p": sampling.top_p,
-         "top_k": sampling.top_k, "stop_token_ids": list(sampling.stop_token_ids),
-         "skip_special_tokens": False, "no_stop_trim": True}
-    if seed is not None:
-        d["sampling_seed"] = int(seed) & 0x7FFFFFFF
-    return d
+         "top_p": sampling.top_p, "top_k": sampling.top_k,
+         "stop_token_ids": list(sampling.stop_token_ids), "skip_special_tokens": False,
+         "no_stop_trim": True}
+    return d if seed is None else d | {"sampling_seed": int(seed) & 0x7FFFFFFF}
 
 
 def _check_logprob_env() -> None:
@@ -336,37 +305,45 @@ def _check_logprob_env() -> None:
                            "log_softmax(logits / temperature). Unset it.")
 
 
-def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+_rank = lambda: dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    """No rank may generate before rank 0 has finished pushing weights to the servers."""
-    import torch.distributed as dist
+def _fields(cls) -> set[str]:
+    """Field names of an SGLang dataclass, msgspec.Struct (no __init__ signature) or class."""
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    return set(getattr(cls, "__struct_fields__", None) or inspect.signature(cls).parameters)
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+
+_DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float": torch.float32, "float32": torch.float32}
+
+
+def engine_dtype(model_path: str, requested: str | None = "auto",
+                 fp32_as: torch.dtype | None = None) -> torch.dtype:
+    """The dtype SGLang holds the weights in, so that a sync rounds them once: `requested` (its
+    --dtype), or the config's own, where an fp32 config runs in `fp32_as`, by default SGLang's own
+    choice (float16, bfloat16 for Gemma: _get_and_verify_dtype)."""
+    if requested in _DTYPES:
+        return _DTYPES[requested]
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    d = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    if (d := (_DTYPES.get(d) if isinstance(d, str) else d) or torch.float32) != torch.float32:
+        return d
+    return fp32_as or (torch.bfloat16 if cfg.model_type.startswith("gemma") else torch.float16)
 
 
 def iter_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None
                  ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
-    """Group (name, tensor) into buckets of about `bucket_bytes`; yield (bucket, is_last).
-
-    Floating-point tensors are cast to `dtype` (the engine's dtype); one bucket is held back so
-    the last one is known (it is the one that flushes the cache). A tensor larger than the budget
-    forms a bucket of its own.
-    """
+    """(name, tensor) in buckets of about `bucket_bytes` -> (bucket, is_last); floating tensors
+    cast to `dtype`. One bucket is held back so the last (the one that flushes) is known; a tensor
+    over the budget is a bucket of its own."""
     pending, size, ready = [], 0, None
     for name, t in named:
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        if device is not None:
-            t = t.to(device)
+        t = t.to(device=device, dtype=dtype if t.is_floating_point() else None)
         if pending and size + t.numel() * t.element_size() > bucket_bytes:
             if ready is not None:
                 yield ready, False
@@ -379,93 +356,115 @@ def iter_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int,
         yield pending, True
 
 
-class SGLangEngine:
-    """One in-process `sglang.Engine` per rank (tp=1) on this rank's GPU, sharing it with the
-    trainer."""
+@contextmanager
+def _sigint_ignored():
+    """SGLang spawns its scheduler and detokenizer (multiprocessing spawn: fork + exec) in the
+    trainer's process group, so a terminal's Ctrl-C would kill them mid-step. An ignored signal
+    survives exec, Python keeps an inherited SIG_IGN, and those processes install no SIGINT
+    handler of their own (0.5.10-0.5.23): spawned while it is ignored, they never see it."""
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, old)
 
-    def __init__(self, model_path: str, gpu_id: int = 0, mem_fraction: float = 0.5, seed: int = 0,
-                 bucket_mb: int = 512, dtype: torch.dtype = torch.bfloat16,
+
+class SGLangEngine:
+    """One in-process `sglang.Engine` (tp=1) on this rank's GPU, sharing it with the trainer."""
+
+    overlaps = False  # it must free the GPU memory the trainer trains in
+
+    def __init__(self, model_path: str, gpu_id: int = 0, seed: int = 0,
                  device: torch.device | str = "cuda", deterministic: bool = False,
-                 **engine_kwargs):
+                 local_rank: int | None = None, **engine_kwargs):
         import sglang  # lazy: an optional extra
+        from sglang.srt.server_args import ServerArgs
 
         _check_logprob_env()
+        self.dtype = engine_dtype(model_path, fp32_as=torch.bfloat16)  # passed to SGLang too
+        self.device, self.version, self.released = torch.device(device), 0, set()
+        # SGLang picks free ports by probing, binding them later (0.5.10 get_free_port, 0.5.23 a
+        # random one below the ephemeral range): engines started together on one host collide.
+        # In-process it binds nccl_port (its scheduler's torch.distributed store; ZMQ uses ipc://
+        # files); `port` is the HTTP port and the base of the TCP ZMQ ports under DP attention.
+        rank = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
+        port = SGLANG_PORT_BASE + SGLANG_PORT_STRIDE * rank
+        # an fp32 lm_head (0.5.10 has it): bf16 logits would make pi/pi_behave != 1 at equal weights
+        optional = {"port": port, "nccl_port": port + 1, "enable_fp32_lm_head": True}
+        kw = {k: v for k, v in optional.items() if k in _fields(ServerArgs)}
         if deterministic:  # the only mode in which SGLang honours a request's sampling_seed
-            engine_kwargs["enable_deterministic_inference"] = True
-        self.engine = sglang.Engine(model_path=model_path, mem_fraction_static=mem_fraction,
-                                    enable_memory_saver=True, skip_tokenizer_init=True,
-                                    base_gpu_id=gpu_id, tp_size=1, random_seed=seed,
-                                    **engine_kwargs)
-        self.dtype, self.device = dtype, torch.device(device)
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        # SGLang >= 0.5.21
-        self.has_weight_update_session = hasattr(self.engine, "begin_weight_update")
+            kw["enable_deterministic_inference"] = True
+        with _sigint_ignored():
+            self.engine = sglang.Engine(
+                model_path=model_path, mem_fraction_static=SGLANG_MEM_FRACTION,
+                enable_memory_saver=True, skip_tokenizer_init=True, base_gpu_id=gpu_id,
+                tp_size=1, random_seed=seed, dtype=str(self.dtype).removeprefix("torch."),
+                **kw | engine_kwargs)
+        self.has_session = hasattr(self.engine, "begin_weight_update")  # SGLang >= 0.5.21
         try:
             from sglang.srt.constants import GPU_MEMORY_TYPE_CUDA_GRAPH  # absent in older versions
             self.tags = ["kv_cache", "weights", GPU_MEMORY_TYPE_CUDA_GRAPH]
         except ImportError:
             self.tags = ["kv_cache", "weights"]
-        self.send_seed = _sampling_params_accept("sampling_seed")
-        self.released: set[str] = set()
+        try:
+            from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSampling
+            self.send_seed = "sampling_seed" in _fields(SGLangSampling)
+        except ImportError:
+            self.send_seed = False
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
                  seeds: list[int]) -> list[Completion]:
-        if len(prompt_ids) != len(seeds):
-            raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
+        _check_seeds(prompt_ids, seeds)
         if not prompt_ids:
             return []
-        # never generate without a KV cache
-        self._resume([t for t in self.tags if t in self.released])
-        params = [_sampling_dict(sampling, sampling.max_new_tokens,
-                                 s if self.send_seed else None) for s in seeds]
-        outs = self.engine.generate(input_ids=[list(p) for p in prompt_ids], sampling_params=params,
-                                    return_logprob=True)
-        return [completion_from_sglang(o) for o in outs]
+        self._resume([t for t in self.tags if t in self.released])  # never without a KV cache
+        params = [_sampling_dict(sampling, sampling.max_new_tokens, s if self.send_seed else None)
+                  for s in seeds]
+        outs = self.engine.generate(input_ids=[list(p) for p in prompt_ids],
+                                    sampling_params=params, return_logprob=True)
+        return [completion_from_sglang(o, sampling.stop_token_ids) for o in outs]
 
     def release_memory(self) -> None:
-        """Before training: free KV cache, weights (and CUDA graphs). The engine must be idle (it
-        is: generate returns only when every request has finished)."""
-        tags = [t for t in self.tags if t not in self.released]
-        if tags:
+        """Before training: free KV cache, weights (and CUDA graphs); the engine is idle, since
+        generate returns only when every request has finished."""
+        if tags := [t for t in self.tags if t not in self.released]:
             _succeeded(self.engine.release_memory_occupation(tags=tags),
                        f"release_memory_occupation({tags})")
             self.released.update(tags)
 
-    def resume_memory(self, step: int | None = None) -> None:
-        """After training: bring back the weights only; the KV cache comes back at the end of
-        update_weights."""
-        self._resume(["weights"] if "weights" in self.released else [], step)
+    def resume_memory(self) -> None:
+        """After training: the weights only; the KV cache comes back after update_weights."""
+        self._resume(["weights"] if "weights" in self.released else [])
 
-    def _resume(self, tags: list[str], step: int | None = None) -> None:
+    def _resume(self, tags: list[str]) -> None:
         if tags:
-            # the trainer's cached blocks would leave SGLang's allocator too little to map its
-            # memory back (sglang issue #14092: "cu_mem_create ... out of memory")
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # else SGLang may fail to map its memory back (#14092)
             _succeeded(self.engine.resume_memory_occupation(tags=tags),
-                       f"resume_memory_occupation({tags})", step)
+                       f"resume_memory_occupation({tags})", self.version)
             self.released.difference_update(tags)
 
     @torch.no_grad()
-    def update_weights(self, model: nn.Module, step: int = 0) -> None:
-        """Every rank: gather full tensors (collectives), push them to its own engine in buckets,
-        then resume the KV cache and flush it (cached prefixes were computed with the old
-        weights). A control call that reports failure raises with SGLang's message and the step:
-        generating from half-updated or released weights must never go unnoticed."""
-        self.version = step
-        self.resume_memory(step)
-        if self.has_weight_update_session:
-            _succeeded(self.engine.begin_weight_update(), "begin_weight_update", step)
+    def update_weights(self, model: nn.Module, version: int) -> None:
+        """Every rank: gather full tensors (collectives), push them to its own engine in buckets
+        of the engine's dtype, resume the KV cache and flush it (its prefixes are stale). A
+        refused call raises with SGLang's message and the step."""
+        self.version = version
+        self.resume_memory()
+        if self.has_session:
+            _succeeded(self.engine.begin_weight_update(), "begin_weight_update", version)
         try:
-            for bucket, last in iter_buckets(iter_full_tensors(model), self.bucket_bytes,
+            for bucket, last in iter_buckets(iter_full_tensors(model), SYNC_BUCKET_MB * 2**20,
                                              self.dtype, self.device):
                 _succeeded(self.engine.update_weights_from_tensor(named_tensors=bucket,
                                                                   flush_cache=last),
-                           "update_weights_from_tensor", step)
+                           "update_weights_from_tensor", version)
         finally:
-            if self.has_weight_update_session:
-                _succeeded(self.engine.end_weight_update(), "end_weight_update", step)
-        self._resume([t for t in self.tags if t in self.released], step)
-        _succeeded(self.engine.flush_cache(), "flush_cache", step)
+            if self.has_session:
+                _succeeded(self.engine.end_weight_update(), "end_weight_update", version)
+        self._resume([t for t in self.tags if t in self.released])
+        _succeeded(self.engine.flush_cache(), "flush_cache", version)
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -473,25 +472,9 @@ class SGLangEngine:
             self.engine = None
 
 
-def _sampling_params_accept(name: str) -> bool:
-    """Whether the installed SGLang's SamplingParams has a field `name`. From 0.5.20 it is a
-    msgspec.Struct, whose __init__ signature is (*args, **kwargs): read its fields instead."""
-    try:
-        from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSamplingParams
-    except ImportError:
-        return False
-    fields = getattr(SGLangSamplingParams, "__struct_fields__", None)  # msgspec.Struct
-    if fields is None and hasattr(SGLangSamplingParams, "__dataclass_fields__"):
-        fields = SGLangSamplingParams.__dataclass_fields__
-    if fields is None:
-        fields = inspect.signature(SGLangSamplingParams.__init__).parameters
-    return name in fields
-
-
 def _succeeded(result, what: str, step: int | None = None, where: str = ""):
-    """Raise if an SGLang control call reported failure: the in-process Engine returns (success,
-    message) or an object with .success, the HTTP server {"success": false, "message": ...};
-    neither raises by itself. Returns the result."""
+    """Raise if an SGLang control call reported failure ((success, message), an object with
+    .success, or {"success": false, "message": ...}); return the result."""
     ok, message = True, ""
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool):
         ok, message = result
@@ -511,176 +494,140 @@ class HTTPError(RuntimeError):
         self.url, self.status, self.body = url, status, body
 
 
-class RemoteSGLangEngine:
-    """SGLang servers over HTTP (stdlib only): native /generate, retries, abort resubmission, weight
-    sync.
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
-    Every rank holds a client and generates its own prompts; rank 0 alone pushes weights, the
-    others only take part in the gathers, and a barrier keeps every rank from generating before
-    the push has finished.
-    """
+
+def weight_group_ranks(url: str, info: dict) -> int:
+    """The GPU ranks a server puts in the NCCL weight group (its /server_info: tp_size, pp_size,
+    dp_size). SGLang joins each scheduler as rank_offset + tp_rank: pipeline stages would collide,
+    and it refuses DP replicas (dp_size 1 unless DP attention, which runs inside the TP group)."""
+    tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
+    if pp > 1 or (dp > 1 and not info.get("enable_dp_attention")):
+        raise UserError(f"--weight-sync nccl: the SGLang server {url} runs pp_size={pp}, "
+                        f"dp_size={dp}; SGLang's update_weights_from_distributed joins only its "
+                        "TP ranks (use --weight-sync disk, or a server per replica)")
+    return tp
+
+
+def route_address(url: str) -> str:
+    """This host's address on the interface that routes to `url` (a UDP connect sends nothing);
+    gethostbyname(gethostname()) can be 127.0.1.1, which no other host reaches."""
+    parts = urllib.parse.urlsplit(url)
+    family, kind, _, _, addr = socket.getaddrinfo(parts.hostname, parts.port or 80,
+                                                  type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
+
+
+class RemoteSGLangEngine:
+    """SGLang servers over HTTP (stdlib only). Every rank generates its own prompts; rank 0 alone
+    pushes weights (the others take part in the gathers), and a barrier holds every rank until
+    the push is done."""
+
+    overlaps = True  # the servers generate while the trainer trains
 
     def __init__(self, urls: list[str], model_path: str, run_dir: str = "runs/remote",
-                 weight_sync: str = "disk", timeout: float = 600.0, retries: int = 3,
-                 abort_retries: int = 3, health_timeout: float = 600.0,
-                 bucket_mb: int = 512, sync_dtype: torch.dtype | None = None, backoff: float = 0.5,
-                 nccl_addr: str = "", max_workers: int = 64, deterministic: bool = False):
-        if not urls:
-            raise ValueError("RemoteSGLangEngine needs at least one server URL")
-        if weight_sync not in ("disk", "nccl"):
-            raise ValueError("remote SGLang servers sync weights by 'disk' or 'nccl', not "
-                             f"{weight_sync!r}")
+                 weight_sync: str = "disk", deterministic: bool = False, nccl_addr: str = "",
+                 group_backend: str = "nccl"):
+        if not urls or weight_sync not in ("disk", "nccl"):
+            raise ValueError(f"RemoteSGLangEngine: {urls} need server URLs, synced by 'disk' or "
+                             f"'nccl' (not {weight_sync!r})")
         _check_logprob_env()
         self.urls = [u.rstrip("/") for u in urls]
         self.model_path, self.run_dir, self.weight_sync = model_path, run_dir, weight_sync
-        self.timeout, self.retries, self.abort_retries = timeout, retries, abort_retries
-        self.backoff, self.bucket_bytes = backoff, int(bucket_mb * 2**20)
-        self.sync_dtype, self.nccl_addr = sync_dtype, nccl_addr
-        self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="sglang-http")
-        self.send_seed = True
-        # url -> server has /begin_weight_update (SGLang >= 0.5.21)
-        self.session: dict[str, bool] = {}
-        self.version = self.step = 0
-        self.nccl_group = None
-        self.wait_healthy(health_timeout)
-        if deterministic:  # the servers must run in the one mode that honours sampling_seed
-            for url in self.urls:
-                if not self.server_info(url).get("enable_deterministic_inference"):
-                    raise UserError(f"--sglang-deterministic: the SGLang server {url} runs "
-                                    "without deterministic inference; launch it with "
-                                    "--enable-deterministic-inference")
+        self.nccl_addr, self.group_backend, self.group = nccl_addr, group_backend, None
+        self.pool = ThreadPoolExecutor(max_workers=HTTP_THREADS, thread_name_prefix="sglang-http")
+        self.send_seed, self.version = True, 0
+        self.session: dict[str, bool] = {}  # url -> has /begin_weight_update (SGLang >= 0.5.21)
+        self.wait_healthy(HEALTH_TIMEOUT_S)
+        self.infos = {u: self.server_info(u) for u in self.urls}
+        first = self.infos[self.urls[0]]
+        self.sync_dtype = engine_dtype(model_path, first.get("dtype"))
+        if deterministic and (bad := [u for u, i in self.infos.items()
+                                      if not i.get("enable_deterministic_inference")]):
+            raise UserError(f"--sglang-deterministic: the SGLang server {bad[0]} runs without "
+                            "deterministic inference; launch it with "
+                            "--enable-deterministic-inference")
+        if self.sync_dtype != torch.float32 and not first.get("enable_fp32_lm_head") and \
+                _rank() == 0:
+            print(f"warning: the SGLang server {self.urls[0]} computes its lm_head in "
+                  f"{self.sync_dtype}: pi/pi_behave != 1 at equal weights (launch it with "
+                  "--enable-fp32-lm-head)", flush=True)
 
     # -- HTTP plumbing
 
-    def _request(self, url: str, path: str, payload: dict | None = None,
-                 timeout: float | None = None):
-        """POST (payload) or GET; retry timeouts, connection errors and 5xx with exponential
-        backoff.
-
-        Returns parsed JSON (or text). 4xx raises HTTPError at once: the caller decides (404 =
-        older server).
-        """
-        data = None if payload is None else json.dumps(payload).encode()
-        last = None
-        for attempt in range(self.retries + 1):
+    def _request(self, url: str, path: str, payload: dict | None = None, before_retry=None,
+                 retries: int | None = None, timeout: float | None = None):
+        """POST (payload) or GET -> parsed JSON (or text). Timeouts, connection errors and 5xx
+        are retried (HTTP_RETRIES) with exponential back-off, `before_retry()` first; a 4xx raises
+        HTTPError at once (the caller decides: 404 is an older server)."""
+        last, retries = None, HTTP_RETRIES if retries is None else retries
+        for attempt in range(retries + 1):
             if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            req = urllib.request.Request(url + path, data=data,
-                                         method="GET" if data is None else "POST",
-                                         headers={"Content-Type": "application/json"})
+                time.sleep(HTTP_BACKOFF_S * 2 ** (attempt - 1))
+                if before_retry is not None:
+                    before_retry()
+            req = urllib.request.Request(
+                url + path, data=None if payload is None else json.dumps(payload).encode(),
+                method="GET" if payload is None else "POST",
+                headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
-                    body = r.read().decode()
-                try:
-                    return json.loads(body)
-                except json.JSONDecodeError:
-                    return body
+                with urllib.request.urlopen(req, timeout=timeout or HTTP_TIMEOUT_S) as r:
+                    return _json(r.read().decode())
             except urllib.error.HTTPError as e:
-                body = e.read().decode(errors="replace")
-                try:
-                    body = json.loads(body)
-                except json.JSONDecodeError:
-                    pass
+                body = _json(e.read().decode(errors="replace"))
                 if e.code < 500:
                     raise HTTPError(url + path, e.code, body) from None
                 last = f"HTTP {e.code}: {body}"
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+            except OSError as e:  # URLError, TimeoutError, ConnectionError
                 last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-        raise RuntimeError(f"SGLang server {url}{path} failed {self.retries + 1} times; last "
-                           f"error: {last}")
+        raise RuntimeError(f"SGLang server {url}{path} failed {retries + 1} times; last error: "
+                           f"{last}")
+
+    def _call(self, url: str, route: str, payload: dict, retries: int | None = None) -> dict:
+        """POST a control route; a refusal (400, or {"success": false}) raises naming the call,
+        the step and the server. A 404 raises HTTPError (an older server)."""
+        try:
+            out = self._request(url, f"/{route}", payload, retries=retries)
+        except HTTPError as e:
+            if e.status == 404:
+                raise
+            out = e.body if isinstance(e.body, dict) and "success" in e.body else \
+                {"success": False, "message": e.body}
+        return _succeeded(out, route, self.version, url)
 
     def wait_healthy(self, timeout: float, report_every: float = 5.0) -> None:
-        """Poll GET /health_generate on every server until it answers 200 (503 while it loads),
-        saying every `report_every` seconds what it waits for (rank 0); a server still not
-        healthy after `timeout` seconds is a one-line UserError."""
+        """Poll GET /health_generate on every server until 200 (503 while it loads), saying every
+        `report_every` s what it waits for (rank 0); a UserError after `timeout` s."""
         start = time.monotonic()
         next_report = start + report_every
         for url in self.urls:
             last = "no answer"
             while True:
+                wait = max(1.0, min(30.0, start + timeout - time.monotonic()))
                 try:
-                    req = urllib.request.Request(url + "/health_generate", method="GET")
-                    wait = max(1.0, min(30.0, start + timeout - time.monotonic()))
-                    with urllib.request.urlopen(req, timeout=wait) as r:
-                        if r.status == 200:
-                            break
-                        last = f"HTTP {r.status}"
-                except urllib.error.HTTPError as e:
-                    last = f"HTTP {e.code}"
-                except (urllib.error.URLError, OSError) as e:
-                    last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-                waited = time.monotonic() - start
-                if waited >= timeout:
+                    self._request(url, "/health_generate", retries=0, timeout=wait)
+                    break
+                except RuntimeError as e:  # HTTPError included
+                    last = str(e).rpartition("last error: ")[2]
+                if (waited := time.monotonic() - start) >= timeout:
                     raise UserError(f"--rollout-url {url}: no healthy SGLang server after "
                                     f"{timeout:g}s (GET /health_generate: {last}); is it running "
-                                    "and reachable from here? (--rollout-health-timeout)")
-                if time.monotonic() >= next_report and _rank_world()[0] == 0:
+                                    "and reachable from here?")
+                if time.monotonic() >= next_report and _rank() == 0:
                     print(f"waiting for the SGLang server {url} ({waited:.0f}s of {timeout:g}s; "
                           f"/health_generate: {last})", flush=True)
                     next_report += report_every
                 time.sleep(min(1.0, max(0.05, timeout / 50), report_every / 4))
 
-    # -- generation
-
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
-                 seeds: list[int]) -> list[Completion]:
-        if len(prompt_ids) != len(seeds):
-            raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
-        jobs = [self.pool.submit(self._generate_one, self.urls[i % len(self.urls)], p, sampling, s)
-                for i, (p, s) in enumerate(zip(prompt_ids, seeds))]
-        return [j.result() for j in jobs]
-
-    def _generate_one(self, url: str, prompt: list[int], sampling: SamplingParams,
-                      seed: int) -> Completion:
-        """One prompt; on finish_reason "abort" (server retracted or restarted the request) resubmit
-        prompt + tokens so far with the remaining budget, concatenating tokens and log-probs."""
-        ids: list[int] = []
-        logprobs: list[float] = []
-        reason = "abort"
-        for _ in range(self.abort_retries + 1):
-            remaining = sampling.max_new_tokens - len(ids)
-            if remaining <= 0:
-                reason = "length"
-                break
-            params = _sampling_dict(sampling, remaining, seed)
-            out = self._post_generate(url, list(prompt) + ids, params)
-            c = completion_from_sglang(out)
-            ids += c.output_ids
-            logprobs += c.logprobs
-            reason = c.finish_reason
-            if reason != "abort":
-                break
-            if ids and ids[-1] in sampling.stop_token_ids:
-                reason = "stop"
-                break
-        return Completion(ids, logprobs, reason)
-
-    def _post_generate(self, url: str, input_ids: list[int], params: dict) -> dict:
-        if not self.send_seed:
-            params.pop("sampling_seed", None)
-        payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True,
-                   "rid": uuid.uuid4().hex}
-        try:
-            return self._request(url, "/generate", payload)
-        except HTTPError as e:
-            if e.status == 400 and "sampling_seed" in str(e.body) and "sampling_seed" in params:
-                self.send_seed = False  # an older server: its SamplingParams has no sampling_seed
-                params.pop("sampling_seed")
-                payload["rid"] = uuid.uuid4().hex
-                return self._request(url, "/generate", payload)
-            raise
-
-    # -- weight sync
-
-    def release_memory(self) -> None:
-        """Servers own their GPUs: nothing to release."""
-
-    def resume_memory(self) -> None:
-        pass
-
     def server_info(self, url: str) -> dict:
         """GET /server_info (SGLang >= 0.5.10), else the deprecated /get_server_info: the server's
-        arguments (tp_size, enable_deterministic_inference, ...) and version."""
+        arguments (tp_size, dtype, ...) and version."""
         try:
             info = self._request(url, "/server_info")
         except HTTPError as e:
@@ -689,153 +636,159 @@ class RemoteSGLangEngine:
             info = self._request(url, "/get_server_info")
         return info if isinstance(info, dict) else {}
 
-    def _session(self, url: str, which: str) -> None:
-        """POST /begin_weight_update or /end_weight_update where the server has them (404: SGLang <
-        0.5.21); a refusal raises with the server's message."""
-        if self.session.get(url) is False:
-            return
+    # -- generation
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
+                 seeds: list[int]) -> list[Completion]:
+        _check_seeds(prompt_ids, seeds)
+        # a group's samples share their prompt: all on one server keep its prefix cache hot;
+        # groups go round robin, offset by rank so that small batches spread too
+        group: dict[tuple[int, ...], int] = {}
+        for p in prompt_ids:
+            group.setdefault(tuple(p), len(group))
+        rank = _rank()
+        url = lambda p: self.urls[(group[tuple(p)] + rank) % len(self.urls)]
+        jobs = [self.pool.submit(self._generate_one, url(p), list(p), sampling, s)
+                for p, s in zip(prompt_ids, seeds)]
+        return [j.result() for j in jobs]
+
+    def _generate_one(self, url: str, prompt: list[int], sampling: SamplingParams,
+                      seed: int) -> Completion:
+        """One prompt; a request the server aborts (retracted, restarted) is resubmitted as prompt
+        + tokens so far with the remaining budget, tokens and log-probs concatenated."""
+        ids, logprobs, reason = [], [], "abort"
+        for _ in range(ABORT_RESUBMITS + 1):
+            if len(ids) >= sampling.max_new_tokens:
+                return Completion(ids, logprobs, "length")
+            out = self._post_generate(url, prompt + ids, _sampling_dict(
+                sampling, sampling.max_new_tokens - len(ids), seed if self.send_seed else None))
+            c = completion_from_sglang(out, sampling.stop_token_ids)
+            ids, logprobs, reason = ids + c.output_ids, logprobs + c.logprobs, c.finish_reason
+            if reason != "abort":
+                break
+        return Completion(ids, logprobs, reason)
+
+    def _post_generate(self, url: str, input_ids: list[int], params: dict) -> dict:
+        payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True,
+                   "rid": uuid.uuid4().hex}
+
+        def abort_and_renew():  # a timed-out request may still run there: abort it first
+            try:  # SGLang's POST /abort_request {"rid"}; an unknown rid is a no-op
+                self._request(url, "/abort_request", {"rid": payload["rid"]}, retries=0,
+                              timeout=ABORT_TIMEOUT_S)
+            except RuntimeError:  # best effort: a dead server has nothing left to abort
+                pass
+            payload["rid"] = uuid.uuid4().hex
+
         try:
-            out = self._request(url, f"/{which}_weight_update", {})
-            self.session[url] = True
+            return self._request(url, "/generate", payload, abort_and_renew)
         except HTTPError as e:
-            if e.status != 404:
-                raise RuntimeError(f"SGLang {which}_weight_update failed at step {self.step} on "
-                                   f"{url}: {e.body}") from None
-            self.session[url] = False
-            return
-        _succeeded(out, f"{which}_weight_update", self.step, url)
+            if e.status != 400 or "sampling_seed" not in str(e.body) or "sampling_seed" not in \
+                    params:
+                raise
+            self.send_seed = False  # an older server: its SamplingParams has no sampling_seed
+            params.pop("sampling_seed")
+            payload["rid"] = uuid.uuid4().hex
+            return self._request(url, "/generate", payload, abort_and_renew)
+
+    # -- weight sync
+
+    def release_memory(self) -> None: ...  # the servers own their GPUs
+    def resume_memory(self) -> None: ...
 
     def _all(self, fn, *args) -> list:
-        """Run fn(url, *args) on every server concurrently; re-raise the first error."""
+        """fn(url, *args) on every server concurrently; the first error re-raised."""
         return [f.result() for f in [self.pool.submit(fn, u, *args) for u in self.urls]]
 
     @torch.no_grad()
-    def update_weights(self, model: nn.Module, step: int = 0) -> None:
-        self.step = self.version = step  # for the error messages of the calls below
+    def update_weights(self, model: nn.Module, version: int) -> None:
+        self.version = version
         if self.weight_sync == "disk":
-            self._update_from_disk(model)
+            path = self.write_weights(model)
+            if path is not None:  # rank 0; no begin/end session around a disk update (above)
+                self._all(lambda u: self._call(u, "update_weights_from_disk", {"model_path": path}))
+                for d in os.listdir(os.path.dirname(path)):  # older syncs
+                    if d.startswith("step_") and d != os.path.basename(path):
+                        shutil.rmtree(os.path.join(os.path.dirname(path), d), ignore_errors=True)
         else:
             self._update_from_distributed(model)
-        _barrier()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # no rank generates before rank 0 has pushed the weights
 
-    def _update_from_disk(self, model: nn.Module) -> None:
-        rank, _ = _rank_world()
-        path = self.write_weights(model, rank)
-        if rank == 0:
-            self._all(self._load_from_disk, path)
-            self._all(self._flush)
-            self._cleanup_old(path)
-
-    def _flush(self, url: str) -> None:
-        """/update_weights_from_disk already flushes; this one is belt and braces, so a 400
-        (requests still running) is only reported."""
-        try:
-            self._request(url, "/flush_cache", {})
-        except HTTPError as e:
-            print(f"warning: {e}", flush=True)
-
-    def _load_from_disk(self, url: str, path: str) -> None:
-        self._session(url, "begin")
-        try:
-            out = self._request(url, "/update_weights_from_disk", {"model_path": path})
-        except HTTPError as e:
-            raise RuntimeError(f"SGLang update_weights_from_disk failed at step {self.step} on "
-                               f"{url} ({path}): {e.body}") from None
-        finally:
-            self._session(url, "end")
-        _succeeded(out, "update_weights_from_disk", self.step, f"{url} ({path})")
-
-    def write_weights(self, model: nn.Module, rank: int = 0) -> str | None:
-        """Every rank gathers; rank 0 writes `model.safetensors` + the original config/tokenizer
-        files to <run_dir>/weights_sync/step_<n>, via a temporary directory renamed into place
-        (never half-written)."""
+    def write_weights(self, model: nn.Module) -> str | None:
+        """Every rank gathers; rank 0 writes model.safetensors (the servers' dtype) + the model's
+        config and tokenizer files to <run_dir>/weights_sync/step_<version> through a temporary
+        directory renamed into place (never half-written), and returns its path."""
         from safetensors.torch import save_file
 
-        self.version += 1
-        tensors = {}
+        rank, tensors = _rank(), {}
         for name, t in iter_full_tensors(model):
-            if rank == 0:
-                if self.sync_dtype is not None and t.is_floating_point():
-                    t = t.to(self.sync_dtype)
-                # copy: tied weights must not share storage
+            if rank == 0:  # a copy: tied weights must not share storage
+                t = t.to(self.sync_dtype) if t.is_floating_point() else t
                 tensors[name] = t.to("cpu", copy=True).contiguous()
         if rank != 0:
             return None
         root = os.path.abspath(os.path.join(self.run_dir, "weights_sync"))
-        final = os.path.join(root, f"step_{self.version:06d}")
-        tmp = os.path.join(root, f".tmp_step_{self.version:06d}_{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        if os.path.isdir(self.model_path):
-            for f in os.listdir(self.model_path):
-                src = os.path.join(self.model_path, f)
-                weights = f.endswith((".safetensors", ".bin", ".pt",
-                                      ".pth")) or f.endswith(".index.json")
-                if os.path.isfile(src) and not weights:
-                    shutil.copy2(src, os.path.join(tmp, f))
+        os.makedirs(root, exist_ok=True)
+        final, tmp = os.path.join(root, f"step_{self.version:06d}"), tempfile.mkdtemp(dir=root)
+        for f in os.listdir(self.model_path) if os.path.isdir(self.model_path) else []:
+            src = os.path.join(self.model_path, f)  # config, tokenizer: what SGLang reads besides
+            if os.path.isfile(src) and not f.endswith((".safetensors", ".bin", ".pt", ".pth",
+                                                       ".index.json")):
+                shutil.copy2(src, os.path.join(tmp, f))
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         return final
 
-    def _cleanup_old(self, keep: str) -> None:
-        root = os.path.dirname(keep)
-        for d in os.listdir(root):
-            p = os.path.join(root, d)
-            if p != keep and d.startswith("step_"):
-                shutil.rmtree(p, ignore_errors=True)
+    def _session(self, url: str, which: str) -> None:
+        """POST /begin_weight_update or /end_weight_update where the server has them."""
+        if self.session.get(url) is not False:
+            try:
+                self._call(url, f"{which}_weight_update", {})
+                self.session[url] = True
+            except HTTPError:  # 404: SGLang < 0.5.21
+                self.session[url] = False
 
     def _update_from_distributed(self, model: nn.Module) -> None:
-        """NCCL: rank 0 of the trainer broadcasts each tensor to every server's TP ranks over a
-        group of its own; per bucket, the servers receive (`/update_weights_from_distributed`)
-        while rank 0 broadcasts."""
-        import torch.distributed as dist
-
-        rank, _ = _rank_world()
-        if rank == 0 and self.nccl_group is None:
-            self._init_nccl_group()
-        if rank != 0:
+        """Rank 0 broadcasts each bucket to every server's GPU ranks over a group of its own,
+        while the servers receive it (/update_weights_from_distributed, posted first)."""
+        if _rank() != 0:
             for _ in iter_full_tensors(model):  # take part in the gathers only
                 pass
             return
         self._all(self._session, "begin")
         try:
-            for bucket, last in iter_buckets(iter_full_tensors(model), self.bucket_bytes,
-                                             self.sync_dtype or torch.bfloat16, "cuda"):
+            if self.group is None:
+                self._init_weight_group()
+            device = "cuda" if self.group_backend == "nccl" else "cpu"
+            for bucket, last in iter_buckets(iter_full_tensors(model), SYNC_BUCKET_MB * 2**20,
+                                             self.sync_dtype, device):
                 meta = {"names": [n for n, _ in bucket],
                         "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                         "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
                         "flush_cache": last}
-                posts = [self.pool.submit(self._request, u, "/update_weights_from_distributed",
-                                          meta)
-                         for u in self.urls]
-                # the servers' receives are posted above and block until these broadcasts
-                for _, t in bucket:
-                    dist.broadcast(t, src=0, group=self.nccl_group)
-                for p in posts:
-                    _succeeded(p.result(), "update_weights_from_distributed", self.step)
+                posts = [self.pool.submit(self._call, u, "update_weights_from_distributed", meta, 0)
+                         for u in self.urls]  # no retry: a receive re-posted pairs with nothing
+                for _, t in bucket:  # the servers' receives, posted above, wait for these
+                    dist.broadcast(t, src=0, group=self.group)
+                [p.result() for p in posts]
         finally:
             self._all(self._session, "end")
 
-    def _init_nccl_group(self) -> None:
-        """Group = trainer rank 0 (rank 0) + every server's TP ranks (rank_offset onwards), created
-        the way SGLang creates its side (rendezvous on tcp://addr:port, PrefixStore(group_name),
-        _new_process_group_helper)."""
-        tp = [int(self.server_info(u).get("tp_size", 1)) for u in self.urls]
-        world = 1 + sum(tp)
-        addr = self.nccl_addr or f"{socket.gethostbyname(socket.gethostname())}:0"
-        host, _, port = addr.rpartition(":")
+    def _init_weight_group(self) -> None:
+        """The trainer's rank 0 is rank 0; each server's GPU ranks follow from its rank_offset."""
+        sizes = [weight_group_ranks(u, self.infos[u]) for u in self.urls]
+        host, _, port = (self.nccl_addr or f"{route_address(self.urls[0])}:0").rpartition(":")
         port = int(port) or _free_port()
-        self.group_name = f"nanoareal_weights_{uuid.uuid4().hex[:8]}"
-        offsets = [1 + sum(tp[:i]) for i in range(len(tp))]
-        posts = [self.pool.submit(self._request, u, "/init_weights_update_group",
-                                  {"master_address": host, "master_port": port, "rank_offset": off,
-                                   "world_size": world, "group_name": self.group_name,
-                                   "backend": "nccl"})
-                 for u, off in zip(self.urls, offsets)]
-        self.nccl_group = init_weight_group(host, port, world, self.group_name)
-        for p in posts:
-            _succeeded(p.result(), "init_weights_update_group", self.step)
+        self.group_name, world = f"nanoareal_weights_{uuid.uuid4().hex[:8]}", 1 + sum(sizes)
+        posts = [self.pool.submit(self._call, u, "init_weights_update_group", {
+            "master_address": host, "master_port": port, "rank_offset": 1 + sum(sizes[:i]),
+            "world_size": world, "group_name": self.group_name, "backend": self.group_backend}, 0)
+            for i, u in enumerate(self.urls)]
+        self.group = init_weight_group(host, port, world, self.group_name,
+                                       backend=self.group_backend)
+        [p.result() for p in posts]
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -849,27 +802,23 @@ def _free_port() -> int:
 
 def init_weight_group(host: str, port: int, world_size: int, group_name: str, rank: int = 0,
                       backend: str = "nccl"):
-    """A process group outside the default one (the trainer's torchrun world), joined by the rollout
-    servers.
-
-    This mirrors SGLang's server side so both ends derive the same store keys: tcp:// rendezvous,
-    a PrefixStore named after the group, then torch's private `_new_process_group_helper` (its
-    options argument is `backend_options` in recent torch, `pg_options` in older; the same torch
-    version on both ends is safest).
-    """
+    """A process group outside the trainer's torchrun world, joined by the rollout servers. Built
+    as SGLang builds its side (init_custom_process_group), so both derive the same store keys:
+    tcp:// rendezvous, PrefixStore(group_name), torch's private _new_process_group_helper (its
+    options are `backend_options` in recent torch, `pg_options` before)."""
     from datetime import timedelta
 
     from torch.distributed import distributed_c10d as c10d
     from torch.distributed.rendezvous import rendezvous
 
-    timeout = timedelta(minutes=10)
+    timeout = timedelta(seconds=WEIGHT_GROUP_TIMEOUT_S)
     store, rank, world_size = next(rendezvous(f"tcp://{host}:{port}", rank, world_size,
                                               timeout=timeout))
     store.set_timeout(timeout)
-    store = c10d.PrefixStore(group_name, store)
     params = inspect.signature(c10d._new_process_group_helper).parameters
     opts = {("backend_options" if "backend_options" in params else "pg_options"): None}
-    pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
+    pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend),
+                                           c10d.PrefixStore(group_name, store),
                                            group_name=group_name, timeout=timeout, **opts)
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
@@ -877,8 +826,7 @@ def init_weight_group(host: str, port: int, world_size: int, group_name: str, ra
 
 def check_rollout_config(backend: str, urls: list[str], weight_sync: str, deterministic: bool,
                          cuda: bool) -> None:
-    """Every rollout flag's combination and the GPU-only settings, before anything loads; raises
-    UserError."""
+    """Every combination of rollout flags and the GPU-only settings, before anything loads."""
     if backend == "hf" and urls:
         raise UserError("config error: --rollout-url needs --rollout-backend sglang")
     if backend == "hf" and deterministic:
@@ -903,22 +851,15 @@ def check_rollout_config(backend: str, urls: list[str], weight_sync: str, determ
 
 
 def make_engine(backend: str, urls: list[str], model_path: str, device: torch.device, *,
-                run_dir: str, seed: int, deterministic: bool = False, weight_sync: str = "auto"):
-    """The engine --rollout-backend names: HF on this rank's device, SGLang servers (urls) or an
-    in-process SGLang engine on this GPU."""
+                run_dir: str, seed: int, deterministic: bool = False,
+                weight_sync: str = "auto") -> Engine:
+    """The engine --rollout-backend names: HF on this rank's device, the SGLang servers at `urls`,
+    or an in-process SGLang engine on this GPU."""
     if backend == "hf":
-        engine = HFEngine(model_path, device=device,
-                          dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        engine.overlaps = True
-    elif urls:
-        sync = "disk" if weight_sync == "auto" else weight_sync
-        engine = RemoteSGLangEngine(urls, model_path, run_dir, weight_sync=sync,
-                                    sync_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                                    deterministic=deterministic)
-        engine.overlaps = True
-    else:
-        engine = SGLangEngine(model_path, gpu_id=device.index or 0, seed=seed, device=device,
-                              deterministic=deterministic)
-        engine.overlaps = False
-    engine.version = 0
-    return engine
+        return HFEngine(model_path, device, torch.bfloat16 if device.type == "cuda" else
+                        torch.float32)
+    if urls:
+        return RemoteSGLangEngine(urls, model_path, run_dir, "disk" if weight_sync == "auto" else
+                                  weight_sync, deterministic)
+    return SGLangEngine(model_path, gpu_id=device.index or 0, seed=seed, device=device,
+                        deterministic=deterministic)

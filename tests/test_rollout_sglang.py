@@ -1,56 +1,46 @@
-"""SGLang backends of rollout.py, on CPU: a stand-in SGLang HTTP server (tests/sglang_standin.py)
-for the remote backend, and a fake `sglang` module whose Engine enforces the colocated call
-sequence.
-
-Neither is real SGLang: tests/gpu/check_sglang.py runs the same checks against the real thing on
-a GPU.
-"""
+"""SGLang backends of rollout.py, on CPU: a stand-in SGLang HTTP server
+(tests/support/sglang_standin.py) for the remote backend, and a fake `sglang` module whose Engine
+enforces the colocated call sequence. Neither is real SGLang: tests/gpu/check_sglang.py runs the
+same checks against the real thing on a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
+import multiprocessing as mp
 import os
+import signal
+import socket
 import sys
 import time
 import types
 
 import pytest
 import torch
-from sglang_standin import StandinSGLangServer
+from sglang_standin import StandinSGLangServer, save_tiny_llama
 
 import rollout
 from cli import UserError
 from rollout import Completion, HFEngine, RemoteSGLangEngine, SamplingParams, SGLangEngine
 
 torch.set_num_threads(1)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # -----------------------------------------------------------------------------
-# fixtures: a throwaway tiny llama with a character tokenizer (llama model_type: see NOTES tokenizer
-# pitfalls)
+# fixtures: a throwaway tiny llama (sglang_standin.save_tiny_llama); fast HTTP constants
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
-    out = tmp_path_factory.mktemp("tiny-llama")
-    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *"0123456789+= -*"])}
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>",
-                                  unk_token="<unk>")
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=1, pad_token_id=0)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return str(out)
+
+@pytest.fixture(autouse=True)
+def fast_http(monkeypatch):
+    for name, value in {"HTTP_TIMEOUT_S": 10.0, "HTTP_RETRIES": 2, "HTTP_BACKOFF_S": 0.01,
+                        "HEALTH_TIMEOUT_S": 10.0}.items():
+        monkeypatch.setattr(rollout, name, value)
 
 
 @pytest.fixture
@@ -62,7 +52,6 @@ def server(model_dir):
 
 def client(server_or_urls, model_dir, tmp_path, **kw) -> RemoteSGLangEngine:
     urls = server_or_urls if isinstance(server_or_urls, list) else [server_or_urls.url]
-    kw = {"timeout": 10.0, "retries": 2, "backoff": 0.01, "health_timeout": 10.0} | kw
     return RemoteSGLangEngine(urls, model_dir, str(tmp_path), **kw)
 
 
@@ -71,43 +60,86 @@ PROMPTS = [[3 + i % 10, 13, 3 + (i * 7) % 10, 14] for i in range(6)]
 SAMPLING = SamplingParams(max_new_tokens=6, temperature=0.8, stop_token_ids=[1])
 
 
+def perturbed(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def trainer_logprobs(model, prompt: list[int], completion: Completion,
+                     temperature: float) -> torch.Tensor:
+    from transformers import AttentionInterface
+
+    import modeling
+
+    AttentionInterface.register("packed", modeling.packed_attention)
+    model.set_attn_implementation("packed")
+    full = prompt + completion.output_ids
+    with torch.no_grad():
+        lp, _ = modeling.policy_logprobs(model, torch.tensor([full]), torch.arange(len(full))[None],
+                                         torch.tensor(full[1:] + [0]), temperature)
+    return lp[len(prompt) - 1 : len(full) - 1]
+
+
+def max_logprob_gap(model, eng, temperature: float = 0.7) -> float:
+    c = eng.generate([PROMPTS[0]], SamplingParams(8, temperature), [3])[0]
+    return float((trainer_logprobs(model, PROMPTS[0], c, temperature)
+                  - torch.tensor(c.logprobs)).abs().max())
+
+
 # -----------------------------------------------------------------------------
-# remote backend against the stand-in
+# remote backend against the stand-in: generation
 
 
 def test_remote_generate_returns_the_servers_tokens_and_logprobs(server, model_dir, tmp_path):
     eng = client(server, model_dir, tmp_path)
     seeds = list(range(len(PROMPTS)))
     got = eng.generate(PROMPTS, SAMPLING, seeds)
-    # the stand-in's engine, same seeds
-    want = HFEngine(model_dir).generate(PROMPTS, SAMPLING, seeds)
-    assert [c.output_ids for c in got] == [c.output_ids for c in want]
-    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+    want = HFEngine(model_dir).generate(PROMPTS, SAMPLING, seeds)  # the stand-in's engine
+    assert [(c.output_ids, c.finish_reason) for c in got] == \
+        [(c.output_ids, c.finish_reason) for c in want]
     for g, w in zip(got, want):
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-6)
     body = server.generate_bodies[0]
     assert body["return_logprob"] is True and body["rid"]
-    params = body["sampling_params"]
-    assert params["max_new_tokens"] == 6 and params["stop_token_ids"] == [1]
+    assert body["sampling_params"]["max_new_tokens"] == 6
+    assert body["sampling_params"]["stop_token_ids"] == [1]
     eng.shutdown()
 
 
-def test_prompts_are_spread_round_robin_over_servers(model_dir, tmp_path):
+def test_a_groups_samples_go_to_one_server_and_groups_are_balanced_over_servers(model_dir,
+                                                                                 tmp_path):
     a, b = StandinSGLangServer(model_dir).start(), StandinSGLangServer(model_dir).start()
     try:
         eng = client([a.url, b.url], model_dir, tmp_path)
-        eng.generate(PROMPTS, SAMPLING, [0] * len(PROMPTS))
-        assert len(a.generate_bodies) == len(b.generate_bodies) == len(PROMPTS) // 2
+        groups = [p for p in PROMPTS[:4] for _ in range(3)]  # 4 groups of 3 samples
+        eng.generate(groups, SAMPLING, list(range(len(groups))))
+        seen = [{tuple(body["input_ids"]) for body in s.generate_bodies} for s in (a, b)]
+        assert not seen[0] & seen[1]  # no prompt on both servers: its prefix is cached once
+        assert len(seen[0]) == len(seen[1]) == 2
+        assert len(a.generate_bodies) == len(b.generate_bodies) == 6
     finally:
         a.stop()
         b.stop()
 
 
+def test_a_whole_batch_is_in_flight_at_once(server, model_dir, tmp_path):
+    eng = client(server, model_dir, tmp_path)
+    server.slow = (80, 0.3)  # each request waits server-side, so all of them overlap
+    eng.generate([PROMPTS[0]] * 80, SamplingParams(1), list(range(80)))
+    assert server.peak_in_flight == 80  # more than the 64 threads there were
+
+
 def test_abort_resubmits_prompt_plus_tokens_so_far_with_reduced_budget(server, model_dir, tmp_path):
     eng = client(server, model_dir, tmp_path)
-    sampling = SamplingParams(max_new_tokens=6, temperature=1.0)  # no stop token: always 6 tokens
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=[1])
     server.abort_after = (1, 2)  # the first request is aborted after 2 tokens
-    c = eng.generate([PROMPTS[0]], sampling, [5])[0]
+    c = eng.generate([PROMPTS[0]], sampling, [6])[0]  # a seed that samples no stop token
     first, second = server.generate_bodies
     assert second["input_ids"] == PROMPTS[0] + c.output_ids[:2]
     assert second["sampling_params"]["max_new_tokens"] == 4
@@ -115,16 +147,19 @@ def test_abort_resubmits_prompt_plus_tokens_so_far_with_reduced_budget(server, m
     assert len(c.output_ids) == len(c.logprobs) == 6 and c.finish_reason == "length"
 
 
-def test_abort_beyond_the_retry_budget_returns_an_abort_completion(server, model_dir, tmp_path):
-    eng = client(server, model_dir, tmp_path, abort_retries=2)
+def test_abort_beyond_the_retry_budget_returns_an_abort_completion(server, model_dir, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.setattr(rollout, "ABORT_RESUBMITS", 2)
+    eng = client(server, model_dir, tmp_path)
     server.abort_after = (100, 1)
     c = eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=6), [0])[0]
     assert c.finish_reason == "abort"  # the trainer drops it
     assert len(server.generate_bodies) == 3 and len(c.output_ids) == len(c.logprobs) == 3
 
 
-def test_5xx_is_retried_then_fails_naming_the_url(server, model_dir, tmp_path):
-    eng = client(server, model_dir, tmp_path, retries=3)
+def test_5xx_is_retried_then_fails_naming_the_url(server, model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(rollout, "HTTP_RETRIES", 3)
+    eng = client(server, model_dir, tmp_path)
     server.fail_5xx = 2
     assert len(eng.generate([PROMPTS[0]], SAMPLING, [0])[0].output_ids) > 0
     server.fail_5xx = 10
@@ -132,25 +167,31 @@ def test_5xx_is_retried_then_fails_naming_the_url(server, model_dir, tmp_path):
         eng.generate([PROMPTS[0]], SAMPLING, [0])
 
 
-def test_timeout_is_retried(server, model_dir, tmp_path):
-    eng = client(server, model_dir, tmp_path, timeout=0.3)
+def test_a_timed_out_generate_is_aborted_on_the_server_then_reposted_under_a_new_rid(
+        server, model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(rollout, "HTTP_TIMEOUT_S", 0.3)
+    eng = client(server, model_dir, tmp_path)
     server.slow = (1, 1.0)
     assert len(eng.generate([PROMPTS[0]], SAMPLING, [0])[0].output_ids) > 0
-    assert len(server.generate_bodies) == 2
+    first, second = server.generate_bodies
+    assert server.aborted == [first["rid"]] and second["rid"] != first["rid"]
+    assert server.calls.index("/abort_request") < len(server.calls) - 1
 
 
-def test_server_that_never_becomes_healthy_fails_fast_and_clearly(model_dir, tmp_path, capsys):
+def test_server_that_never_becomes_healthy_fails_fast_and_clearly(model_dir, tmp_path,
+                                                                  monkeypatch):
+    monkeypatch.setattr(rollout, "HEALTH_TIMEOUT_S", 0.5)
     s = StandinSGLangServer(model_dir, start_delay=1e6).start()
     try:
         t0 = time.monotonic()
         with pytest.raises(UserError, match=rf"--rollout-url {s.url}: no healthy SGLang server "
                                             r"after 0.5s.*HTTP 503"):
-            client(s, model_dir, tmp_path, health_timeout=0.5)
+            client(s, model_dir, tmp_path)
         assert time.monotonic() - t0 < 5
     finally:
         s.stop()
     with pytest.raises(UserError, match="no healthy SGLang server"):  # nothing listening at all
-        client([s.url], model_dir, tmp_path, health_timeout=0.3)
+        client([s.url], model_dir, tmp_path)
 
 
 def test_health_wait_says_what_it_waits_for_every_few_seconds(model_dir, tmp_path, capsys):
@@ -174,82 +215,228 @@ def test_older_server_without_sampling_seed_is_still_served(server, model_dir, t
     assert eng.send_seed is False
 
 
-# -----------------------------------------------------------------------------
-# weight sync through the disk, round trip
+def test_deterministic_remote_rollouts_need_servers_launched_deterministic(server, model_dir,
+                                                                           tmp_path):
+    with pytest.raises(UserError, match="--enable-deterministic-inference"):
+        client(server, model_dir, tmp_path, deterministic=True)
+    server.info["enable_deterministic_inference"] = True
+    assert client(server, model_dir, tmp_path, deterministic=True).infos[server.url][
+        "enable_deterministic_inference"] is True
 
 
-def _trainer_logprobs(model, prompt: list[int], completion: Completion,
-                      temperature: float) -> torch.Tensor:
-    from transformers import AttentionInterface
-
-    import modeling
-
-    AttentionInterface.register("packed", modeling.packed_attention)
-    model.set_attn_implementation("packed")
-    full = prompt + completion.output_ids
-    ids = torch.tensor([full])
-    with torch.no_grad():
-        lp, _ = modeling.policy_logprobs(model, ids, torch.arange(len(full))[None],
-                                         torch.tensor(full[1:] + [0]), temperature)
-    return lp[len(prompt) - 1 : len(full) - 1]
-
-
-@pytest.mark.parametrize("session", [True, False], ids=["sglang>=0.5.21", "sglang<0.5.21"])
-def test_disk_sync_round_trip_stand_in_logprobs_equal_trainers(model_dir, tmp_path, session):
-    from transformers import AutoModelForCausalLM
-
-    s = StandinSGLangServer(model_dir, weight_update_session=session).start()
+def test_server_info_falls_back_to_the_deprecated_route(model_dir, tmp_path):
+    s = StandinSGLangServer(model_dir, version="0.5.9").start()  # /server_info from 0.5.10
     try:
-        eng = client(s, model_dir, tmp_path)
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
-        torch.manual_seed(1)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        sampling = SamplingParams(max_new_tokens=8, temperature=0.7)
-        before = eng.generate([PROMPTS[0]], sampling, [3])[0]
-        assert (_trainer_logprobs(model, PROMPTS[0], before,
-                                  0.7) - torch.tensor(before.logprobs)).abs().max() > 1e-3
-
-        eng.update_weights(model)
-        after = eng.generate([PROMPTS[0]], sampling, [3])[0]
-        diff = (_trainer_logprobs(model, PROMPTS[0], after,
-                                  0.7) - torch.tensor(after.logprobs)).abs().max()
-        assert diff < 1e-5
-
-        sync = [c for c in s.calls if c not in ("/generate", "/health_generate")]
-        if session:
-            assert sync == ["/begin_weight_update", "/update_weights_from_disk",
-                            "/end_weight_update", "/flush_cache"]
-        else:  # 404 on begin: an older server, so no end either
-            assert sync == ["/begin_weight_update", "/update_weights_from_disk", "/flush_cache"]
-        eng.update_weights(model)  # the second sync replaces the first directory
-        root = tmp_path / "weights_sync"
-        assert sorted(os.listdir(root)) == ["step_000002"]
-        assert {"config.json", "model.safetensors",
-                "tokenizer.json"} <= set(os.listdir(root / "step_000002"))
+        assert client(s, model_dir, tmp_path).server_info(s.url)["tp_size"] == 1
+        assert s.calls[-2:] == ["/server_info", "/get_server_info"]
     finally:
         s.stop()
 
 
 # -----------------------------------------------------------------------------
+# finish reasons and stop tokens
+
+
+@pytest.mark.parametrize("version", ["0.5.10", "0.5.23"])
+def test_a_response_ending_in_a_stop_token_stopped_whatever_the_sglang_version(model_dir, tmp_path,
+                                                                               version):
+    """With --mask-truncated a "length" response is dropped: one that ended properly never is."""
+    s = StandinSGLangServer(model_dir, version=version).start()
+    try:
+        sampling = SamplingParams(max_new_tokens=3, temperature=1.0, stop_token_ids=[1])
+        prompts, seeds = [PROMPTS[i % 6] for i in range(48)], list(range(48))
+        got = client(s, model_dir, tmp_path).generate(prompts, sampling, seeds)
+        want = HFEngine(model_dir).generate(prompts, sampling, seeds)
+        assert [(c.output_ids, c.finish_reason) for c in got] == \
+            [(c.output_ids, c.finish_reason) for c in want]
+        for c in got:
+            assert (c.finish_reason == "length") == (c.output_ids[-1] != 1)
+        last = [i for i, c in enumerate(got) if len(c.output_ids) == 3 and c.output_ids[-1] == 1]
+        assert last  # some stopped at the last allowed token, which the versions report apart:
+        sent = {b["sampling_params"]["sampling_seed"]: s.finishes[b["rid"]]["type"]
+                for b in s.generate_bodies}
+        assert {sent[seeds[i]] for i in last} == {"length" if version == "0.5.10" else "stop"}
+    finally:
+        s.stop()
+
+
+def test_sglang_also_stops_on_generation_config_eos_ids_as_do_both_engines_with_the_stop_set(
+        model_dir, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    import tasks
+
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=[1])
+    seeds = list(range(12))
+    prompts = [PROMPTS[i % 6] for i in seeds]
+    common = HFEngine(model_dir).generate(prompts, sampling, seeds)
+    eos2 = max(range(3, 18), key=lambda t: sum(t in c.output_ids[:-1] for c in common))
+    path = shutil.copytree(model_dir, tmp_path / "model")
+    GenerationConfig(eos_token_id=[1, eos2]).save_pretrained(path)
+    s = StandinSGLangServer(str(path)).start()
+    try:
+        eng = client(s, str(path), tmp_path)
+        got = eng.generate(prompts, sampling, seeds)  # the request names only 1
+        assert any(c.output_ids[-1] == eos2 and c.finish_reason == "stop" for c in got)
+        stop_ids = tasks.stop_token_ids(AutoTokenizer.from_pretrained(path), str(path), False)
+        assert stop_ids == sorted([1, eos2])
+        both = SamplingParams(8, 1.0, stop_token_ids=stop_ids)
+        assert [c.output_ids for c in eng.generate(prompts, both, seeds)] == \
+            [c.output_ids for c in HFEngine(str(path)).generate(prompts, both, seeds)]
+    finally:
+        s.stop()
+
+
+# -----------------------------------------------------------------------------
+# remote weight sync, round trips: through the disk, and over a gloo group as NCCL would
+
+
+@pytest.mark.parametrize("version", ["0.5.10", "0.5.23"])
+def test_disk_sync_round_trip_stand_in_logprobs_equal_trainers(model_dir, tmp_path, version):
+    from safetensors import safe_open
+
+    s = StandinSGLangServer(model_dir, version=version).start()
+    try:
+        eng, model = client(s, model_dir, tmp_path), perturbed(model_dir)
+        assert max_logprob_gap(model, eng) > 1e-3
+        eng.update_weights(model, 1)
+        assert max_logprob_gap(model, eng) < 1e-5 and eng.version == 1
+        # no begin/end session around a disk update: it post-processes the weights once
+        assert [c for c in s.calls if c not in ("/generate", "/health_generate",
+                                                "/server_info")] == ["/update_weights_from_disk"]
+        assert s.post_processed == 1
+        eng.update_weights(model, 2)  # the second sync replaces the first directory
+        root = tmp_path / "weights_sync"
+        assert sorted(os.listdir(root)) == ["step_000002"]
+        assert {"config.json", "model.safetensors",
+                "tokenizer.json"} <= set(os.listdir(root / "step_000002"))
+        with safe_open(root / "step_000002" / "model.safetensors", "pt") as f:  # server's dtype
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
+    finally:
+        s.stop()
+
+
+def test_nccl_sync_round_trip_over_gloo_stand_ins_logprobs_equal_trainers(model_dir, tmp_path,
+                                                                          monkeypatch):
+    """Two servers, SGLang 0.5.10 (no sessions) and 0.5.23, each with its group member in a
+    process of its own, joined as SGLang joins; the trainer reaches them at the address of the
+    interface towards the server, not gethostbyname's."""
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+    monkeypatch.setattr(rollout, "SYNC_BUCKET_MB", 0.005)  # several buckets
+    monkeypatch.setattr(rollout, "HTTP_TIMEOUT_S", 120.0)  # the members start (import torch)
+    monkeypatch.setattr(rollout, "WEIGHT_GROUP_TIMEOUT_S", 120.0)
+    old, new = (StandinSGLangServer(model_dir, version=v).start() for v in ("0.5.10", "0.5.23"))
+    try:
+        eng = client([old.url, new.url], model_dir, tmp_path, weight_sync="nccl",
+                     group_backend="gloo")
+        model = perturbed(model_dir)
+        assert max_logprob_gap(model, eng) > 1e-3
+        eng.update_weights(model, 1)
+        eng.update_weights(model, 2)  # the group is made once
+        for s in (old, new):
+            eng.urls = [s.url]
+            assert max_logprob_gap(model, eng) < 1e-5 and not s.unknown_weights
+        sync = {s: [c for c in s.calls if c not in ("/generate", "/health_generate",
+                                                    "/server_info")] for s in (old, new)}
+        updates = sync[new].count("/update_weights_from_distributed")
+        assert updates > 8 and updates % 2 == 0
+        first = ["/begin_weight_update", "/init_weights_update_group",
+                 *["/update_weights_from_distributed"] * (updates // 2)]
+        assert sync[new] == first + ["/end_weight_update"] + first[:1] + first[2:] + \
+            ["/end_weight_update"]
+        assert sync[old] == first + first[2:]  # 404 on the first begin: asked no more
+        assert new.post_processed == 0  # a session that loaded weights post-processes no more
+        assert [s.members[0][0].is_alive() for s in (old, new)] == [True, True]
+        inits = [s.group_inits for s in (old, new)]
+        assert [[(b["master_address"], b["rank_offset"], b["world_size"]) for b in i]
+                for i in inits] == [[("127.0.0.1", 1, 3)], [("127.0.0.1", 2, 3)]]
+    finally:
+        old.stop()
+        new.stop()
+
+
+def test_the_weight_group_counts_each_servers_tp_ranks_and_refuses_pp_and_dp_replicas():
+    url = "http://h:1"
+    assert rollout.weight_group_ranks(url, {"tp_size": 4, "pp_size": 1, "dp_size": 1}) == 4
+    assert rollout.weight_group_ranks(url, {"tp_size": 4, "dp_size": 2,
+                                            "enable_dp_attention": True}) == 4
+    for info in ({"tp_size": 2, "pp_size": 2}, {"tp_size": 2, "dp_size": 2}):
+        with pytest.raises(UserError, match="joins only its TP ranks"):
+            rollout.weight_group_ranks(url, info)
+
+
+def test_the_trainers_address_is_that_of_the_interface_towards_the_server(monkeypatch):
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+    assert rollout.route_address("http://127.0.0.1:30000") == "127.0.0.1"
+    assert rollout.route_address("http://localhost") in ("127.0.0.1", "::1")
+
+
+def test_a_server_refusing_a_weight_update_session_fails_the_sync_with_its_message(
+        server, model_dir, tmp_path):
+    eng = client(server, model_dir, tmp_path, weight_sync="nccl", group_backend="gloo")
+    server.refuse_session = "another weight update is in progress"
+    with pytest.raises(RuntimeError, match="begin_weight_update failed at step 4 .*another "
+                                           "weight update is in progress"):
+        eng.update_weights(perturbed(model_dir), 4)
+
+
+def test_weights_go_to_servers_in_the_dtype_they_hold(tmp_path):
+    fp32 = save_tiny_llama(tmp_path / "fp32")
+    fp16 = save_tiny_llama(tmp_path / "fp16", dtype=torch.float16)
+    assert rollout.engine_dtype(fp16) == torch.float16  # the model's own
+    assert rollout.engine_dtype(fp32) == torch.float16  # SGLang's "auto" for an fp32 config
+    assert rollout.engine_dtype(fp32, "bfloat16") == torch.bfloat16  # the server's --dtype
+    assert rollout.engine_dtype(fp32, fp32_as=torch.bfloat16) == torch.bfloat16
+    gemma = tmp_path / "gemma"
+    gemma.mkdir()
+    (gemma / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
+    assert rollout.engine_dtype(str(gemma)) == torch.bfloat16
+
+
+# -----------------------------------------------------------------------------
 # in-process engine: a fake `sglang` module that enforces SGLang's rules and records the calls
 
+ENGINE_FIELDS = ("model_path", "mem_fraction_static", "enable_memory_saver", "skip_tokenizer_init",
+                 "base_gpu_id", "tp_size", "random_seed", "dtype", "port", "nccl_port",
+                 "enable_deterministic_inference", "enable_fp32_lm_head")
 
-def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None) -> list:
-    """new=True: SGLang >= 0.5.21 (begin/end_weight_update, cuda_graph tag, SamplingParams a
-    msgspec.Struct with sampling_seed); False: older. Control calls return (success, message) as
-    SGLang's do, never raising: `fail` maps a call's name to the message it fails with."""
+
+def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks: tuple = (),
+                        probe_sigint: bool = False) -> list:
+    """new=True: SGLang >= 0.5.21 (begin/end_weight_update, ServerArgs and SamplingParams
+    msgspec Structs); False: 0.5.10 (dataclass ServerArgs, plain SamplingParams). ServerArgs has
+    ENGINE_FIELDS but `lacks`, and the Engine, like ServerArgs(**kwargs), refuses other keywords.
+    Control calls return (success, message), never raising: `fail` maps a call's name to the
+    message it fails with. `probe_sigint`: the Engine spawns a process (multiprocessing spawn, as
+    SGLang does) that raises SIGINT in itself, and logs its exit code."""
     log: list = []
     fail = fail or {}
+    names = [n for n in ENGINE_FIELDS if n not in lacks]
 
     def result(name: str):
         return (False, fail[name]) if name in fail else (True, "Succeeded")
 
+    if new:
+        ServerArgs = type("ServerArgs", (), {"__struct_fields__": tuple(names)})
+    else:
+        ServerArgs = dataclasses.make_dataclass("ServerArgs", [(n, object, None) for n in names])
+
     class Engine:
+        finish = {"type": "stop", "matched": 1}
+
         def __init__(self, **kw):
+            if unknown := set(kw) - set(names):
+                raise TypeError(f"ServerArgs got an unexpected keyword argument {unknown}")
             assert kw["enable_memory_saver"] and kw["skip_tokenizer_init"] and kw["tp_size"] == 1
             log.append(("init", kw))
+            if probe_sigint:
+                proc = mp.get_context("spawn").Process(target=signal.raise_signal,
+                                                       args=(signal.SIGINT,))
+                proc.start()
+                proc.join()
+                log.append(("child_exit", proc.exitcode))
             self.released: set[str] = set()
             self.in_session = False
 
@@ -257,7 +444,7 @@ def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None) -> lis
             assert not self.released, f"generate with released memory {self.released}"
             assert return_logprob and len(input_ids) == len(sampling_params)
             log.append(("generate", sampling_params))
-            meta = lambda i, p: {"id": str(i), "finish_reason": {"type": "stop", "matched": 1},
+            meta = lambda i, p: {"id": str(i), "finish_reason": self.finish,
                                  "prompt_tokens": len(p), "completion_tokens": 1,
                                  "output_token_logprobs": [(-0.5, 1, None)]}
             return [{"output_ids": [1], "meta_info": meta(i, p)} for i, p in enumerate(input_ids)]
@@ -304,26 +491,26 @@ def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None) -> lis
 
     sglang = types.ModuleType("sglang")
     sglang.Engine = Engine
-    srt = types.ModuleType("sglang.srt")
-    mods = {"sglang": sglang, "sglang.srt": srt}
-    if new:
-        constants = types.ModuleType("sglang.srt.constants")
-        constants.GPU_MEMORY_TYPE_CUDA_GRAPH = "cuda_graph"
-        sampling = types.ModuleType("sglang.srt.sampling")
-        sp = types.ModuleType("sglang.srt.sampling.sampling_params")
-
-        class SGLSamplingParams:  # like a msgspec.Struct: fields in __struct_fields__, no signature
-            __struct_fields__ = ("max_new_tokens", "temperature", "top_p", "top_k",
-                                 "stop_token_ids", "sampling_seed")
-
-            def __init__(self, *args, **kwargs):
+    server_args = types.ModuleType("sglang.srt.server_args")
+    server_args.ServerArgs = ServerArgs
+    constants = types.ModuleType("sglang.srt.constants")
+    constants.GPU_MEMORY_TYPE_CUDA_GRAPH = "cuda_graph"
+    sp = types.ModuleType("sglang.srt.sampling.sampling_params")
+    fields = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed")
+    if new:  # a msgspec.Struct: fields in __struct_fields__, no signature
+        sp.SamplingParams = type("SamplingParams", (), {"__struct_fields__": fields,
+                                                        "__init__": lambda self, *a, **k: None})
+    else:
+        class SamplingParams:  # a plain class: its fields are its __init__'s parameters
+            def __init__(self, max_new_tokens=None, temperature=None, top_p=None, top_k=None,
+                         stop_token_ids=None, sampling_seed=None):
                 pass
 
-        sp.SamplingParams = SGLSamplingParams
-        mods |= {"sglang.srt.constants": constants, "sglang.srt.sampling": sampling,
-                 "sglang.srt.sampling.sampling_params": sp}
-    else:  # older versions: no cuda_graph tag, no sampling_seed
-        mods |= {"sglang.srt.constants": None, "sglang.srt.sampling.sampling_params": None}
+        sp.SamplingParams = SamplingParams
+    mods = {"sglang": sglang, "sglang.srt": types.ModuleType("sglang.srt"),
+            "sglang.srt.server_args": server_args, "sglang.srt.constants": constants,
+            "sglang.srt.sampling": types.ModuleType("sglang.srt.sampling"),
+            "sglang.srt.sampling.sampling_params": sp}
     for k, v in mods.items():
         monkeypatch.setitem(sys.modules, k, v)
     # the trainer's CUDA cache is emptied right before SGLang maps its memory back
@@ -336,45 +523,93 @@ def test_colocated_engine_call_sequence_and_buckets(monkeypatch, model_dir, new)
     from transformers import AutoModelForCausalLM
 
     log = install_fake_sglang(monkeypatch, new)
-    # ~5 kB buckets: several of them
-    eng = SGLangEngine(model_dir, gpu_id=0, device="cpu", bucket_mb=0.005)
+    monkeypatch.setattr(rollout, "SYNC_BUCKET_MB", 0.005)  # ~5 kB buckets: several of them
+    eng = SGLangEngine(model_dir, gpu_id=0, device="cpu")
     model = AutoModelForCausalLM.from_pretrained(model_dir)
 
     out = eng.generate(PROMPTS[:2], SAMPLING, [7, 8])
     assert out[0] == Completion([1], [-0.5], "stop")
     eng.release_memory()  # ---- training happens here ----
     eng.resume_memory()
-    eng.update_weights(model, step=1)
+    eng.update_weights(model, 1)
     eng.generate(PROMPTS[:1], SAMPLING, [9])
     eng.shutdown()
 
-    graph = ["cuda_graph"] if new else []
     assert all(log[i - 1] == ("empty_cache",) for i, e in enumerate(log) if e[0] == "resume")
     log[:] = [e for e in log if e[0] != "empty_cache"]
     kinds = [e[0] for e in log]
     first_update, last_update = kinds.index("update"), len(kinds) - 1 - kinds[::-1].index("update")
     updates = ["update"] * (last_update - first_update + 1)
     session = (["begin"], ["end"]) if new else ([], [])
-    expected = (["init", "generate", "release", "resume", *session[0], *updates, *session[1],
-                 "resume", "flush", "generate", "shutdown"])
-    assert kinds == expected
-    assert log[2] == ("release", ["kv_cache", "weights", *graph])
+    assert kinds == ["init", "generate", "release", "resume", *session[0], *updates, *session[1],
+                     "resume", "flush", "generate", "shutdown"]
+    assert log[2] == ("release", ["kv_cache", "weights", "cuda_graph"])
     assert log[3] == ("resume", ["weights"])
-    assert log[kinds.index("flush") - 1] == ("resume", ["kv_cache", *graph])
+    assert log[kinds.index("flush") - 1] == ("resume", ["kv_cache", "cuda_graph"])
     init = log[0][1]
     assert init["base_gpu_id"] == 0 and init["model_path"] == model_dir
-    assert ("sampling_seed" in log[1][1][0]) is new
+    assert "sampling_seed" in log[1][1][0]
 
     updates = [e for e in log if e[0] == "update"]
     assert len(updates) > 2
-    # flush only with the last bucket
-    assert [e[2] for e in updates] == [False] * (len(updates) - 1) + [True]
+    assert [e[2] for e in updates] == [False] * (len(updates) - 1) + [True]  # flush with the last
     sent = [item for e in updates for item in e[1]]
     state = model.state_dict()
     assert sorted(n for n, _, _ in sent) == sorted(state)  # every tensor exactly once
     for name, shape, dtype in sent:
         assert shape == tuple(state[name].shape)
         assert dtype == (torch.bfloat16 if state[name].is_floating_point() else state[name].dtype)
+
+
+def test_colocated_engine_runs_the_models_half_dtype_with_an_fp32_lm_head(monkeypatch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    fp16 = save_tiny_llama(tmp_path / "fp16", dtype=torch.float16)
+    log = install_fake_sglang(monkeypatch, new=True)
+    eng = SGLangEngine(fp16, device="cpu")
+    assert log[0][1]["dtype"] == "float16" and log[0][1]["enable_fp32_lm_head"] is True
+    eng.release_memory()
+    eng.update_weights(AutoModelForCausalLM.from_pretrained(fp16, dtype=torch.float32), 1)
+    assert {d for e in log if e[0] == "update" for _, _, d in e[1]} == {torch.float16}
+    fp32 = save_tiny_llama(tmp_path / "fp32")
+    SGLangEngine(fp32, device="cpu")  # an fp32 model runs in bf16 on the GPU
+    assert log[-1][1]["dtype"] == "bfloat16"
+    log = install_fake_sglang(monkeypatch, new=False, lacks=("enable_fp32_lm_head",))
+    SGLangEngine(fp32, device="cpu")  # a ServerArgs without the field is not passed it
+    assert "enable_fp32_lm_head" not in log[0][1]
+
+
+def test_each_local_rank_gets_its_own_ports(monkeypatch, model_dir):
+    for new in (True, False):
+        log = install_fake_sglang(monkeypatch, new)
+        SGLangEngine(model_dir, device="cpu", local_rank=0)
+        monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun's
+        SGLangEngine(model_dir, device="cpu")
+        ports = [{kw["port"], kw["nccl_port"]} for _, kw in log]
+        assert len(ports[0]) == len(ports[1]) == 2 and not ports[0] & ports[1]
+        monkeypatch.delenv("LOCAL_RANK")
+
+
+def test_sglang_subprocesses_spawned_by_the_engine_ignore_the_terminals_sigint(monkeypatch,
+                                                                             model_dir):
+    """Ctrl-C reaches the whole process group: the trainer's handler finishes the step and saves,
+    SGLang's scheduler and detokenizer must not die meanwhile."""
+    log = install_fake_sglang(monkeypatch, new=True, probe_sigint=True)
+    before = signal.getsignal(signal.SIGINT)
+    SGLangEngine(model_dir, device="cpu")
+    assert log[1] == ("child_exit", 0)  # it survived its own SIGINT
+    assert signal.getsignal(signal.SIGINT) is before  # and the trainer's handler is back
+
+
+def test_colocated_engine_reports_stop_for_a_length_finish_ending_in_a_stop_token(monkeypatch,
+                                                                                  model_dir):
+    install_fake_sglang(monkeypatch, new=False)
+    sys.modules["sglang"].Engine.finish = {"type": "length", "length": 1}  # SGLang <= 0.5.17
+    eng = SGLangEngine(model_dir, device="cpu")
+    assert eng.generate(PROMPTS[:1], SamplingParams(1, stop_token_ids=[1]), [0])[0] == \
+        Completion([1], [-0.5], "stop")
+    assert eng.generate(PROMPTS[:1], SamplingParams(1, stop_token_ids=[2]), [0])[0] == \
+        Completion([1], [-0.5], "length")
 
 
 @pytest.mark.parametrize("call", ["begin_weight_update", "update_weights_from_tensor",
@@ -385,22 +620,20 @@ def test_a_control_call_reporting_failure_fails_the_step_with_its_message(monkey
 
     install_fake_sglang(monkeypatch, new=True, fail={call: "CUDA IPC handle expired"})
     eng = SGLangEngine(model_dir, device="cpu")
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
     eng.release_memory()
     with pytest.raises(RuntimeError, match=f"SGLang {call} failed at step 7: CUDA IPC handle "
                                            "expired"):
-        eng.update_weights(model, step=7)
+        eng.update_weights(AutoModelForCausalLM.from_pretrained(model_dir), 7)
 
 
-def test_the_step_fails_through_the_trainer_when_sglang_refuses_an_update(monkeypatch, model_dir):
-    """The trainer's own weight sync (nanoareal's call) raises instead of generating on."""
+def test_the_step_fails_through_make_engine_when_sglang_refuses_an_update(monkeypatch, model_dir,
+                                                                          tmp_path):
+    """make_engine called as nanoareal.main calls it; the update raises instead of generating on."""
     from transformers import AutoModelForCausalLM
 
-    import nanoareal as N
-
     install_fake_sglang(monkeypatch, new=True, fail={"update_weights_from_tensor": "no memory"})
-    cfg = N.Config(model=model_dir, rollout_backend="sglang", device="cpu")
-    eng = rollout.make_engine(cfg, torch.device("cpu"))
+    eng = rollout.make_engine("sglang", [], model_dir, torch.device("cpu"), run_dir=str(tmp_path),
+                              seed=0, weight_sync="auto", deterministic=False)
     with pytest.raises(RuntimeError, match="update_weights_from_tensor failed at step 3: no mem"):
         eng.update_weights(AutoModelForCausalLM.from_pretrained(model_dir), 3)
 
@@ -416,47 +649,31 @@ def test_deterministic_rollouts_turn_on_sglang_deterministic_inference_and_send_
     assert "enable_deterministic_inference" not in log[-1][1]
 
 
-def test_deterministic_remote_rollouts_need_servers_launched_deterministic(model_dir, tmp_path):
-    s = StandinSGLangServer(model_dir).start()
-    try:
-        with pytest.raises(UserError, match="--enable-deterministic-inference"):
-            client(s, model_dir, tmp_path, deterministic=True)
-        s.deterministic = True
-        assert client(s, model_dir, tmp_path, deterministic=True).server_info(s.url)[
-            "enable_deterministic_inference"] is True
-    finally:
-        s.stop()
-
-
-def test_server_info_falls_back_to_the_deprecated_route(model_dir, tmp_path):
-    s = StandinSGLangServer(model_dir, legacy_info_only=True).start()
-    try:
-        assert client(s, model_dir, tmp_path).server_info(s.url)["tp_size"] == 1
-        assert s.calls[-2:] == ["/server_info", "/get_server_info"]
-    finally:
-        s.stop()
-
-
-def test_a_server_refusing_a_weight_update_session_fails_the_sync_with_its_message(
-        model_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    s = StandinSGLangServer(model_dir).start()
-    try:
-        eng = client(s, model_dir, tmp_path)
-        s.refuse_session = "another weight update is in progress"
-        with pytest.raises(RuntimeError, match="begin_weight_update failed at step 4 .*another "
-                                               "weight update is in progress"):
-            eng.update_weights(AutoModelForCausalLM.from_pretrained(model_dir), 4)
-    finally:
-        s.stop()
-
-
 def test_iter_buckets_respects_the_budget_and_marks_the_last():
     named = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5, 100])]
     buckets = list(rollout.iter_buckets(iter(named), bucket_bytes=80))  # 20 float32
     assert [[n for n, _ in b] for b, _ in buckets] == [["t0", "t1"], ["t2"], ["t3", "t4"], ["t5"]]
     assert [last for _, last in buckets] == [False, False, False, True]
+
+
+# -----------------------------------------------------------------------------
+# one interface
+
+
+def test_the_three_engines_implement_the_engine_protocol_with_identical_signatures(
+        monkeypatch, model_dir, server, tmp_path):
+    methods = ["generate", "update_weights", "release_memory", "resume_memory", "shutdown"]
+    for cls in (HFEngine, SGLangEngine, RemoteSGLangEngine):
+        for name in methods:
+            assert inspect.signature(getattr(cls, name)) == \
+                inspect.signature(getattr(rollout.Engine, name)), (cls.__name__, name)
+    install_fake_sglang(monkeypatch, new=True)
+    engines = [rollout.make_engine(backend, urls, model_dir, torch.device("cpu"),
+                                   run_dir=str(tmp_path), seed=0)
+               for backend, urls in (("hf", []), ("sglang", []), ("sglang", [server.url]))]
+    assert [type(e) for e in engines] == [HFEngine, SGLangEngine, RemoteSGLangEngine]
+    assert [e.overlaps for e in engines] == [True, False, True]
+    assert [e.version for e in engines] == [0, 0, 0]
 
 
 # -----------------------------------------------------------------------------
@@ -470,8 +687,7 @@ def test_training_loop_runs_through_the_remote_backend_with_faults(server, model
     run_dir = tmp_path / "run"
     argv = ["--rollout-backend", "sglang", "--rollout-url", server.url, "--model", model_dir,
             "--run-dir", str(run_dir), "--steps", "2", "--prompts-per-step", "4", "--group-size",
-            "4", "--max-new-tokens", "4", "--eval-every", "0", "--device", "cpu",
-            "--rollout-retries", "2"]
+            "4", "--max-new-tokens", "4", "--eval-every", "0"]
     # In-process (the same argv the CLI parses) to spare a second import of torch + transformers;
     # the loop sets up and tears down its own one-rank process group.
     import nanoareal
