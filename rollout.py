@@ -25,7 +25,6 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -47,16 +46,16 @@ SGLANG_MEM_FRACTION = 0.5  # in-process engine: its share of the GPU (weights + 
 SGLANG_PORT_BASE, SGLANG_PORT_STRIDE = 20000, 10  # in-process engine ports: base + stride x rank
 
 
-@dataclass
+@dataclasses.dataclass
 class SamplingParams:
     max_new_tokens: int
     temperature: float = 1.0  # 0 is greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 disables top-k (SGLang's convention)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
 
 
-@dataclass
+@dataclasses.dataclass
 class Completion:
     output_ids: list[int]
     logprobs: list[float]  # behaviour log-prob of each output token
@@ -120,9 +119,8 @@ def mix_seed(*parts: int) -> int:
 
 def gumbel_noise(seeds: torch.Tensor, position: int, vocab_size: int,
                  device: torch.device | str | None = None) -> torch.Tensor:
-    """Gumbel(0, 1) noise [B, V] keyed by (seed_b, position, token): argmax(logits + noise) samples
-    softmax. Integer hashing is exact on any device, so it runs on the logits' (B x V hashes a
-    token are too many for a CPU at V = 150k)."""
+    """Gumbel(0, 1) noise [B, V] keyed by (seed_b, position, token): argmax(logits + noise)
+    samples softmax; exact integer hashing on the logits' device (B x V hashes: many for a CPU)."""
     seeds = seeds.to(device=device, dtype=torch.int64)
     key = _fmix32(seeds ^ ((position * 0x9E3779B1 + 0x7F4A7C15) & _MASK32))
     token = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
@@ -167,11 +165,11 @@ class HFEngine:
     overlaps = True  # a background thread hides generation behind training (NOTES: overlap)
 
     def __init__(self, model_path: str, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, batch_size: int = 512):
+                 dtype: torch.dtype | None = None, batch_size: int = 512):
         from transformers import AutoModelForCausalLM
 
         self.device, self.batch_size, self.version = torch.device(device), batch_size, 0
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32)
         self.model = self.model.to(self.device).eval()
 
     @torch.no_grad()
@@ -190,15 +188,13 @@ class HFEngine:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
                  seeds: list[int]) -> list[Completion]:
         _check_seeds(prompt_ids, seeds)
-        # bucketing by prompt length keeps padding (and wasted attention) small
-        order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
-        out: list[Completion | None] = [None] * len(prompt_ids)
+        order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))  # less padding
+        out: dict[int, Completion] = {}
         for start in range(0, len(order), self.batch_size):
             idx = order[start : start + self.batch_size]
-            for i, c in zip(idx, self._generate_batch([prompt_ids[i] for i in idx], sampling,
-                                                       [seeds[i] for i in idx])):
-                out[i] = c
-        return out  # type: ignore[return-value]
+            out |= zip(idx, self._generate_batch([prompt_ids[i] for i in idx], sampling,
+                                                 [seeds[i] for i in idx]))
+        return [out[i] for i in range(len(prompt_ids))]
 
     def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int]):
         from transformers import DynamicCache
@@ -246,12 +242,10 @@ class HFEngine:
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
             logits = self.model(input_ids=tok[:, None], attention_mask=attention,
                                 position_ids=step_pos, use_cache=True, **{kw: cache}).logits[:, -1]
-        results = []
-        for row, lps in zip(tokens.tolist(), logps.tolist()):
-            n = next((j + 1 for j, t in enumerate(row) if t in sampling.stop_token_ids), len(row))
-            stopped = n > 0 and row[n - 1] in sampling.stop_token_ids
-            results.append(Completion(row[:n], lps[:n], "stop" if stopped else "length"))
-        return results
+        stops, rows = set(sampling.stop_token_ids), tokens.tolist()
+        ends = [next((j + 1 for j, t in enumerate(r) if t in stops), len(r)) for r in rows]
+        return [Completion(r[:n], lps[:n], "stop" if set(r[n - 1 : n]) & stops else "length")
+                for r, lps, n in zip(rows, logps.tolist(), ends)]
 
 
 # -----------------------------------------------------------------------------
@@ -270,15 +264,13 @@ class HFEngine:
 # - update_weights_from_tensor (CUDA IPC) is the only in-memory path on a shared GPU (NCCL on one
 #   GPU: "Duplicate GPU detected"). Control calls report failure in their result ((success, msg),
 #   {"success": false}) instead of raising: every result is checked.
-# - sampling_seed is honoured only under enable_deterministic_inference. ServerArgs and
-#   SamplingParams are msgspec Structs from 0.5.20. /server_info replaces /get_server_info (0.5.10).
+# - ServerArgs and SamplingParams are msgspec Structs from 0.5.20 (no __init__ signature).
 
 
 def completion_from_sglang(out: dict, stop_ids: list[int]) -> Completion:
-    """One SGLang generate result (HTTP JSON or in-process dict) -> Completion, its ids from
-    output_token_logprobs (never misaligned with the log-probs). SGLang stops on the request's stop
-    ids and the model's eos ids; when one is the last allowed token, <= 0.5.17 reports "length"
-    (it tests the length first), 0.5.18+ "stop": the tokens decide, ending in a stop id is stop."""
+    """One SGLang result (HTTP JSON or in-process dict) -> Completion, its ids from
+    output_token_logprobs (never misaligned). A stop id sampled as the last allowed token is
+    "length" in SGLang <= 0.5.17 (it tests the length first), "stop" from 0.5.18: tokens decide."""
     meta = out["meta_info"]
     pairs = meta.get("output_token_logprobs") or []
     if not pairs and out.get("output_ids"):
@@ -309,7 +301,7 @@ _rank = lambda: dist.get_rank() if dist.is_available() and dist.is_initialized()
 
 
 def _fields(cls) -> set[str]:
-    """Field names of an SGLang dataclass, msgspec.Struct (no __init__ signature) or class."""
+    """Field names of an SGLang dataclass, msgspec.Struct or class."""
     if dataclasses.is_dataclass(cls):
         return {f.name for f in dataclasses.fields(cls)}
     return set(getattr(cls, "__struct_fields__", None) or inspect.signature(cls).parameters)
@@ -338,9 +330,8 @@ def engine_dtype(model_path: str, requested: str | None = "auto",
 def iter_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None
                  ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
-    """(name, tensor) in buckets of about `bucket_bytes` -> (bucket, is_last); floating tensors
-    cast to `dtype`. One bucket is held back so the last (the one that flushes) is known; a tensor
-    over the budget is a bucket of its own."""
+    """(name, tensor) -> (bucket of ~`bucket_bytes`, is_last), floating tensors in `dtype`; one is
+    held back so the last (it flushes) is known; a bigger tensor is a bucket of its own."""
     pending, size, ready = [], 0, None
     for name, t in named:
         t = t.to(device=device, dtype=dtype if t.is_floating_point() else None)
@@ -380,6 +371,7 @@ class SGLangEngine:
                  device: torch.device | str = "cuda", deterministic: bool = False,
                  local_rank: int | None = None, **engine_kwargs):
         import sglang  # lazy: an optional extra
+        from sglang.srt.constants import GPU_MEMORY_TYPE_CUDA_GRAPH
         from sglang.srt.server_args import ServerArgs
 
         _check_logprob_env()
@@ -396,23 +388,13 @@ class SGLangEngine:
         kw = {k: v for k, v in optional.items() if k in _fields(ServerArgs)}
         if deterministic:  # the only mode in which SGLang honours a request's sampling_seed
             kw["enable_deterministic_inference"] = True
+        kw |= {"model_path": model_path, "mem_fraction_static": SGLANG_MEM_FRACTION,
+               "enable_memory_saver": True, "skip_tokenizer_init": True, "base_gpu_id": gpu_id,
+               "tp_size": 1, "random_seed": seed, "dtype": str(self.dtype).removeprefix("torch.")}
         with _sigint_ignored():
-            self.engine = sglang.Engine(
-                model_path=model_path, mem_fraction_static=SGLANG_MEM_FRACTION,
-                enable_memory_saver=True, skip_tokenizer_init=True, base_gpu_id=gpu_id,
-                tp_size=1, random_seed=seed, dtype=str(self.dtype).removeprefix("torch."),
-                **kw | engine_kwargs)
+            self.engine = sglang.Engine(**kw | engine_kwargs)
         self.has_session = hasattr(self.engine, "begin_weight_update")  # SGLang >= 0.5.21
-        try:
-            from sglang.srt.constants import GPU_MEMORY_TYPE_CUDA_GRAPH  # absent in older versions
-            self.tags = ["kv_cache", "weights", GPU_MEMORY_TYPE_CUDA_GRAPH]
-        except ImportError:
-            self.tags = ["kv_cache", "weights"]
-        try:
-            from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSampling
-            self.send_seed = "sampling_seed" in _fields(SGLangSampling)
-        except ImportError:
-            self.send_seed = False
+        self.tags = ["kv_cache", "weights", GPU_MEMORY_TYPE_CUDA_GRAPH]
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
                  seeds: list[int]) -> list[Completion]:
@@ -420,8 +402,7 @@ class SGLangEngine:
         if not prompt_ids:
             return []
         self._resume([t for t in self.tags if t in self.released])  # never without a KV cache
-        params = [_sampling_dict(sampling, sampling.max_new_tokens, s if self.send_seed else None)
-                  for s in seeds]
+        params = [_sampling_dict(sampling, sampling.max_new_tokens, s) for s in seeds]
         outs = self.engine.generate(input_ids=[list(p) for p in prompt_ids],
                                     sampling_params=params, return_logprob=True)
         return [completion_from_sglang(o, sampling.stop_token_ids) for o in outs]
@@ -447,9 +428,8 @@ class SGLangEngine:
 
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
-        """Every rank: gather full tensors (collectives), push them to its own engine in buckets
-        of the engine's dtype, resume the KV cache and flush it (its prefixes are stale). A
-        refused call raises with SGLang's message and the step."""
+        """Every rank gathers and pushes to its own engine in buckets of the engine's dtype, then
+        resumes the KV cache and flushes it (stale prefixes); a refusal raises with the step."""
         self.version = version
         self.resume_memory()
         if self.has_session:
@@ -475,13 +455,12 @@ class SGLangEngine:
 def _succeeded(result, what: str, step: int | None = None, where: str = ""):
     """Raise if an SGLang control call reported failure ((success, message), an object with
     .success, or {"success": false, "message": ...}); return the result."""
-    ok, message = True, ""
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool):
         ok, message = result
-    elif isinstance(result, dict) and "success" in result:
-        ok, message = bool(result["success"]), result.get("message", "")
-    elif hasattr(result, "success"):
-        ok, message = bool(result.success), getattr(result, "message", "")
+    elif isinstance(result, dict):
+        ok, message = result.get("success", True), result.get("message", "")
+    else:
+        ok, message = getattr(result, "success", True), getattr(result, "message", "")
     if not ok:
         at = (f" at step {step}" if step is not None else "") + (f" on {where}" if where else "")
         raise RuntimeError(f"SGLang {what} failed{at}: {message or '(no message)'}")
@@ -491,7 +470,7 @@ def _succeeded(result, what: str, step: int | None = None, where: str = ""):
 class HTTPError(RuntimeError):
     def __init__(self, url: str, status: int, body):
         super().__init__(f"{url}: HTTP {status}: {body}")
-        self.url, self.status, self.body = url, status, body
+        self.status, self.body = status, body
 
 
 def _json(text: str):
@@ -502,9 +481,9 @@ def _json(text: str):
 
 
 def weight_group_ranks(url: str, info: dict) -> int:
-    """The GPU ranks a server puts in the NCCL weight group (its /server_info: tp_size, pp_size,
-    dp_size). SGLang joins each scheduler as rank_offset + tp_rank: pipeline stages would collide,
-    and it refuses DP replicas (dp_size 1 unless DP attention, which runs inside the TP group)."""
+    """A server's GPU ranks in the weight group, from /server_info: SGLang joins each scheduler as
+    rank_offset + tp_rank (pipeline stages would collide) and refuses DP replicas (dp_size 1,
+    unless DP attention, which runs inside the TP group)."""
     tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
     if pp > 1 or (dp > 1 and not info.get("enable_dp_attention")):
         raise UserError(f"--weight-sync nccl: the SGLang server {url} runs pp_size={pp}, "
@@ -526,8 +505,7 @@ def route_address(url: str) -> str:
 
 class RemoteSGLangEngine:
     """SGLang servers over HTTP (stdlib only). Every rank generates its own prompts; rank 0 alone
-    pushes weights (the others take part in the gathers), and a barrier holds every rank until
-    the push is done."""
+    pushes weights (the others take part in the gathers), the others wait for it at a barrier."""
 
     overlaps = True  # the servers generate while the trainer trains
 
@@ -563,9 +541,8 @@ class RemoteSGLangEngine:
 
     def _request(self, url: str, path: str, payload: dict | None = None, before_retry=None,
                  retries: int | None = None, timeout: float | None = None):
-        """POST (payload) or GET -> parsed JSON (or text). Timeouts, connection errors and 5xx
-        are retried (HTTP_RETRIES) with exponential back-off, `before_retry()` first; a 4xx raises
-        HTTPError at once (the caller decides: 404 is an older server)."""
+        """POST (payload) or GET -> JSON (or text); timeouts, connection errors and 5xx retried
+        with back-off, `before_retry()` first; a 4xx raises HTTPError (404: an older server)."""
         last, retries = None, HTTP_RETRIES if retries is None else retries
         for attempt in range(retries + 1):
             if attempt:
@@ -590,8 +567,8 @@ class RemoteSGLangEngine:
                            f"{last}")
 
     def _call(self, url: str, route: str, payload: dict, retries: int | None = None) -> dict:
-        """POST a control route; a refusal (400, or {"success": false}) raises naming the call,
-        the step and the server. A 404 raises HTTPError (an older server)."""
+        """POST a control route; a refusal (400, {"success": false}) raises naming call, step and
+        server; a 404 raises HTTPError (an older server)."""
         try:
             out = self._request(url, f"/{route}", payload, retries=retries)
         except HTTPError as e:
@@ -626,8 +603,7 @@ class RemoteSGLangEngine:
                 time.sleep(min(1.0, max(0.05, timeout / 50), report_every / 4))
 
     def server_info(self, url: str) -> dict:
-        """GET /server_info (SGLang >= 0.5.10), else the deprecated /get_server_info: the server's
-        arguments (tp_size, dtype, ...) and version."""
+        """The server's arguments (tp_size, dtype, ...): /server_info, < 0.5.10 /get_server_info."""
         try:
             info = self._request(url, "/server_info")
         except HTTPError as e:
@@ -654,8 +630,7 @@ class RemoteSGLangEngine:
 
     def _generate_one(self, url: str, prompt: list[int], sampling: SamplingParams,
                       seed: int) -> Completion:
-        """One prompt; a request the server aborts (retracted, restarted) is resubmitted as prompt
-        + tokens so far with the remaining budget, tokens and log-probs concatenated."""
+        """One prompt; a request the server aborts is resubmitted as prompt + tokens so far."""
         ids, logprobs, reason = [], [], "abort"
         for _ in range(ABORT_RESUBMITS + 1):
             if len(ids) >= sampling.max_new_tokens:
@@ -680,16 +655,14 @@ class RemoteSGLangEngine:
                 pass
             payload["rid"] = uuid.uuid4().hex
 
-        try:
-            return self._request(url, "/generate", payload, abort_and_renew)
-        except HTTPError as e:
-            if e.status != 400 or "sampling_seed" not in str(e.body) or "sampling_seed" not in \
-                    params:
-                raise
-            self.send_seed = False  # an older server: its SamplingParams has no sampling_seed
-            params.pop("sampling_seed")
-            payload["rid"] = uuid.uuid4().hex
-            return self._request(url, "/generate", payload, abort_and_renew)
+        while True:
+            try:
+                return self._request(url, "/generate", payload, abort_and_renew)
+            except HTTPError as e:  # a server whose SamplingParams has no sampling_seed (< 0.5.10)
+                if e.status != 400 or "sampling_seed" not in str(e.body) or \
+                        params.pop("sampling_seed", None) is None:
+                    raise
+                self.send_seed, payload["rid"] = False, uuid.uuid4().hex
 
     # -- weight sync
 
@@ -716,16 +689,13 @@ class RemoteSGLangEngine:
             dist.barrier()  # no rank generates before rank 0 has pushed the weights
 
     def write_weights(self, model: nn.Module) -> str | None:
-        """Every rank gathers; rank 0 writes model.safetensors (the servers' dtype) + the model's
-        config and tokenizer files to <run_dir>/weights_sync/step_<version> through a temporary
-        directory renamed into place (never half-written), and returns its path."""
+        """Every rank gathers; rank 0 writes model.safetensors (the servers' dtype) and the model's
+        other files to <run_dir>/weights_sync/step_<version>, renamed into place when complete."""
         from safetensors.torch import save_file
 
-        rank, tensors = _rank(), {}
-        for name, t in iter_full_tensors(model):
-            if rank == 0:  # a copy: tied weights must not share storage
-                t = t.to(self.sync_dtype) if t.is_floating_point() else t
-                tensors[name] = t.to("cpu", copy=True).contiguous()
+        rank = _rank()  # every rank iterates (gathers); copies: tied weights share no storage
+        tensors = {n: t.to("cpu", self.sync_dtype if t.is_floating_point() else None, copy=True)
+                   .contiguous() for n, t in iter_full_tensors(model) if rank == 0}
         if rank != 0:
             return None
         root = os.path.abspath(os.path.join(self.run_dir, "weights_sync"))
@@ -751,8 +721,7 @@ class RemoteSGLangEngine:
                 self.session[url] = False
 
     def _update_from_distributed(self, model: nn.Module) -> None:
-        """Rank 0 broadcasts each bucket to every server's GPU ranks over a group of its own,
-        while the servers receive it (/update_weights_from_distributed, posted first)."""
+        """Rank 0 broadcasts each bucket over the weight group to the servers receiving it."""
         if _rank() != 0:
             for _ in iter_full_tensors(model):  # take part in the gathers only
                 pass
@@ -802,10 +771,9 @@ def _free_port() -> int:
 
 def init_weight_group(host: str, port: int, world_size: int, group_name: str, rank: int = 0,
                       backend: str = "nccl"):
-    """A process group outside the trainer's torchrun world, joined by the rollout servers. Built
-    as SGLang builds its side (init_custom_process_group), so both derive the same store keys:
-    tcp:// rendezvous, PrefixStore(group_name), torch's private _new_process_group_helper (its
-    options are `backend_options` in recent torch, `pg_options` before)."""
+    """A process group outside the trainer's torchrun world, joined by the servers, built as SGLang
+    builds its side (init_custom_process_group) so both derive the same store keys: tcp://
+    rendezvous, PrefixStore(group_name), torch's private _new_process_group_helper."""
     from datetime import timedelta
 
     from torch.distributed import distributed_c10d as c10d
@@ -815,7 +783,7 @@ def init_weight_group(host: str, port: int, world_size: int, group_name: str, ra
     store, rank, world_size = next(rendezvous(f"tcp://{host}:{port}", rank, world_size,
                                               timeout=timeout))
     store.set_timeout(timeout)
-    params = inspect.signature(c10d._new_process_group_helper).parameters
+    params = inspect.signature(c10d._new_process_group_helper).parameters  # pg_options: older
     opts = {("backend_options" if "backend_options" in params else "pg_options"): None}
     pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend),
                                            c10d.PrefixStore(group_name, store),
@@ -827,39 +795,34 @@ def init_weight_group(host: str, port: int, world_size: int, group_name: str, ra
 def check_rollout_config(backend: str, urls: list[str], weight_sync: str, deterministic: bool,
                          cuda: bool) -> None:
     """Every combination of rollout flags and the GPU-only settings, before anything loads."""
-    if backend == "hf" and urls:
-        raise UserError("config error: --rollout-url needs --rollout-backend sglang")
-    if backend == "hf" and deterministic:
-        raise UserError("config error: --sglang-deterministic is for --rollout-backend sglang (the "
-                        "hf engine is always reproducible from --seed)")
-    if urls and weight_sync == "tensor":
-        raise UserError("config error: --weight-sync tensor needs an in-process engine (drop "
-                        "--rollout-url)")
-    if backend == "sglang" and not urls:
-        if weight_sync not in ("auto", "tensor"):
-            raise UserError(f"config error: the in-process SGLang engine syncs weights by tensor, "
-                            f"not {weight_sync!r} (use --rollout-url for disk/nccl)")
-        if not cuda:
-            raise UserError("config error: --rollout-backend sglang without --rollout-url runs "
-                            "SGLang in-process and needs a GPU; none is available (pass "
-                            "--rollout-url, or --rollout-backend hf)")
-        import importlib.util
+    import importlib.util
 
-        if importlib.util.find_spec("sglang") is None:
-            raise UserError("config error: --rollout-backend sglang runs SGLang in-process, but "
-                            "sglang is not installed (pip install -e '.[gpu]'; see the README)")
+    local = backend == "sglang" and not urls
+    for bad, why in [
+        (backend == "hf" and urls, "--rollout-url needs --rollout-backend sglang"),
+        (backend == "hf" and deterministic, "--sglang-deterministic is for --rollout-backend "
+         "sglang (the hf engine is always reproducible from --seed)"),
+        (urls and weight_sync == "tensor", "--weight-sync tensor needs an in-process engine (drop "
+         "--rollout-url)"),
+        (local and weight_sync not in ("auto", "tensor"), "the in-process SGLang engine syncs "
+         f"weights by tensor, not {weight_sync!r} (use --rollout-url for disk/nccl)"),
+        (local and not cuda, "--rollout-backend sglang without --rollout-url runs SGLang "
+         "in-process and needs a GPU; none is available (pass --rollout-url, or --rollout-backend "
+         "hf)"),
+        (local and importlib.util.find_spec("sglang") is None, "--rollout-backend sglang runs "
+         "SGLang in-process, but sglang is not installed (pip install -e '.[gpu]'; see README)")]:
+        if bad:
+            raise UserError(f"config error: {why}")
 
 
 def make_engine(backend: str, urls: list[str], model_path: str, device: torch.device, *,
                 run_dir: str, seed: int, deterministic: bool = False,
                 weight_sync: str = "auto") -> Engine:
-    """The engine --rollout-backend names: HF on this rank's device, the SGLang servers at `urls`,
-    or an in-process SGLang engine on this GPU."""
+    """HF on this rank's device, the SGLang servers at `urls`, or SGLang in-process on this GPU."""
     if backend == "hf":
-        return HFEngine(model_path, device, torch.bfloat16 if device.type == "cuda" else
-                        torch.float32)
+        return HFEngine(model_path, device, torch.bfloat16 if device.type == "cuda" else None)
     if urls:
-        return RemoteSGLangEngine(urls, model_path, run_dir, "disk" if weight_sync == "auto" else
-                                  weight_sync, deterministic)
+        sync = "disk" if weight_sync == "auto" else weight_sync
+        return RemoteSGLangEngine(urls, model_path, run_dir, sync, deterministic)
     return SGLangEngine(model_path, gpu_id=device.index or 0, seed=seed, device=device,
                         deterministic=deterministic)
