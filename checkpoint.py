@@ -236,10 +236,11 @@ def write_meta(tmp: Path, meta: dict) -> None:
     atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1))
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
-    """Collective (every rank calls it): DCP shards + RNGs into step_N.tmp/, barrier, rank 0 writes
-    meta.json ({"step": step} | meta), renames the directory and deletes the oldest beyond
-    KEEP_CHECKPOINTS."""
+def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, meta: dict,
+                    ahead: dict | None = None) -> Path:
+    """Collective (every rank calls it): DCP shards, RNGs and this rank's rollout batches generated
+    ahead (plain data) into step_N.tmp/, barrier, rank 0 writes meta.json ({"step": step} | meta),
+    renames the directory and deletes the oldest beyond KEEP_CHECKPOINTS."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -253,6 +254,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, meta: dict
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)  # fsyncs its files
     torch.save(rng_states(), tmp / f"rng_rank{rank}.pt")
+    if ahead:
+        torch.save(ahead, tmp / f"ahead_rank{rank}.pt")
     dist.barrier()  # every rank's files are written
     if rank == 0:
         write_meta(tmp, {"step": step} | meta)
@@ -268,9 +271,10 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, meta: dict
     return final
 
 
-def load_checkpoint(path: Path, model, optimizer) -> dict:
+def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
     """Load model, optimizer and this rank's RNG states from a checkpoint (collective); returns its
-    meta."""
+    meta and every rank's batches generated ahead, merged (step -> the samples' dicts), which the
+    caller shares out: a run may resume on another number of ranks."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -283,7 +287,11 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     # a run resumed on more ranks than it saved with: rank 0's
     rng = path / f"rng_rank{dist.get_rank()}.pt"
     set_rng_states(torch.load(rng if rng.exists() else path / "rng_rank0.pt", weights_only=True))
-    return meta
+    ahead: dict[int, list] = {}
+    for part in sorted(path.glob("ahead_rank*.pt")):
+        for step, batch in torch.load(part, weights_only=True).items():
+            ahead.setdefault(int(step), []).extend(batch)
+    return meta, ahead
 
 
 def remove_unfinished_saves(run_dir: str | Path) -> None:

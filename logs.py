@@ -145,6 +145,17 @@ def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> 
     return metrics | {f"time/{k}": v for k, v in times.items()}
 
 
+def sample_rows(samples: list, tokenizer) -> list[dict]:
+    """The first SAMPLE_GROUPS groups of a step's samples, readable: for samples.jsonl and wandb."""
+    groups = sorted({s.group for s in samples})[:SAMPLE_GROUPS]
+    return [{"group": s.group, "prompt": tokenizer.decode(s.prompt_ids),
+             "completion": tokenizer.decode(s.completion.output_ids), "reward": s.reward,
+             "advantage": s.advantage, "correct": s.correct,
+             "finish_reason": s.completion.finish_reason,
+             "length": len(s.completion.output_ids), "version": s.version}
+            for s in samples if s.group in groups]
+
+
 def format_line(step: int, total: int, m: dict[str, float]) -> str:
     """The console line of a step, at most 120 columns; metrics.jsonl has everything else."""
     evals = "  ".join(f"{'eval' if k == 'eval/accuracy' else k[5:]} {v:.3f}" for k, v in m.items()

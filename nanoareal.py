@@ -1,24 +1,23 @@
 """
-nanoareal: a minimal, hackable GRPO trainer. This file is the reinforcement-learning loop, read
-top to bottom: the config, the loop (generate -> reward -> advantages -> loss -> optimizer step
--> weight sync -> log), then the pieces in the order the loop uses them.
+nanoareal: a minimal, hackable GRPO trainer. This file is the reinforcement-learning loop, read top
+to bottom: the config, the loop (generate -> reward -> advantages -> loss -> optimizer step ->
+weight sync -> log), then the pieces in the order the loop uses them.
 
-    python nanoareal.py                                  # the built-in arithmetic task, on a CPU
-    python nanoareal.py --dataset chain                  # the task where the loss modes differ
+    python nanoareal.py                                   # the built-in arithmetic task, on a CPU
+    python nanoareal.py --dataset chain                   # the task where the loss modes differ
     torchrun --nproc_per_node 2 nanoareal.py --loss-aggregation prompt_mean
     python nanoareal.py --max-staleness 2 --correction truncate   # rollouts 2 steps ahead
-    python nanoareal.py --config configs/qwen2.5-0.5b-gsm8k.toml      # one GPU, SGLang colocated
+    python nanoareal.py --config configs/qwen2.5-0.5b-gsm8k.toml  # one GPU, SGLang colocated
     torchrun --nproc_per_node 4 nanoareal.py --cp-size 2  # 2 data-parallel x 2 context-parallel
     python nanoareal.py --reward my_reward.py:score       # your own reward, no edit here
-    python nanoareal.py --steps 0 --model runs/<run>/final --eval-k 8  # evaluate only
+    python nanoareal.py --steps 0 --model runs/<run>/final --eval-k 8   # evaluate only
     python nanoareal.py --help                            # every flag, documented
 
 The rest is plumbing in flat files that never import this one: loss.py (aggregation modes,
-surrogates, off-policy corrections and the LossReduction contract that makes gradients
-independent of micro-batching and world size), rollout.py (generation engines), tasks.py
-(built-in tasks, datasets, rewards), modeling.py (packed attention, Ulysses context parallel,
-log-probs), checkpoint.py (checkpoints, resume, export), logs.py (console, metrics, samples),
-cli.py (flags, one-line errors).
+surrogates, off-policy corrections, and the LossReduction contract that makes gradients
+independent of micro-batching and world size), rollout.py (generation engines), tasks.py (tasks,
+datasets, rewards), modeling.py (packed attention, Ulysses, log-probs), checkpoint.py
+(checkpoints, resume, export), logs.py (console, metrics, samples), cli.py (flags, errors).
 
 Left out on purpose: a critic (GRPO needs none), multi-turn tool use, tensor/pipeline parallel in
 the trainer (FSDP2 + optional context parallel cover one node up to a few billion parameters).
@@ -46,11 +45,12 @@ import checkpoint
 import cli
 import loss
 import modeling
+import packing
 import rollout
 import tasks
 from checkpoint import on_rank0
 from cli import UserError
-from logs import Logger, print0, reduce_metrics, step_metrics
+from logs import Logger, print0, reduce_metrics, sample_rows, step_metrics
 from loss import MicroBatch
 from rollout import Completion, SamplingParams, mix_seed
 
@@ -182,9 +182,8 @@ class Config:
 
     def __post_init__(self):
         # the defaults that depend on other flags, filled once, when the config is made (from the
-        # command line or in code): the task's reward, the surrogate's mode and clip range, the
-        # correction's threshold, constant's divisor. Given values are kept, so a replace() that
-        # changes --policy-loss keeps the clip range already filled in.
+        # command line or in code). Given values stay: a replace() that changes --policy-loss
+        # keeps the clip range already filled in.
         self.reward = tasks.resolve_reward_name(self.reward, self.dataset)
         for k, v in loss.resolve_loss_flags(
                 self.policy_loss, self.loss_aggregation, self.eps_low, self.eps_high,
@@ -214,7 +213,7 @@ def main(argv: list[str]) -> None:
     run = resume(cfg, model, optimizer, engine, ranks, resuming)  # step, updates, batches ahead
     logger = Logger(cfg.run_dir, cfg.steps, run.step, cfg.wandb_project, asdict(cfg))
     rollouts = Rollouts(lambda step: rollout_batch(engine, data, reward_fn, step, cfg, ranks),
-                        cfg.max_staleness, engine.overlaps, ranks, run.pending)
+                        cfg.max_staleness, engine.overlaps, ranks, run.pending, cfg.steps)
     print0(f"nanoareal: {ranks.world} rank(s) on {device.type}, {cfg.model}, {len(data.rows)} "
            f"train prompts, {len(data.evalset)} eval, {cfg.policy_loss}/{cfg.loss_aggregation}, "
            f"{rollouts.describe()}, run {cfg.run_dir}")
@@ -234,8 +233,8 @@ def main(argv: list[str]) -> None:
             # loss and optimizer step(s); a colocated engine frees its GPU memory meanwhile
             engine.release_memory()
             lr = set_lr(optimizer, run.updates, cfg)
-            train_sums, stats = train_on_samples(
-                model, ref_model, optimizer, reduction, samples, cfg, device, ranks)
+            train_sums, stats = train_on_samples(model, ref_model, optimizer, reduction, samples,
+                                                 cfg, device, ranks)
             run.updates += int(stats.pop("updated"))
             engine.resume_memory()
             t2 = time.perf_counter()
@@ -266,22 +265,21 @@ def main(argv: list[str]) -> None:
 
 
 def parse_config(argv: list[str]) -> Config:
-    """Flags, --config TOML and a built-in task's own flags -> a resolved, checked Config; a
-    mistake in any is one line."""
+    """Flags, --config TOML and a built-in task's own flags -> a resolved, checked Config."""
     preset = lambda dataset: tasks.TASKS[dataset].flags if dataset in tasks.TASKS else {}
     return validate_config(resolve_config(cli.parse(Config, argv, preset)),
                            int(os.environ.get("WORLD_SIZE", 1)))
 
 
 def resolve_config(cfg: Config) -> Config:
-    """The defaults that need the file system: the shipped model's path from any directory, a
+    """The defaults that need the file system: the shipped model from any directory, a
     checkpoint's base model (--model a checkpoint resumes from it), the run directory's name."""
     model, resume_from = cfg.model, cfg.resume
     if not Path(model).exists() and (ROOT / model).is_dir():  # assets/... from any directory
         model = str(ROOT / model)
     if (Path(model) / "meta.json").is_file():  # a checkpoint: its run's base model, its weights
-        meta = json.loads((Path(model) / "meta.json").read_text())
-        model, resume_from = meta["config"]["model"], cfg.model
+        model, resume_from = json.loads((Path(model) / "meta.json").read_text())["config"][
+            "model"], cfg.model
     cfg = replace(cfg, model=model, resume=resume_from)
     identity = {k: v for k, v in asdict(cfg).items() if k not in VOLATILE}
     return replace(cfg, run_dir=cfg.run_dir or checkpoint.run_dir_name(
@@ -332,9 +330,9 @@ def validate_config(cfg: Config, world: int) -> Config:
 
 @dataclass(frozen=True)
 class Ranks:
-    """This process's place: rank and world in torchrun's world, and in the (data-parallel,
-    context-parallel) mesh, where ranks [k*cp_size, (k+1)*cp_size) form context-parallel group k
-    (data-parallel rank k). A CP group shares one rollout and splits each micro-batch's tokens."""
+    """This process's place in torchrun's world and in the (data-parallel, context-parallel) mesh:
+    ranks [k*cp_size, (k+1)*cp_size) form CP group k (data-parallel rank k), which shares one
+    rollout and splits each micro-batch's tokens."""
 
     rank: int = 0
     world: int = 1
@@ -347,15 +345,16 @@ class Ranks:
 
 def setup_distributed(cp_size: int = 1) -> tuple[Ranks, torch.device]:
     """torchrun's environment (or a world of one: one code path for FSDP2 and collectives), this
-    rank's device, and the (dp, cp) mesh. Threads: OMP_NUM_THREADS, else 1 (stable on CPUs)."""
+    rank's device, the (dp, cp) mesh. Threads: OMP_NUM_THREADS, else 1 (stable on CPUs)."""
     from datetime import timedelta
 
     cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
     if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timedelta(seconds=DIST_TIMEOUT_S))
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                timeout=timedelta(seconds=DIST_TIMEOUT_S))
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else \
         torch.device("cpu")
@@ -372,55 +371,17 @@ def setup_distributed(cp_size: int = 1) -> tuple[Ranks, torch.device]:
     return Ranks(rank, world, rank // cp, world // cp, rank % cp, cp, cp_group), device
 
 
-
-def prepare_run(cfg: Config) -> tuple[Data, object, bool]:
-    """The run directory claimed (this run's, or a one-line refusal), the data and the reward;
+def prepare_run(cfg: Config) -> tuple[tasks.Data, object, bool]:
+    """The reward, the run directory claimed (this run's, or a one-line refusal), the data; and
     whether the directory holds this run to resume."""
     reward_fn = tasks.load_reward(cfg.reward)
     modeling.check_model_source(cfg.model)
     resuming = on_rank0(checkpoint.claim_run_dir, cfg.run_dir, asdict(cfg), VOLATILE,
                         cfg.resume == "fresh")
     torch.manual_seed(cfg.seed)
-    return load_data(cfg), reward_fn, resuming
-
-
-@dataclass
-class Data:
-    tokenizer: object
-    rows: list[dict]  # train rows, whole: the reward sees every field
-    prompts: list[list[int]]  # each train row's prompt ids
-    evalset: list[tuple[dict, list[int]]]  # held-out (row, prompt ids)
-    stop_ids: list[int]  # every token that ends a response, for every engine
-
-
-def load_data(cfg: Config) -> Data:
-    """Rows, every prompt tokenized once (BOS as the model expects it), the stop tokens; or a
-    one-line error: a tokenizer that will not load, unencodable prompts, a sequence longer than the
-    model's context or than a micro-batch. Loads no weights."""
-    from transformers import AutoTokenizer
-
-    from logs import quiet_libraries
-
-    quiet_libraries()  # transformers' progress bars and info lines off (imported from here)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    except Exception as e:  # a directory without tokenizer files ends in sentencepiece advice
-        raise UserError(f"--model {cfg.model}: no usable tokenizer there ({cli.why(e)})") from None
-    rows, eval_rows = tasks.load_dataset(cfg.dataset, cfg.eval_dataset, cfg.reward, cfg.prompt_key)
-    encode = lambda rs, name: tasks.encode_prompts(rs, tokenizer, cfg.chat_template, name,
-                                                   cfg.prompt_key)
-    prompts, eval_prompts = encode(rows, cfg.dataset), encode(eval_rows, cfg.eval_dataset or "")
-    stop_ids = tasks.stop_token_ids(tokenizer, cfg.model, tasks.uses_chat(rows + eval_rows,
-                                                                          cfg.chat_template))
-    # sequences are never cut: the longest possible one must fit the model and a micro-batch
-    longest = max(map(len, prompts + eval_prompts), default=0) + cfg.max_new_tokens
-    context = tasks.context_length(cfg.model)
-    for limit, what in ((context, "the model's context length"),
-                        (cfg.micro_batch_tokens, "--micro-batch-tokens")):
-        if limit is not None and longest > limit:
-            raise UserError(f"config error: the longest prompt + --max-new-tokens is {longest} "
-                            f"tokens, over {what} ({limit})")
-    return Data(tokenizer, rows, prompts, list(zip(eval_rows, eval_prompts)), stop_ids)
+    data = tasks.load_data(cfg.model, cfg.dataset, cfg.eval_dataset, cfg.reward, cfg.prompt_key,
+                           cfg.chat_template, cfg.max_new_tokens, cfg.micro_batch_tokens)
+    return data, reward_fn, resuming
 
 
 def every(n: int, step: int, last: int) -> bool:
@@ -429,15 +390,12 @@ def every(n: int, step: int, last: int) -> bool:
 
 
 def set_lr(optimizer, updates: int, cfg: Config) -> float:
-    """Linear warm-up, then constant or cosine to 0 at --steps; a function of the number of steps
-    that updated the weights (a step with nothing to learn from moves neither weights nor lr)."""
-    if updates < cfg.warmup_steps:
-        factor = (updates + 1) / (cfg.warmup_steps + 1)
-    elif cfg.lr_schedule == "cosine":
+    """Linear warm-up, then constant or cosine to 0 at --steps, as a function of the steps that
+    updated the weights (a step with nothing to learn from moves neither weights nor lr)."""
+    factor = (updates + 1) / (cfg.warmup_steps + 1) if updates < cfg.warmup_steps else 1.0
+    if updates >= cfg.warmup_steps and cfg.lr_schedule == "cosine":
         progress = (updates - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         factor = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    else:
-        factor = 1.0
     for group in optimizer.param_groups:
         group["lr"] = cfg.lr * factor
     return cfg.lr * factor
@@ -449,75 +407,57 @@ def set_lr(optimizer, updates: int, cfg: Config) -> float:
 
 @dataclass
 class Sample:
-    group: int
-    """The GRPO group (the prompt's slot in the step): advantages compare samples of one group."""
+    group: int  # the GRPO group (the prompt's slot in the step): advantages compare within it
     prompt_ids: list[int]
     completion: Completion
     reward: float = 0.0
     advantage: float = 0.0
-    zero_variance: bool = False
-    """All rewards of its group are equal (no GRPO signal)."""
-    row: int = -1
-    """The dataset row the prompt comes from (-1: same as group)."""
+    zero_variance: bool = False  # every reward of its group is equal (no GRPO signal)
+    row: int = -1  # the dataset row of the prompt
     correct: bool | None = None
-    version: int = 0
-    """The policy version (optimizer steps taken) whose weights sampled it."""
-    metrics: dict = field(default_factory=dict)
-    """The reward's own metrics."""
+    version: int = 0  # the policy version (step whose starting weights) that sampled it
+    metrics: dict = field(default_factory=dict)  # the reward's own
     reward_error: str | None = None
-    gen_s: float = 0.0
-    """Seconds its batch took to generate (the same for every sample of it)."""
+    gen_s: float = 0.0  # seconds its batch took to generate
 
 
 class Rollouts:
-    """The rollout batches in flight. The batch for step s is sampled by the weights at the start of
+    """The rollout batches in flight. The batch of step s is sampled by the weights at the start of
     step max(0, s - K), K = --max-staleness: take(s) has the engine start every batch up to s + K
     (the engine holds the newest weights, those of step s) and returns batch s; wait() lets the
     batch in flight finish, so new weights reach the engine only between two batches. A run is
-    thus a function of (seed, K). With an engine that can overlap, batches are generated and
-    scored on a background thread while the trainer trains; a CP group's first rank generates and
-    the group shares its batch."""
+    thus a function of (seed, K). An engine that can overlap generates and scores on a background
+    thread while the trainer trains; a CP group's first rank generates, the group shares it. No
+    batch is made for a step at or past `steps`."""
 
     def __init__(self, make_batch, staleness: int, overlap: bool, ranks: Ranks,
-                 pending: dict[int, list[Sample]]):
+                 pending: dict[int, list[Sample]], steps: int | None = None):
         self.make_batch, self.staleness, self.ranks = make_batch, staleness, ranks
-        self.overlap = overlap and staleness > 0
+        self.steps = steps
         self.batches: dict[int, list[Sample] | Future] = dict(pending)
         self.pool = ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(
-            torch.get_num_threads(),)) if self.overlap else None
+            torch.get_num_threads(),)) if overlap and staleness > 0 else None
 
     def describe(self) -> str:
         if self.staleness == 0:
             return "synchronous rollouts"
-        how = "overlapped with training" if self.overlap else "not overlapped (colocated engine)"
+        how = "overlapped with training" if self.pool else "not overlapped (colocated engine)"
         return f"rollouts {self.staleness} step(s) ahead, {how}"
 
     def take(self, step: int) -> list[Sample]:
         for s in range(step, step + self.staleness + 1):
-            if s not in self.batches:
+            if s not in self.batches and (s == step or self.steps is None or s < self.steps):
                 self.batches[s] = (self.pool.submit(self.make_batch, s) if self.pool
                                    else self.make_batch(s))
         batch = self.batches.pop(step)
-        batch = batch.result() if isinstance(batch, Future) else batch
-        return cp_broadcast(batch, self.ranks)
+        return cp_broadcast(batch.result() if isinstance(batch, Future) else batch, self.ranks)
 
-    def wait(self) -> None:
+    def wait(self) -> dict[int, list[Sample]]:
+        """Every batch in flight finished; returns the batches generated ahead (for a
+        checkpoint)."""
         self.batches = {s: b.result() if isinstance(b, Future) else b
                         for s, b in self.batches.items()}
-
-    def pending(self) -> dict[int, list[Sample]]:
-        """The finished batches not yet trained on, every rank's samples (a collective)."""
-        self.wait()
-        mine = self.batches if self.ranks.cp_rank == 0 else {}
-        parts = [mine]
-        if self.ranks.world > 1:
-            parts = [None] * self.ranks.world
-            dist.all_gather_object(parts, mine)
-        merged: dict[int, list[Sample]] = defaultdict(list)
-        for part in parts:
-            for s, samples in part.items():
-                merged[s] += samples
-        return dict(merged)
+        return self.batches
 
     def close(self) -> None:
         if self.pool is not None:
@@ -534,11 +474,10 @@ def cp_broadcast(obj, ranks: Ranks):
 
 
 def prompts_for_step(num_rows: int, per_step: int, step: int, seed: int) -> list[int]:
-    """Row indices of a step's prompts, in slot order. An epoch is a seeded permutation cut into
-    num_rows // per_step steps (the few rows left over sit out that epoch), so a step never holds
-    a row twice. With fewer rows than --prompts-per-step each step concatenates fresh
-    permutations. A function of (seed, step) only: resuming needs no data-loader state and every
-    world size sees the same prompts in the same order."""
+    """Row indices of a step's prompts, in slot order: an epoch is a seeded permutation cut into
+    num_rows // per_step steps (the rows left over sit out that epoch), so a step never holds a
+    row twice; with fewer rows than --prompts-per-step a step joins fresh permutations. A function
+    of (seed, step) only: resuming needs no loader state, every world size sees the same order."""
     def permutation(epoch: int) -> list[int]:
         perm = list(range(num_rows))
         random.Random(mix_seed(seed, 0xDA7A, epoch)).shuffle(perm)
@@ -551,11 +490,11 @@ def prompts_for_step(num_rows: int, per_step: int, step: int, seed: int) -> list
     return permutation(epoch)[k * per_step : (k + 1) * per_step]
 
 
-def rollout_batch(engine, data: Data, reward_fn, step: int, cfg: Config,
+def rollout_batch(engine, data: tasks.Data, reward_fn, step: int, cfg: Config,
                   ranks: Ranks) -> list[Sample]:
     """This data-parallel rank's share of the step's groups (every dp_size-th slot, so a group
-    never straddles ranks), sampled by the engine's current weights and scored. Runs on the
-    rollout thread when it overlaps training: no collectives here."""
+    never straddles ranks), sampled by the engine's current weights and scored. It may run on the
+    rollout thread, overlapping training: no collectives here."""
     if ranks.cp_rank != 0:
         return []  # the CP group's first rank generates for the group
     prompts = prompts_for_step(len(data.rows), cfg.prompts_per_step, step, cfg.seed)
@@ -585,8 +524,8 @@ def generate(engine, encoded: list[list[int]], prompts: list[tuple[int, int]], s
 
 
 def score(samples: list[Sample], rows: list[dict], reward_fn, tokenizer) -> None:
-    """Reward every completion (sets .reward, .correct, .metrics, .reward_error); a reward call
-    that raises or hangs scores 0 and is counted."""
+    """Reward every completion (.reward, .correct, .metrics, .reward_error); a reward call that
+    raises or hangs scores 0 and is counted."""
     texts = tokenizer.batch_decode([s.completion.output_ids for s in samples],
                                    skip_special_tokens=True)
     scores = tasks.compute_rewards(reward_fn, texts, [rows[s.row] for s in samples],
@@ -596,8 +535,8 @@ def score(samples: list[Sample], rows: list[dict], reward_fn, tokenizer) -> None
 
 
 def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:
-    """This rank's counters of a batch (advantages set) for the step's metrics (logs.MEANS) and
-    its generation time (gen_s, a maximum over ranks); a CP group counts its shared batch once."""
+    """This rank's counters of a batch (advantages set) for the step's metrics (logs.MEANS) and its
+    generation time (gen_s, a maximum over ranks); a CP group counts its shared batch once."""
     if ranks.cp_rank != 0:
         return {}
     sums = Counter({"samples": len(samples), "reward": 0.0, "judged": 0, "correct": 0})
@@ -605,17 +544,17 @@ def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:
         n = len(s.completion.output_ids)
         sums.update({"reward": s.reward, "response_tokens": n, "version": s.version,
                      "truncated": s.completion.finish_reason == "length",
-                     "reward_errors": s.reward_error is not None})
+                     "reward_errors": s.reward_error is not None,
+                     "zero_adv": abs(s.advantage) < 1e-12})
         if s.correct is not None:  # response lengths split by correctness: who grows longer
             kind = "correct" if s.correct else "incorrect"
             sums.update({"judged": 1, "correct": s.correct, kind: 1, f"len_{kind}": n})
         for k, v in s.metrics.items():  # the reward's own metrics: a mean over who reports them
             sums.update({f"reward/{k}": v, f"reward/{k}#n": 1})
-    sums["zero_adv"] = sum(abs(s.advantage) < 1e-12 for s in samples)
     sums["zero_var_groups"] = len({s.group for s in samples if s.zero_variance})
     error = next((s.reward_error for s in samples if s.reward_error), None)
-    sums = dict(sums) | ({"reward_error_message": error} if error else {})
-    return sums | ({"gen_s": samples[0].gen_s} if samples else {})
+    return dict(sums) | ({"reward_error_message": error} if error else {}) | (
+        {"gen_s": samples[0].gen_s} if samples else {})
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo",
@@ -625,14 +564,13 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: 
     use_std and grpo; rloo's baseline is the mean of the group's other samples, never divided."""
     rewards = rewards.double()
     _, inv = torch.unique(group_ids, return_inverse=True)
-    n = torch.zeros(int(inv.max()) + 1 if len(inv) else 0, dtype=torch.float64)
-    n = n.index_add_(0, inv, torch.ones_like(rewards))
-    total = torch.zeros_like(n).index_add_(0, inv, rewards)
-    squares = torch.zeros_like(n).index_add_(0, inv, (rewards - (total / n)[inv]) ** 2)
-    std = (squares / (n - 1).clamp(min=1)).sqrt()
+    sums = lambda x: torch.zeros(int(inv.max()) + 1 if len(inv) else 0,
+                                 dtype=torch.float64).index_add_(0, inv, x)
+    n, total = sums(torch.ones_like(rewards)), sums(rewards)
+    mean = (total / n)[inv]
+    std = (sums((rewards - mean) ** 2) / (n - 1).clamp(min=1)).sqrt()[inv]
     if estimator == "grpo":
-        adv = rewards - (total / n)[inv]
-        adv = adv / (std[inv] + eps) if use_std else adv
+        adv = (rewards - mean) / (std + eps) if use_std else rewards - mean
     elif estimator == "rloo":
         adv = rewards - (total[inv] - rewards) / (n[inv] - 1).clamp(min=1)
     else:
@@ -642,9 +580,9 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: 
 
 def set_advantages(samples: list[Sample], cfg: Config) -> None:
     """Sets each sample's .advantage and .zero_variance (its group's rewards are all equal)."""
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    groups = torch.tensor([s.group for s in samples], dtype=torch.long)
-    adv = group_advantages(rewards, groups, cfg.adv_estimator, cfg.adv_std)
+    adv = group_advantages(torch.tensor([s.reward for s in samples], dtype=torch.float32),
+                           torch.tensor([s.group for s in samples], dtype=torch.long),
+                           cfg.adv_estimator, cfg.adv_std)
     distinct: dict[int, set[float]] = defaultdict(set)  # each group's distinct rewards
     for s in samples:
         distinct[s.group].add(s.reward)
@@ -665,16 +603,15 @@ def train_on_samples(model, ref_model, optimizer, reduction: loss.LossReduction,
     happened, the loss terms' global values (the mini-batches' mean)."""
     groups = sorted({s.group for s in samples})
     shares = [set(groups[i :: cfg.num_minibatches]) for i in range(cfg.num_minibatches)]
-    group = dist.group.WORLD if ranks.world > 1 else None
     packed = []
     for share in shares:  # pi_prox and pi_ref come from the weights before the first update
-        mbs = even_out(pack_microbatches([s for s in samples if s.group in share], cfg), ranks)
+        mbs = packing.even_out(pack_microbatches([s for s in samples if s.group in share], cfg))
         mbs = frozen_logprobs(model, ref_model, mbs, cfg, device, ranks)
         packed.append(loss.apply_global_mask(mbs, cfg.correction, cfg.correction_threshold,
-                                             group))
+                                             dist.group.WORLD if ranks.world > 1 else None))
     # trained_tokens: prompt + completion tokens of the samples trained on; positions: what the
     # model was fed (fewer: shared prompts, no last tokens)
-    sums = Counter({"trained_tokens": sum(len(s.prompt_ids + s.completion.output_ids)
+    sums = Counter({"trained_tokens": sum(len(s.prompt_ids) + len(s.completion.output_ids)
                                           for s in samples),
                     "positions": sum(len(mb.input_ids) for mbs in packed for mb in mbs)})
     stats, iw_max = Counter(), 0.0
@@ -692,8 +629,8 @@ def train_on_samples(model, ref_model, optimizer, reduction: loss.LossReduction,
 
 def frozen_logprobs(model, ref_model, mbs: list[MicroBatch], cfg: Config, device,
                     ranks: Ranks) -> list[MicroBatch]:
-    """Each micro-batch with pi_prox's log-probs, when they need a forward of their own (else the
-    training forward's serve), and the reference policy's (KL penalty)."""
+    """Each micro-batch with pi_prox's log-probs when they need a forward of their own (else the
+    training forward's serve) and the reference policy's (KL penalty)."""
     policies = {"prox_logprobs": model} if loss.needs_proximal_forward(
         cfg.correction, cfg.num_minibatches) else {}
     policies |= {"ref_logprobs": ref_model} if ref_model is not None else {}
@@ -705,37 +642,35 @@ def frozen_logprobs(model, ref_model, mbs: list[MicroBatch], cfg: Config, device
 def train_minibatch(model, optimizer, reduction: loss.LossReduction, mbs: list[MicroBatch],
                     cfg: Config, device, ranks: Ranks) -> tuple[dict, float, dict]:
     """One optimizer step on a mini-batch's micro-batches (the same number on every rank, for
-    FSDP's collectives); nothing to learn from on any rank means no step at all, since AdamW's
-    momentum and the schedule would still move. Returns this rank's counters, its largest
-    pi_prox/pi_behave, and the step's stats."""
-    # every token's normalizer counted once globally: a CP group's ranks all hold the same
-    # micro-batches, so only its first rank counts them (every CP rank then computes the full
-    # loss: the reduction's cp_factor puts the N back into Z)
+    FSDP's collectives); with nothing to learn from on any rank, no step at all (AdamW's momentum
+    and the schedule would still move). Returns this rank's counters, its largest
+    pi_prox/pi_behave and the step's stats."""
+    # every token counted once in the global normalizers: a CP group's ranks hold the same
+    # micro-batches, so its first rank counts them (every CP rank computes the full loss: the
+    # reduction's cp_factor puts the N back into Z)
     reduction.begin_step(mbs if ranks.cp_rank == 0 else [])
+    learn = any(reduction.Z.values())
     # counters stay on the device until the end: a float() per micro-batch would sync the GPU
     acc = torch.zeros(4, dtype=torch.float64, device=device)
     iw_max = torch.zeros((), dtype=torch.float64, device=device)
-    if any(reduction.Z.values()):
-        for mb in mbs:
-            logprobs, entropy = microbatch_forward(model, mb, cfg, device, ranks, grad=True)
-            batch = replace(mb.to(device), logprobs=logprobs, entropy=entropy)
-            reduction(batch).backward()
-            d, behave = batch.denom_mask, batch.behave_logprobs
-            prox = logprobs.detach() if batch.prox_logprobs is None else batch.prox_logprobs
-            # |log pi_theta - log pi_behave| before the update: ~0 when the engine holds the same
-            # weights (larger: stale rollouts or a broken sync); pi_prox/pi_behave is what the
-            # corrections weigh, cap or mask
-            weight = torch.exp(loss.log_ratio(prox, behave)).double()
-            gap = (logprobs.detach() - behave).abs()
-            acc += torch.stack([x.double() for x in (
-                d.sum(), (entropy.detach() * d).sum(), (gap * d).sum(), (weight * d).sum())])
-            iw_max = torch.maximum(iw_max, torch.where(d > 0, weight, 0.0).max())
-    counters = dict(zip(("denom_tokens", "entropy", "mismatch", "importance_weight"),
-                        acc.tolist()))
+    for mb in mbs if learn else []:
+        logprobs, entropy = microbatch_forward(model, mb, cfg, device, ranks, grad=True)
+        batch = replace(mb.to(device), logprobs=logprobs, entropy=entropy)
+        reduction(batch).backward()
+        # |log pi_theta - log pi_behave| before the update: ~0 when the engine holds the same
+        # weights (larger: stale rollouts, a broken sync); pi_prox/pi_behave is what the
+        # corrections weigh, cap or mask
+        d, prox = batch.denom_mask, logprobs.detach() if batch.prox_logprobs is None else \
+            batch.prox_logprobs
+        weight = torch.exp(loss.log_ratio(prox, batch.behave_logprobs)).double()
+        acc += torch.stack([x.double() for x in (
+            d.sum(), (entropy.detach() * d).sum(),
+            ((logprobs.detach() - batch.behave_logprobs).abs() * d).sum(), (weight * d).sum())])
+        iw_max = torch.maximum(iw_max, torch.where(d > 0, weight, 0.0).max())
     out = {"updated": 0.0, "skipped_steps": 0.0, "grad_norm": 0.0}
-    if any(reduction.Z.values()):
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # 0: measure, do not clip
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if learn:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                              cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
         out["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if math.isfinite(out["grad_norm"]):  # a global norm: every rank skips or steps together
             optimizer.step()
@@ -743,122 +678,17 @@ def train_minibatch(model, optimizer, reduction: loss.LossReduction, mbs: list[M
         else:
             out["skipped_steps"] = 1.0
     optimizer.zero_grad(set_to_none=True)
+    counters = dict(zip(("denom_tokens", "entropy", "mismatch", "importance_weight"),
+                        acc.tolist()))
     return counters, float(iw_max), out | reduction.reported()
 
 
 def pack_microbatches(samples: list[Sample], cfg: Config,
                       share_prompts: bool | None = None) -> list[MicroBatch]:
-    """Pack samples into micro-batches of at most --micro-batch-tokens fed positions.
-
-    Per-token tensors are aligned with the *predicted* token: position j of a sequence predicts
-    token j+1. The last token of a sequence is never fed: it predicts nothing and, being last,
-    nothing attends to it. Mode weights come from the whole mini-batch's metadata before any
-    split, which is what makes any split exact (rule 2 of the contract in loss.py).
-
-    With share_prompts a micro-batch feeds each distinct prompt prefix (prompt minus its last
-    token) once; each sample feeds only its tail (last prompt token + completion minus its last
-    token) at positions p-1.. and attends to the shared prefix. Exact: under causal attention the
-    prefix's hidden states depend on the prefix alone, and backward sums every sample's gradient
-    into the one copy. `segments` [R, 4] says who attends to what (modeling.py).
-    """
-    lengths = [len(s.completion.output_ids) for s in samples]
-    dropped = [cfg.mask_truncated and s.completion.finish_reason == "length" for s in samples]
-    denom = torch.tensor([0.0 if d else n for n, d in zip(lengths, dropped)], dtype=torch.float64)
-    groups = torch.tensor([s.group for s in samples], dtype=torch.long)
-    weights, norm_weights = loss.response_weights(cfg.loss_aggregation, denom, groups,
-                                                  cfg.loss_aggregation_divisor)
-    share_prompts = SHARE_PROMPTS if share_prompts is None else share_prompts
-    keys = [tuple(s.prompt_ids[:-1]) if share_prompts else i for i, s in enumerate(samples)]
-    return [build_microbatch([samples[i] for i in idx], [keys[i] for i in idx],
-                             weights[idx].tolist(), norm_weights[idx].tolist(),
-                             [dropped[i] for i in idx], share_prompts)
-            for idx in split_by_budget(samples, keys, cfg.micro_batch_tokens)]
-
-
-def split_by_budget(samples: list[Sample], keys: list, budget: int) -> list[list[int]]:
-    """Greedy cut of the samples, in order, into micro-batches of at most `budget` fed positions
-    (a shared prefix costs its first sample only)."""
-    batches, current, used, prefixes = [], [], 0, set()
-    for i, (s, key) in enumerate(zip(samples, keys)):
-        r = len(s.completion.output_ids)
-        n = len(s.prompt_ids) + r - 1  # <= the budget: load_data checked the longest
-        cost = r if key in prefixes else n
-        if used + cost > budget:
-            batches.append(current)
-            current, used, prefixes, cost = [], 0, set(), n
-        current.append(i)
-        used += cost
-        prefixes.add(key)
-    return batches + [current] if current else batches
-
-
-def build_microbatch(samples: list[Sample], keys: list, weights: list[float],
-                     norm_weights: list[float], dropped: list[bool], share: bool) -> MicroBatch:
-    """One packed micro-batch: each sample's fed positions after its prompt prefix's (fed once per
-    key with `share`), and the segments that say who attends to what."""
-    cols: dict[str, list] = defaultdict(list)
-    segments, prefix_at = [], {}  # key -> (start, length) of its prefix's copy in this batch
-    for k, s in enumerate(samples):
-        p = len(s.prompt_ids)
-        head, ctx = (p - 1, prefix_at.get(keys[k])) if share else (0, (0, 0))
-        if ctx is None:  # the prompt's first sample here: its prefix predicts nothing
-            ctx = prefix_at[keys[k]] = (len(cols["input_ids"]), p - 1)
-            if p > 1:
-                segments.append((ctx[0], p - 1, 0, 0))
-                extend(cols, prefix_positions(s))
-        tail = sample_positions(s, head, k, weights[k], norm_weights[k], dropped[k])
-        if tail["input_ids"]:
-            segments.append((len(cols["input_ids"]), len(tail["input_ids"]), *ctx))
-            extend(cols, tail)
-    return to_microbatch(cols, segments)
-
-
-def prefix_positions(s: Sample) -> dict[str, list]:
-    """A shared prompt prefix's positions 0..p-2: fed for the samples to attend to, not trained."""
-    full, n = s.prompt_ids, len(s.prompt_ids) - 1
-    return {"input_ids": full[:n], "position_ids": list(range(n)), "targets": full[1 : n + 1],
-            "seq_ids": [-1] * n}
-
-
-def sample_positions(s: Sample, head: int, k: int, weight: float, norm_weight: float,
-                     dropped: bool) -> dict[str, list]:
-    """A sample's fed positions head..p+r-2: the prompt's (predicting prompt tokens: not in the
-    loss) then the response's, the k-th response of the micro-batch."""
-    full = s.prompt_ids + s.completion.output_ids
-    p, r = len(s.prompt_ids), len(s.completion.output_ids)
-    fed_prompt, n = p - 1 - head, p + r - 1 - head
-    return {"input_ids": full[head:-1], "position_ids": list(range(head, p + r - 1)),
-            "targets": full[head + 1 :], "seq_ids": [-1] * fed_prompt + [k] * r,
-            "loss_mask": [0.0] * fed_prompt + [0.0 if dropped else 1.0] * r,
-            "advantages": [s.advantage] * n, "loss_weight": [weight] * n,
-            "behave_logprobs": [0.0] * fed_prompt + s.completion.logprobs,
-            "norm_weight": [norm_weight] * n}
-
-
-FLOAT_COLUMNS = ("loss_mask", "advantages", "behave_logprobs", "loss_weight", "norm_weight")
-
-
-def extend(cols: dict[str, list], piece: dict[str, list]) -> None:
-    n = len(piece["input_ids"])
-    for key in ("input_ids", "position_ids", "targets", "seq_ids", *FLOAT_COLUMNS):
-        cols[key] += piece.get(key, [0.0] * n)  # a prefix: no loss, weights or advantages
-
-
-def to_microbatch(cols: dict[str, list], segments: list) -> MicroBatch:
-    ints = {k: torch.tensor(cols[k], dtype=torch.long)
-            for k in ("input_ids", "position_ids", "targets", "seq_ids")}
-    floats = {k: torch.tensor(cols[k], dtype=torch.float32) for k in FLOAT_COLUMNS}
-    return MicroBatch(**ints, **floats, denom_mask=floats["loss_mask"].clone(),
-                      segments=torch.tensor(segments, dtype=torch.long).view(-1, 4))
-
-
-def even_out(mbs: list[MicroBatch], ranks: Ranks) -> list[MicroBatch]:
-    """Every rank runs the same number of forward/backward passes (FSDP2 all-gathers per pass):
-    a rank with fewer micro-batches adds ones of a single masked token."""
-    n = int(loss.all_reduce_vector(torch.tensor([len(mbs)]), op=dist.ReduceOp.MAX))
-    empty = {"input_ids": [0], "position_ids": [0], "targets": [0], "seq_ids": [-1]}
-    return mbs + [to_microbatch(defaultdict(lambda: [0.0], empty), [(0, 1, 0, 0)])
-                  for _ in range(n - len(mbs))]
+    """Samples -> packed micro-batches of at most --micro-batch-tokens positions (packing.py)."""
+    return packing.pack_microbatches(samples, cfg.loss_aggregation, cfg.loss_aggregation_divisor,
+                                     cfg.micro_batch_tokens, cfg.mask_truncated,
+                                     SHARE_PROMPTS if share_prompts is None else share_prompts)
 
 
 # -----------------------------------------------------------------------------
@@ -886,8 +716,7 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
             cfg.model, dtype=torch.float64 if cfg.dtype == "float64" else torch.float32)
     except (OSError, ValueError) as e:  # no weights, an unknown architecture, ...
         raise UserError(f"--model {cfg.model}: cannot load a causal LM ({cli.why(e)})") from None
-    model = model.to(device)
-    text = model.config.get_text_config()
+    model, text = model.to(device), model.config.get_text_config()
     if text.num_attention_heads % ranks.cp_size:  # each CP rank attends with H/N whole heads
         raise UserError(f"config error: --cp-size {ranks.cp_size} must divide the model's "
                         f"{text.num_attention_heads} attention heads")
@@ -938,68 +767,53 @@ def microbatch_forward(model, mb: MicroBatch, cfg: Config, device: torch.device,
 
 
 # -----------------------------------------------------------------------------
-# eval, samples, bad steps, checkpoints
+# eval, bad steps, checkpoints
 
 
-def evaluate(engine, data: Data, reward_fn, cfg: Config, ranks: Ranks) -> dict[str, float]:
+def evaluate(engine, data: tasks.Data, reward_fn, cfg: Config, ranks: Ranks) -> dict[str, float]:
     """Held-out metrics, the rows split across ranks, one collective: eval/accuracy of greedy
     answers; with --eval-k n, n samples per prompt at --temperature give eval/mean@n (the
-    unbiased pass@1) and eval/pass@k for k = 2, 4, ... and n (Chen et al. 2021's unbiased
-    estimator 1 - C(n-c, k)/C(n, k), c of the n correct)."""
-    index = list(range(len(data.evalset)))[ranks.rank :: ranks.world]
-    rows = [data.evalset[i][0] for i in index]
-    prompts = [data.evalset[i][1] for i in index]
+    unbiased pass@1) and eval/pass@k for k = 2, 4, ... and n, by Chen et al. 2021's unbiased
+    estimator 1 - C(n-c, k)/C(n, k) for c of the n correct."""
+    rows, prompts = zip(*data.evalset[ranks.rank :: ranks.world]) if \
+        data.evalset[ranks.rank :: ranks.world] else ((), ())
     greedy = SamplingParams(cfg.max_new_tokens, 0.0, stop_token_ids=data.stop_ids)
-    correct = judge(engine, prompts, rows, greedy, [0] * len(prompts), reward_fn, data.tokenizer)
-    sums = {"judged": sum(c is not None for c in correct), "correct": sum(map(bool, correct))}
+    verdicts = judge(engine, prompts, rows, greedy, [0] * len(prompts), reward_fn, data.tokenizer)
+    sums = Counter({"judged": sum(v is not None for v in verdicts),
+                    "correct": sum(map(bool, verdicts))})
     n = cfg.eval_k
-    ks = sorted({2**j for j in range(1, n.bit_length()) if 2**j < n} | {n}) if n > 1 else []
     if n:
         sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, stop_token_ids=data.stop_ids)
-        seeds = [mix_seed(cfg.seed, EVAL_SEED, i, j) for i in index for j in range(n)]
-        every_k = judge(engine, [p for p in prompts for _ in range(n)],
-                        [r for r in rows for _ in range(n)], sampling, seeds, reward_fn,
-                        data.tokenizer)
+        seeds = [mix_seed(cfg.seed, EVAL_SEED, i, j) for i in range(ranks.rank, len(data.evalset),
+                                                                    ranks.world) for j in range(n)]
+        verdicts = judge(engine, [p for p in prompts for _ in range(n)],
+                         [r for r in rows for _ in range(n)], sampling, seeds, reward_fn,
+                         data.tokenizer)
+        ks = sorted({2**j for j in range(1, n.bit_length()) if 2**j < n} | {n}) if n > 1 else []
         for i in range(len(prompts)):
-            verdicts = [v for v in every_k[i * n : (i + 1) * n] if v is not None]
-            if len(verdicts) == n:  # a prompt counts when every sample got a verdict
-                c = sum(verdicts)
-                sums |= {f"mean@{n}": sums.get(f"mean@{n}", 0) + c / n,
-                         "k_judged": sums.get("k_judged", 0) + 1}
-                for k in ks:
-                    sums[f"pass@{k}"] = sums.get(f"pass@{k}", 0) + 1 - math.comb(
-                        n - c, k) / math.comb(n, k)
-    sums = reduce_metrics(sums)
-    out = {"eval/accuracy": sums["correct"] / max(sums["judged"], 1)}
-    return out | {f"eval/{k}": v / max(sums.get("k_judged", 0), 1) for k, v in sums.items()
-                  if "@" in k}
+            mine = verdicts[i * n : (i + 1) * n]
+            if None not in mine:  # a prompt counts when every sample got a verdict
+                c = sum(mine)
+                sums.update({"k_judged": 1, f"mean@{n}": c / n} | {
+                    f"pass@{k}": 1 - math.comb(n - c, k) / math.comb(n, k) for k in ks})
+    sums = reduce_metrics(dict(sums))
+    return {"eval/accuracy": sums["correct"] / max(sums["judged"], 1)} | {
+        f"eval/{k}": v / max(sums.get("k_judged", 0), 1) for k, v in sums.items() if "@" in k}
 
 
-def judge(engine, prompts: list[list[int]], rows: list[dict], sampling: SamplingParams,
-          seeds: list[int], reward_fn, tokenizer) -> list[bool | None]:
+def judge(engine, prompts, rows, sampling: SamplingParams, seeds: list[int], reward_fn,
+          tokenizer) -> list[bool | None]:
     """Each prompt's completion correct, wrong, or None (no verdict)."""
-    outs = engine.generate(prompts, sampling, seeds) if prompts else []
+    outs = engine.generate(list(prompts), sampling, seeds) if prompts else []
     texts = tokenizer.batch_decode([o.output_ids for o in outs], skip_special_tokens=True)
-    return [s.correct for s in tasks.compute_rewards(reward_fn, texts, rows, REWARD_TIMEOUT_S)]
-
-
-def sample_rows(samples: list[Sample], tokenizer) -> list[dict]:
-    """The first logs.SAMPLE_GROUPS groups of a step, readable: for samples.jsonl and wandb."""
-    from logs import SAMPLE_GROUPS
-
-    groups = sorted({s.group for s in samples})[:SAMPLE_GROUPS]
-    return [{"group": s.group, "prompt": tokenizer.decode(s.prompt_ids),
-             "completion": tokenizer.decode(s.completion.output_ids), "reward": s.reward,
-             "advantage": s.advantage, "correct": s.correct,
-             "finish_reason": s.completion.finish_reason,
-             "length": len(s.completion.output_ids), "version": s.version}
-            for s in samples if s.group in groups]
+    return [s.correct for s in tasks.compute_rewards(reward_fn, texts, list(rows),
+                                                     REWARD_TIMEOUT_S)]
 
 
 @dataclass
 class RunState:
     """A run's state across steps: what a checkpoint restores besides weights, optimizer and RNGs
-    (step, updates, last eval, the batches already generated ahead), and its bookkeeping."""
+    (step, updates, last eval, the batches generated ahead), and its bookkeeping."""
 
     step: int = 0
     updates: int = 0  # steps that updated the weights: the learning-rate schedule's clock
@@ -1020,8 +834,8 @@ class RunState:
 
 def end_step(step: int, sums: dict, metrics: dict, cfg: Config, model, optimizer, run: RunState,
              rollouts: Rollouts, logger: Logger) -> None:
-    """After logging: stop after MAX_BAD_STEPS non-finite steps in a row (the checkpoints are of
-    healthy steps only); save when due (time, --ckpt-every, the end, a signal); stop on a signal."""
+    """After logging: stop after MAX_BAD_STEPS non-finite steps in a row (checkpoints hold healthy
+    steps only); save when due (time, --ckpt-every, the end, a signal); stop on a signal."""
     run.bad_steps = run.bad_steps + 1 if metrics["skipped_steps"] else 0
     if run.bad_steps >= MAX_BAD_STEPS:
         last = checkpoint.complete_checkpoints(cfg.run_dir)
@@ -1030,10 +844,10 @@ def end_step(step: int, sums: dict, metrics: dict, cfg: Config, model, optimizer
     if run.bad_steps == 0 and (sums["due"] or "signal" in sums or step == cfg.steps
                                or every(cfg.ckpt_every, step, cfg.steps)):
         t0 = time.perf_counter()
-        pending = {s: [asdict(x) for x in b] for s, b in rollouts.pending().items()}
-        meta = {"world": dist.get_world_size(), "updates": run.updates, "pending": pending,
+        ahead = {s: [asdict(x) for x in b] for s, b in rollouts.wait().items()}
+        meta = {"world": dist.get_world_size(), "updates": run.updates,
                 "last_eval": run.last_eval, "config": asdict(cfg)}
-        path = checkpoint.save_checkpoint(cfg.run_dir, step, model, optimizer, meta)
+        path = checkpoint.save_checkpoint(cfg.run_dir, step, model, optimizer, meta, ahead)
         logger.line(f"saved {path} in {time.perf_counter() - t0:.2f}s")
         run.last_save = time.monotonic()
     if "signal" in sums:
@@ -1042,24 +856,23 @@ def end_step(step: int, sums: dict, metrics: dict, cfg: Config, model, optimizer
 
 
 def resume(cfg: Config, model, optimizer, engine, ranks: Ranks, resuming: bool) -> RunState:
-    """Restore a checkpoint into model, optimizer, RNGs and the rollout engine, and cut
-    metrics.jsonl and samples.jsonl back to its step: --resume's path, or (resuming this run) its
-    newest readable checkpoint; a broken one is set aside on the way. A fresh start of this run
-    drops its old lines."""
+    """Restore a checkpoint into model, optimizer, RNGs, the batches generated ahead and the
+    engine, and cut metrics.jsonl and samples.jsonl back to its step: --resume's path, or
+    (resuming this run) its newest readable checkpoint, a broken one set aside on the way. A
+    fresh start of this run drops its old lines."""
     path = on_rank0(checkpoint.choose_resume, cfg.run_dir, cfg.resume, resuming)
     run = RunState()
     if path is not None:
         try:  # passed the cheap checks (sizes, meta.json), yet unreadable: say which one
-            meta = checkpoint.load_checkpoint(Path(path), model, optimizer)
+            meta, ahead = checkpoint.load_checkpoint(Path(path), model, optimizer)
         except Exception as e:
             raise UserError(f"checkpoint {path} cannot be loaded ({cli.why(e)}); move it aside "
                             "to resume from the one before it") from None
-        mine = lambda samples: [s for s in samples if s["group"] % ranks.dp_size == ranks.dp_rank
-                                and ranks.cp_rank == 0]
-        run = RunState(meta["step"], meta["updates"], meta["last_eval"] or {}, {
-            int(s): [Sample(**x | {"completion": Completion(**x["completion"])})
-                     for x in mine(b)] for s, b in meta.get("pending", {}).items()})
-        engine.update_weights(model, run.updates if cfg.steps == 0 else meta["step"])
+        mine = lambda batch: [Sample(**x | {"completion": Completion(**x["completion"])})
+                              for x in batch if x["group"] % ranks.dp_size == ranks.dp_rank]
+        run = RunState(meta["step"], meta["updates"], meta["last_eval"] or {},
+                       {s: mine(b) for s, b in ahead.items()} if ranks.cp_rank == 0 else {})
+        engine.update_weights(model, meta["step"])
         done = " (nothing left to train)" if meta["step"] >= cfg.steps > 0 else ""
         print0(f"resumed from step {meta['step']} ({path}){done}")
     if ranks.rank == 0:  # the run starts: its directory holds its config from now on

@@ -373,6 +373,45 @@ def context_length(model: str) -> int | None:
     return next((getattr(text, n) for n in names if isinstance(getattr(text, n, None), int)), None)
 
 
+@dataclass
+class Data:
+    tokenizer: object
+    rows: list[dict]  # train rows, whole: the reward sees every field
+    prompts: list[list[int]]  # each train row's prompt ids
+    evalset: list[tuple[dict, list[int]]]  # held-out (row, prompt ids)
+    stop_ids: list[int]  # every token that ends a response, for every engine
+
+
+def load_data(model: str, dataset: str, eval_dataset: str | None, reward: str, prompt_key: str,
+              chat_template: bool, max_new_tokens: int, micro_batch_tokens: int) -> Data:
+    """The tokenizer, rows, every prompt tokenized once (BOS as the model expects it), the stop
+    tokens; or a one-line error: a tokenizer that will not load, prompts it cannot encode, a
+    sequence longer than the model's context or a micro-batch. Loads no weights."""
+    from transformers import AutoTokenizer
+
+    from cli import why
+    from logs import quiet_libraries
+
+    quiet_libraries()  # transformers' progress bars and info lines off (imported from here)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except Exception as e:  # a directory without tokenizer files ends in sentencepiece advice
+        raise UserError(f"--model {model}: no usable tokenizer there ({why(e)})") from None
+    rows, eval_rows = load_dataset(dataset, eval_dataset, reward, prompt_key)
+    prompts = encode_prompts(rows, tokenizer, chat_template, dataset, prompt_key)
+    eval_prompts = encode_prompts(eval_rows, tokenizer, chat_template, eval_dataset or "",
+                                  prompt_key)
+    stop_ids = stop_token_ids(tokenizer, model, uses_chat(rows + eval_rows, chat_template))
+    # sequences are never cut: the longest possible one must fit the model and a micro-batch
+    longest = max(map(len, prompts + eval_prompts), default=0) + max_new_tokens
+    for limit, what in ((context_length(model), "the model's context length"),
+                        (micro_batch_tokens, "--micro-batch-tokens")):
+        if limit is not None and longest > limit:
+            raise UserError(f"config error: the longest prompt + --max-new-tokens is {longest} "
+                            f"tokens, over {what} ({limit})")
+    return Data(tokenizer, rows, prompts, list(zip(eval_rows, eval_prompts)), stop_ids)
+
+
 # -----------------------------------------------------------------------------
 # reward functions: built-in names or path/to/file.py:function
 

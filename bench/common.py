@@ -49,7 +49,9 @@ class NanoRun:
         else:
             self.ranks, self.device = N.setup_distributed(cfg.cp_size)
         torch.manual_seed(cfg.seed)
-        self.data = N.load_data(cfg)
+        self.data = tasks.load_data(cfg.model, cfg.dataset, cfg.eval_dataset, cfg.reward,
+                                    cfg.prompt_key, cfg.chat_template, cfg.max_new_tokens,
+                                    cfg.micro_batch_tokens)
         self.reward_fn = tasks.load_reward(cfg.reward)
         self.engine = rollout.make_engine(cfg.rollout_backend, cfg.rollout_url, cfg.model,
                                           self.device, run_dir="runs/bench", seed=cfg.seed)

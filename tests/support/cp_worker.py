@@ -23,6 +23,7 @@ torch.set_num_threads(1)
 import loss as L  # noqa: E402
 import modeling  # noqa: E402
 import nanoareal as na  # noqa: E402
+import packing  # noqa: E402
 from rollout import Completion  # noqa: E402
 
 MODES = ["token_mean", "seq_mean", "prompt_mean", "constant"]
@@ -107,7 +108,7 @@ def run(cfg0, device, ranks, model_dir: str, dtype, modes: list[str]) -> dict:
     for mode in modes:
         cfg = na.validate_config(replace(cfg0, loss_aggregation=mode,
                                          loss_aggregation_divisor=None), ranks.world)
-        mbs = na.even_out(na.pack_microbatches(mine, cfg), ranks)
+        mbs = packing.even_out(na.pack_microbatches(mine, cfg))
         reduction = L.build_loss(cfg, group=dist.group.WORLD if ranks.world > 1 else None,
                                  cp_factor=ranks.cp_size)
         capture = GradCapture(model)
