@@ -24,7 +24,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import suppress
 from typing import Protocol
 
 import torch
@@ -85,11 +85,6 @@ def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
         yield name, tensor.detach()
-
-
-def _check_seeds(prompt_ids: list, seeds: list) -> None:
-    if len(prompt_ids) != len(seeds):
-        raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
 
 
 # -----------------------------------------------------------------------------
@@ -187,7 +182,7 @@ class HFEngine:
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
                  seeds: list[int]) -> list[Completion]:
-        _check_seeds(prompt_ids, seeds)
+        assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
         order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))  # less padding
         out: dict[int, Completion] = {}
         for start in range(0, len(order), self.batch_size):
@@ -251,8 +246,8 @@ class HFEngine:
 # -----------------------------------------------------------------------------
 # SGLang, in-process or remote. Facts that bite (read from its source, 0.5.10-0.5.23):
 # - output_token_logprobs is [(logprob, token_id, None)], log_softmax(logits / T) before top-p/k;
-#   SGLANG_RETURN_ORIGINAL_LOGPROB would make it T=1 (refused). Temperature 0 is greedy.
-# - The KV-cache budget comes from the GPU memory free at start: create the engine first.
+#   SGLANG_RETURN_ORIGINAL_LOGPROB would make it T=1 (refused). The KV-cache budget comes from
+#   the GPU memory free at start: create the engine first.
 # - Memory release/resume: enable_memory_saver=True, an idle engine, tags kv_cache, weights,
 #   cuda_graph; resuming an unreleased tag raises. A step: release all -> train -> resume weights
 #   -> push -> resume the rest -> flush, so the pushed buckets are freed before the KV cache
@@ -264,7 +259,6 @@ class HFEngine:
 # - update_weights_from_tensor (CUDA IPC) is the only in-memory path on a shared GPU (NCCL on one
 #   GPU: "Duplicate GPU detected"). Control calls report failure in their result ((success, msg),
 #   {"success": false}) instead of raising: every result is checked.
-# - ServerArgs and SamplingParams are msgspec Structs from 0.5.20 (no __init__ signature).
 
 
 def completion_from_sglang(out: dict, stop_ids: list[int]) -> Completion:
@@ -283,39 +277,27 @@ def completion_from_sglang(out: dict, stop_ids: list[int]) -> Completion:
 
 
 def _sampling_dict(sampling: SamplingParams, max_new_tokens: int, seed: int | None) -> dict:
-    d = {"max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
-         "top_p": sampling.top_p, "top_k": sampling.top_k,
-         "stop_token_ids": list(sampling.stop_token_ids), "skip_special_tokens": False,
-         "no_stop_trim": True}
+    d = {"max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_p":
+         sampling.top_p, "top_k": sampling.top_k, "stop_token_ids": list(sampling.stop_token_ids),
+         "skip_special_tokens": False, "no_stop_trim": True}
     return d if seed is None else d | {"sampling_seed": int(seed) & 0x7FFFFFFF}
 
 
 def _check_logprob_env() -> None:
     if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
-        raise RuntimeError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return "
-                           "temperature-1 log-probs, but nanoareal's trainer uses "
-                           "log_softmax(logits / temperature). Unset it.")
+        raise RuntimeError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return T=1 "
+                           "log-probs, the trainer's are log_softmax(logits / T). Unset it.")
 
 
 _rank = lambda: dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _fields(cls) -> set[str]:
-    """Field names of an SGLang dataclass, msgspec.Struct or class."""
-    if dataclasses.is_dataclass(cls):
-        return {f.name for f in dataclasses.fields(cls)}
-    return set(getattr(cls, "__struct_fields__", None) or inspect.signature(cls).parameters)
-
-
 _DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "float": torch.float32, "float32": torch.float32}
 
 
 def engine_dtype(model_path: str, requested: str | None = "auto",
                  fp32_as: torch.dtype | None = None) -> torch.dtype:
-    """The dtype SGLang holds the weights in, so that a sync rounds them once: `requested` (its
-    --dtype), or the config's own, where an fp32 config runs in `fp32_as`, by default SGLang's own
-    choice (float16, bfloat16 for Gemma: _get_and_verify_dtype)."""
+    """SGLang's dtype for the weights (a sync rounds them once): `requested` (its --dtype), else the
+    config's; an fp32 config runs in `fp32_as`, or SGLang's float16 (Gemma: bfloat16)."""
     if requested in _DTYPES:
         return _DTYPES[requested]
     from transformers import AutoConfig
@@ -347,21 +329,6 @@ def iter_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int,
         yield pending, True
 
 
-@contextmanager
-def _sigint_ignored():
-    """SGLang spawns its scheduler and detokenizer (multiprocessing spawn: fork + exec) in the
-    trainer's process group, so a terminal's Ctrl-C would kill them mid-step. An ignored signal
-    survives exec, Python keeps an inherited SIG_IGN, and those processes install no SIGINT
-    handler of their own (0.5.10-0.5.23): spawned while it is ignored, they never see it."""
-    main = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-    try:
-        yield
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, old)
-
-
 class SGLangEngine:
     """One in-process `sglang.Engine` (tp=1) on this rank's GPU, sharing it with the trainer."""
 
@@ -385,20 +352,31 @@ class SGLangEngine:
         port = SGLANG_PORT_BASE + SGLANG_PORT_STRIDE * rank
         # an fp32 lm_head (0.5.10 has it): bf16 logits would make pi/pi_behave != 1 at equal weights
         optional = {"port": port, "nccl_port": port + 1, "enable_fp32_lm_head": True}
-        kw = {k: v for k, v in optional.items() if k in _fields(ServerArgs)}
+        fields = getattr(ServerArgs, "__struct_fields__", None) or [  # msgspec from 0.5.20
+            f.name for f in dataclasses.fields(ServerArgs)]
+        kw = {k: v for k, v in optional.items() if k in fields}
         if deterministic:  # the only mode in which SGLang honours a request's sampling_seed
             kw["enable_deterministic_inference"] = True
         kw |= {"model_path": model_path, "mem_fraction_static": SGLANG_MEM_FRACTION,
                "enable_memory_saver": True, "skip_tokenizer_init": True, "base_gpu_id": gpu_id,
                "tp_size": 1, "random_seed": seed, "dtype": str(self.dtype).removeprefix("torch.")}
-        with _sigint_ignored():
+        # SGLang spawns its scheduler and detokenizer (multiprocessing spawn: fork + exec) in our
+        # process group, so a terminal's Ctrl-C would kill them mid-step. An ignored SIGINT
+        # survives exec, Python keeps an inherited SIG_IGN, and they install no handler of their
+        # own (0.5.10-0.5.23): spawned while it is ignored, they never see it.
+        main = threading.current_thread() is threading.main_thread()
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
             self.engine = sglang.Engine(**kw | engine_kwargs)
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, old)
         self.has_session = hasattr(self.engine, "begin_weight_update")  # SGLang >= 0.5.21
         self.tags = ["kv_cache", "weights", GPU_MEMORY_TYPE_CUDA_GRAPH]
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
                  seeds: list[int]) -> list[Completion]:
-        _check_seeds(prompt_ids, seeds)
+        assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
         if not prompt_ids:
             return []
         self._resume([t for t in self.tags if t in self.released])  # never without a KV cache
@@ -474,16 +452,14 @@ class HTTPError(RuntimeError):
 
 
 def _json(text: str):
-    try:
+    with suppress(json.JSONDecodeError):
         return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+    return text
 
 
 def weight_group_ranks(url: str, info: dict) -> int:
-    """A server's GPU ranks in the weight group, from /server_info: SGLang joins each scheduler as
-    rank_offset + tp_rank (pipeline stages would collide) and refuses DP replicas (dp_size 1,
-    unless DP attention, which runs inside the TP group)."""
+    """A server's ranks in the weight group (/server_info): SGLang joins each scheduler as
+    rank_offset + tp_rank (PP stages collide), refuses DP replicas (not DP attention: inside TP)."""
     tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
     if pp > 1 or (dp > 1 and not info.get("enable_dp_attention")):
         raise UserError(f"--weight-sync nccl: the SGLang server {url} runs pp_size={pp}, "
@@ -513,8 +489,7 @@ class RemoteSGLangEngine:
                  weight_sync: str = "disk", deterministic: bool = False, nccl_addr: str = "",
                  group_backend: str = "nccl"):
         if not urls or weight_sync not in ("disk", "nccl"):
-            raise ValueError(f"RemoteSGLangEngine: {urls} need server URLs, synced by 'disk' or "
-                             f"'nccl' (not {weight_sync!r})")
+            raise ValueError(f"RemoteSGLangEngine: servers {urls}, synced by disk or nccl")
         _check_logprob_env()
         self.urls = [u.rstrip("/") for u in urls]
         self.model_path, self.run_dir, self.weight_sync = model_path, run_dir, weight_sync
@@ -616,7 +591,7 @@ class RemoteSGLangEngine:
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
                  seeds: list[int]) -> list[Completion]:
-        _check_seeds(prompt_ids, seeds)
+        assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
         # a group's samples share their prompt: all on one server keep its prefix cache hot;
         # groups go round robin, offset by rank so that small batches spread too
         group: dict[tuple[int, ...], int] = {}
@@ -749,7 +724,10 @@ class RemoteSGLangEngine:
         """The trainer's rank 0 is rank 0; each server's GPU ranks follow from its rank_offset."""
         sizes = [weight_group_ranks(u, self.infos[u]) for u in self.urls]
         host, _, port = (self.nccl_addr or f"{route_address(self.urls[0])}:0").rpartition(":")
-        port = int(port) or _free_port()
+        if not (port := int(port)):
+            with socket.socket() as s:  # a free one; the rendezvous binds it
+                s.bind(("", 0))
+                port = s.getsockname()[1]
         self.group_name, world = f"nanoareal_weights_{uuid.uuid4().hex[:8]}", 1 + sum(sizes)
         posts = [self.pool.submit(self._call, u, "init_weights_update_group", {
             "master_address": host, "master_port": port, "rank_offset": 1 + sum(sizes[:i]),
@@ -761,12 +739,6 @@ class RemoteSGLangEngine:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def init_weight_group(host: str, port: int, world_size: int, group_name: str, rank: int = 0,
