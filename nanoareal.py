@@ -273,17 +273,19 @@ def parse_config(argv: list[str]) -> Config:
 
 def resolve_config(cfg: Config) -> Config:
     """The defaults that need the file system: the shipped model from any directory, a
-    checkpoint's base model (--model a checkpoint resumes from it), the run directory's name."""
+    checkpoint's base model (--model a checkpoint resumes from it), the run directory's name (an
+    evaluation, --steps 0, gets its own: it never writes into the run it evaluates)."""
     model, resume_from = cfg.model, cfg.resume
     if not Path(model).exists() and (ROOT / model).is_dir():  # assets/... from any directory
         model = str(ROOT / model)
     if (Path(model) / "meta.json").is_file():  # a checkpoint: its run's base model, its weights
         model, resume_from = json.loads((Path(model) / "meta.json").read_text())["config"][
             "model"], cfg.model
+    identity = {k: v for k, v in asdict(cfg).items() if k not in VOLATILE}  # --model as given
     cfg = replace(cfg, model=model, resume=resume_from)
-    identity = {k: v for k, v in asdict(cfg).items() if k not in VOLATILE}
+    identity |= {"model": model} if cfg.steps else {}
     return replace(cfg, run_dir=cfg.run_dir or checkpoint.run_dir_name(
-        cfg.dataset, cfg.loss_aggregation, cfg.seed, identity))
+        cfg.dataset, cfg.loss_aggregation if cfg.steps else "eval", cfg.seed, identity))
 
 
 def validate_config(cfg: Config, world: int) -> Config:
@@ -859,8 +861,12 @@ def resume(cfg: Config, model, optimizer, engine, ranks: Ranks, resuming: bool) 
     """Restore a checkpoint into model, optimizer, RNGs, the batches generated ahead and the
     engine, and cut metrics.jsonl and samples.jsonl back to its step: --resume's path, or
     (resuming this run) its newest readable checkpoint, a broken one set aside on the way. A
-    fresh start of this run drops its old lines."""
-    path = on_rank0(checkpoint.choose_resume, cfg.run_dir, cfg.resume, resuming)
+    fresh start of this run drops its old lines. Evaluating (--steps 0) loads the checkpoint
+    asked for, if any, and touches no run's checkpoints or lines."""
+    if cfg.steps == 0:
+        path = None if cfg.resume in ("auto", "fresh") else cfg.resume
+    else:
+        path = on_rank0(checkpoint.choose_resume, cfg.run_dir, cfg.resume, resuming)
     run = RunState()
     if path is not None:
         try:  # passed the cheap checks (sizes, meta.json), yet unreadable: say which one
@@ -877,7 +883,7 @@ def resume(cfg: Config, model, optimizer, engine, ranks: Ranks, resuming: bool) 
         print0(f"resumed from step {meta['step']} ({path}){done}")
     if ranks.rank == 0:  # the run starts: its directory holds its config from now on
         checkpoint.write_config(cfg.run_dir, asdict(cfg))
-        for name in ("metrics.jsonl", "samples.jsonl"):
+        for name in ("metrics.jsonl", "samples.jsonl") if cfg.steps else ():
             checkpoint.truncate_metrics(Path(cfg.run_dir) / name, run.step if path else -1)
     return run
 
