@@ -488,8 +488,7 @@ class RemoteSGLangEngine:
     def __init__(self, urls: list[str], model_path: str, run_dir: str = "runs/remote",
                  weight_sync: str = "disk", deterministic: bool = False, nccl_addr: str = "",
                  group_backend: str = "nccl"):
-        if not urls or weight_sync not in ("disk", "nccl"):
-            raise ValueError(f"RemoteSGLangEngine: servers {urls}, synced by disk or nccl")
+        assert urls and weight_sync in ("disk", "nccl"), "servers, synced by disk or nccl"
         _check_logprob_env()
         self.urls = [u.rstrip("/") for u in urls]
         self.model_path, self.run_dir, self.weight_sync = model_path, run_dir, weight_sync
@@ -499,7 +498,8 @@ class RemoteSGLangEngine:
         self.session: dict[str, bool] = {}  # url -> has /begin_weight_update (SGLang >= 0.5.21)
         self.wait_healthy(HEALTH_TIMEOUT_S)
         self.infos = {u: self.server_info(u) for u in self.urls}
-        first = self.infos[self.urls[0]]
+        first, nccl = self.infos[self.urls[0]], weight_sync == "nccl"
+        self.group_sizes = [weight_group_ranks(u, self.infos[u]) for u in self.urls if nccl]  # now
         self.sync_dtype = engine_dtype(model_path, first.get("dtype"))
         if deterministic and (bad := [u for u, i in self.infos.items()
                                       if not i.get("enable_deterministic_inference")]):
@@ -722,7 +722,7 @@ class RemoteSGLangEngine:
 
     def _init_weight_group(self) -> None:
         """The trainer's rank 0 is rank 0; each server's GPU ranks follow from its rank_offset."""
-        sizes = [weight_group_ranks(u, self.infos[u]) for u in self.urls]
+        sizes = self.group_sizes
         host, _, port = (self.nccl_addr or f"{route_address(self.urls[0])}:0").rpartition(":")
         if not (port := int(port)):
             with socket.socket() as s:  # a free one; the rendezvous binds it

@@ -357,7 +357,8 @@ def test_nccl_sync_round_trip_over_gloo_stand_ins_logprobs_equal_trainers(model_
         new.stop()
 
 
-def test_the_weight_group_counts_each_servers_tp_ranks_and_refuses_pp_and_dp_replicas():
+def test_the_weight_group_counts_each_servers_tp_ranks_and_refuses_pp_and_dp_replicas(
+        server, model_dir, tmp_path):
     url = "http://h:1"
     assert rollout.weight_group_ranks(url, {"tp_size": 4, "pp_size": 1, "dp_size": 1}) == 4
     assert rollout.weight_group_ranks(url, {"tp_size": 4, "dp_size": 2,
@@ -365,6 +366,10 @@ def test_the_weight_group_counts_each_servers_tp_ranks_and_refuses_pp_and_dp_rep
     for info in ({"tp_size": 2, "pp_size": 2}, {"tp_size": 2, "dp_size": 2}):
         with pytest.raises(UserError, match="joins only its TP ranks"):
             rollout.weight_group_ranks(url, info)
+    server.info["pp_size"] = 2  # refused at start, before any step trains
+    with pytest.raises(UserError, match=f"{server.url} runs pp_size=2"):
+        client(server, model_dir, tmp_path, weight_sync="nccl")
+    assert client(server, model_dir, tmp_path).weight_sync == "disk"
 
 
 def test_the_trainers_address_is_that_of_the_interface_towards_the_server(monkeypatch):
