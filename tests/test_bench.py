@@ -1,6 +1,7 @@
 """The bench scripts run end to end in a tiny configuration and print their tables. Nothing here
 asserts a speed."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,15 @@ def test_the_gpu_check_documents_itself_and_skips_cleanly_without_a_gpu():
     if not torch.cuda.is_available():
         out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and out.stdout.startswith("skipped: no CUDA device"), out
+
+
+def test_the_gpu_check_runs_its_cpu_smoke_mode_through_the_trainers_functions():
+    """The same code as on the GPU, small (one layer, a 1024-token vocabulary), so it cannot rot:
+    the attention check against the model's own forward and its negative control, GRPO steps."""
+    script = str(ROOT / "tests" / "gpu" / "check_gpu.py")
+    out = subprocess.run([sys.executable, script, "--device", "cpu", "--num-layers", "1",
+                          "--quick"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "| sdpa | ok |" in out.stdout and "all checks passed" in out.stdout
+    assert "| weight sync (" in out.stdout

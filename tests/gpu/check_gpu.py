@@ -2,7 +2,7 @@
 one command on a machine with one CUDA GPU (not collected by pytest: no test_ prefix).
 
     python tests/gpu/check_gpu.py                 # ~3-5 minutes on one H200
-    python tests/gpu/check_gpu.py --device cpu --num-layers 2 --quick     # a smoke run anywhere
+    python tests/gpu/check_gpu.py --device cpu --num-layers 1 --quick     # a smoke run anywhere
 
 It needs torch (CUDA), transformers, safetensors and tyro, and nothing from the network: the
 model is a randomly initialised Qwen2.5-0.5B-shaped causal LM (24 layers, 152k vocabulary) saved
@@ -17,8 +17,9 @@ Checks (exit code 1 if one fails), then measurements, printed as markdown (and w
    torch_varlen, sdpa) on GRPO groups sharing their prompt, against the model's own per-sequence
    forward in the same precision: |delta log-prob| must be small next to a negative control
    (the same packed row with the shared prompt hidden from the completions);
-2. fp32 logits from bf16 hidden states (torch.mm out_dtype where it exists) against an fp32
-   matmul of the same bf16 values;
+2. fp32 logits from bf16 hidden states (modeling.HeadLogits: torch.mm out_dtype where it runs)
+   against an fp32 matmul of the same bf16 values, forward and backward, and the memory it takes
+   (no fp32 copy of the 152k x 896 head);
 3. training forward+backward FLOP/s and MFU (bench/bench_flops.py's count and peak);
 4. full GRPO steps (rollout -> reward -> advantages -> train -> weight sync): the step-time split,
    tokens/s, peak GPU memory and weight-sync time.
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -54,9 +56,10 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def build_model(num_layers: int | None, init_range: float) -> str:
+def build_model(num_layers: int | None, init_range: float, vocab: int | None = None) -> str:
     """A random Qwen2.5-0.5B-shaped model directory with the shipped character tokenizer (its 18
-    ids are a subset of the 152k vocabulary; decoding skips the rest)."""
+    ids are a subset of the 152k vocabulary; decoding skips the rest); `vocab` shrinks the
+    vocabulary for a CPU smoke run."""
     import shutil
 
     from bench_flops import QWEN25_05B
@@ -64,6 +67,7 @@ def build_model(num_layers: int | None, init_range: float) -> str:
 
     out = tempfile.mkdtemp(prefix="check_gpu_qwen05_")
     layers = {"num_hidden_layers": num_layers} if num_layers else {}
+    layers |= {"vocab_size": vocab} if vocab else {}
     config = AutoConfig.for_model(**(QWEN25_05B | layers), initializer_range=init_range,
                                   bos_token_id=0, eos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)
@@ -110,10 +114,11 @@ def packed_logprobs(model, mbs, cfg, device, ranks, hide_prompt: bool = False) -
     with torch.no_grad():
         for mb in mbs:
             if hide_prompt:  # negative control: completions no longer see their shared prompt
-                mb = dict(mb, segments=mb["segments"].clone())
-                mb["segments"][:, 2:] = 0
+                segments = mb.segments.clone()
+                segments[:, 2:] = 0
+                mb = replace(mb, segments=segments)
             logprobs, _ = N.microbatch_forward(model, mb, cfg, device, ranks)
-            out.append(logprobs.float().cpu()[mb["seq_ids"] >= 0])
+            out.append(logprobs.float().cpu()[mb.seq_ids >= 0])
     return torch.cat(out)
 
 
@@ -137,8 +142,9 @@ def check_attention(model_dir: str, device: torch.device, ranks, quick: bool) ->
         except ValueError as e:
             rows.append(f"| {path} | not available here: {e} | | | |")
             continue
-        cfg = N.validate_config(N.Config(model=model_dir, device=device.type, attention=path,
-                                         dtype="bfloat16" if half else "float32"), 1)
+        N.ATTENTION = path  # the trainer's constant, forced path by path
+        cfg = N.validate_config(N.Config(model=model_dir, dtype="bfloat16" if half else "float32"),
+                                1)
         model = N.load_model(cfg, device, ranks)
         mbs = N.pack_microbatches(samples, cfg)
         got = packed_logprobs(model, mbs, cfg, device, ranks)
@@ -149,6 +155,7 @@ def check_attention(model_dir: str, device: torch.device, ranks, quick: bool) ->
         rows.append(f"| {path} | {'ok' if ok else 'FAILED'} | {err.mean():.2e} | {err.max():.2e} "
                     f"| {ctl.mean():.2e} |")
         del model
+    N.ATTENTION = "auto"
     print_table(f"attention paths vs the model's own per-sequence forward ({str(dtype)[6:]}, "
                 f"{len(samples)} samples in groups of 4 sharing a 64-token prompt)",
                 ["path", "result", "mean abs delta", "max abs delta", "control mean"], rows)
@@ -161,16 +168,28 @@ def check_fp32_logits(device: torch.device) -> list[str]:
     if device.type != "cuda":
         return []
     g = torch.Generator(device=device).manual_seed(0)
-    h = torch.randn(4096, 896, device=device, generator=g).bfloat16()
-    w = torch.randn(151936, 896, device=device, generator=g).bfloat16()
-    got = modeling._matmul_fp32(h, w.t())
-    want = h.float() @ w.float().t()
-    rel = float((got - want).abs().max() / want.abs().max())
-    used = "torch.mm out_dtype" if modeling._MM_OUT_DTYPE.get(h.device) else "upcast fallback"
-    print_table("fp32 logits from bf16 hidden states", ["kernel", "dtype", "max rel. error"],
-                [f"| {used} | {got.dtype} | {rel:.2e} |"])
-    ok = got.dtype == torch.float32 and rel < 1e-2
-    return [] if ok else [f"fp32 logits: dtype {got.dtype}, relative error {rel:.2e}"]
+    h = torch.randn(1024, 896, device=device, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(151936, 896, device=device, generator=g).bfloat16().requires_grad_()
+    used = "torch.mm out_dtype" if modeling.mm_out_dtype_runs(h.device, h.dtype) else "upcast"
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    got = modeling.HeadLogits.apply(h, w, None)
+    got.logsumexp(-1).sum().backward()
+    extra = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    grads = h.grad.float(), w.grad.float()
+    h32, w32 = (x.detach().float().requires_grad_() for x in (h, w))
+    want = h32 @ w32.t()
+    want.logsumexp(-1).sum().backward()
+    rel = [float((a - b).abs().max() / b.abs().max()) for a, b in
+           zip((got, *grads), (want, h32.grad, w32.grad))]
+    print_table("fp32 head logits from bf16 (1024 tokens x the 152k x 896 head)",
+                ["kernel", "dtype", "max rel. error logits / d hidden / d weight",
+                 "peak extra memory"],
+                [f"| {used} | {got.dtype} | {rel[0]:.1e} / {rel[1]:.1e} / {rel[2]:.1e} | "
+                 f"{extra:.0f} MiB (an fp32 head copy alone: {w.numel() * 4 / 2**20:.0f} MiB) |"])
+    ok = got.dtype == torch.float32 and max(rel) < 2e-2
+    return [] if ok else [f"fp32 logits: dtype {got.dtype}, relative errors {rel}"]
 
 
 def measure_flops(device: torch.device, num_layers: int | None, quick: bool) -> None:
@@ -191,7 +210,7 @@ def measure_grpo(model_dir: str, device: torch.device, ranks, steps: int, quick:
     import nanoareal as N
 
     cfg = N.validate_config(N.Config(
-        model=model_dir, device=device.type, prompts_per_step=8 if quick else 64, group_size=8,
+        model=model_dir, prompts_per_step=8 if quick else 64, group_size=8,
         max_new_tokens=16 if quick else 512, micro_batch_tokens=16384, eval_every=0), 1)
     nano = NanoRun(cfg)
     if device.type == "cuda":
@@ -246,16 +265,17 @@ def main() -> int:
         fa = f"no flash-attn ({type(e).__name__})"
     print(f"## nanoareal GPU check: {where}, torch {torch.__version__}, transformers "
           f"{transformers.__version__}, {fa}")
-    cfg = N.validate_config(N.Config(device=args.device), 1)
-    ranks, device = N.setup_distributed(cfg)
+    ranks, device = N.setup_distributed()
     # a larger init spread than Qwen's 0.02 so that log-probs differ between positions: a wrong
     # attention layout then shows up clearly against the control
-    model_dir = build_model(args.num_layers, init_range=0.1)
+    model_dir = build_model(args.num_layers, init_range=0.1,
+                            vocab=1024 if device.type == "cpu" else None)
     problems = check_attention(model_dir, device, ranks, args.quick)
     problems += check_fp32_logits(device)
     measure_grpo(model_dir, device, ranks, 1 if args.quick else args.steps, args.quick)
     torch.distributed.destroy_process_group()
-    measure_flops(device, args.num_layers, args.quick)
+    if device.type == "cuda":  # on a CPU tests/test_bench.py runs bench_flops itself
+        measure_flops(device, args.num_layers, args.quick)
     print(f"\n{'all checks passed' if not problems else 'FAILED: ' + '; '.join(problems)} "
           f"({time.perf_counter() - t0:.0f} s)")
     return 1 if problems else 0
