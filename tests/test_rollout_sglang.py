@@ -130,7 +130,7 @@ def test_a_groups_samples_go_to_one_server_and_groups_are_balanced_over_servers(
 
 def test_a_whole_batch_is_in_flight_at_once(server, model_dir, tmp_path):
     eng = client(server, model_dir, tmp_path)
-    server.slow = (80, 0.3)  # each request waits server-side, so all of them overlap
+    server.gate_at = 80  # each request waits server-side until 80 are in flight
     eng.generate([PROMPTS[0]] * 80, SamplingParams(1), list(range(80)))
     assert server.peak_in_flight == 80  # more than the 64 threads there were
 

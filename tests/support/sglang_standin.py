@@ -28,8 +28,9 @@ managers/io_struct.py, managers/schedule_batch.py, model_executor weight updater
                                     session) and loads them
 
 Faults (each counts down per /generate): `abort_after` = (n_requests, k_tokens), `fail_5xx` = n,
-`slow` = (n, seconds); `start_delay` keeps /health_generate at 503; `refuse_session` = a message
-refuses /begin_weight_update; `reject_sampling_seed` answers as a server without that field.
+`slow` = (n, seconds); `gate_at` = n holds every /generate until n are in flight (5 s at most);
+`start_delay` keeps /health_generate at 503; `refuse_session` = a message refuses
+/begin_weight_update; `reject_sampling_seed` answers as a server without that field.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class StandinSGLangServer:
         self.finishes: dict[str, dict] = {}  # rid -> the finish_reason sent
         self.aborted: list[str] = []
         self.in_flight = self.peak_in_flight = 0  # /generate requests being served at once
+        self.flight = threading.Condition()
+        self.gate_at: int | None = None
         self.abort_after: tuple[int, int] | None = None
         self.fail_5xx = 0
         self.slow: tuple[int, float] | None = None
@@ -268,13 +271,15 @@ class StandinSGLangServer:
                 self._send(404, {"detail": "Not Found"})
 
             def _generate(self, body: dict):
-                with server.lock:
+                with server.flight:
                     server.in_flight += 1
                     server.peak_in_flight = max(server.peak_in_flight, server.in_flight)
+                    server.flight.notify_all()
+                    server.flight.wait_for(lambda: server.in_flight >= (server.gate_at or 0), 5)
                 try:
                     self._generate_in_flight(body)
                 finally:
-                    with server.lock:
+                    with server.flight:
                         server.in_flight -= 1
 
             def _generate_in_flight(self, body: dict):
