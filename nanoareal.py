@@ -13,14 +13,11 @@ weight sync -> log), then the pieces in the order the loop uses them.
     python nanoareal.py --steps 0 --model runs/<run>/final --eval-k 8   # evaluate only
     python nanoareal.py --help                            # every flag, documented
 
-The rest is plumbing in flat files that never import this one: loss.py (aggregation modes,
-surrogates, off-policy corrections, and the LossReduction contract that makes gradients
-independent of micro-batching and world size), rollout.py (generation engines), tasks.py (tasks,
-datasets, rewards), modeling.py (packed attention, Ulysses, log-probs), checkpoint.py
-(checkpoints, resume, export), logs.py (console, metrics, samples), cli.py (flags, errors).
-
-Left out on purpose: a critic (GRPO needs none), multi-turn tool use, tensor/pipeline parallel in
-the trainer (FSDP2 + optional context parallel cover one node up to a few billion parameters).
+Plumbing lives in flat files that never import this one: loss.py (aggregation modes, surrogates,
+corrections, the LossReduction contract: gradients independent of micro-batching and world size),
+rollout.py (engines, the batches in flight), tasks.py (tasks, data, rewards), packing.py,
+modeling.py (packed attention, Ulysses, log-probs), checkpoint.py, logs.py, cli.py. Left out on
+purpose: a critic (GRPO needs none), multi-turn tool use, tensor/pipeline parallel in the trainer.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ import time
 import types
 import typing
 from collections import Counter, defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
@@ -63,7 +59,6 @@ REWARD_TIMEOUT_S = 30.0  # a reward call that takes longer scores 0 and is count
 DIST_TIMEOUT_S = 1800.0  # a collective waits this long for a peer: a dead rank never hangs a run
 MAX_BAD_STEPS = 3  # stop after this many steps in a row with a non-finite gradient norm
 CKPT_MINUTES = 10.0  # save a checkpoint when this long has passed since the last one
-EVAL_SEED = 0xE7A1  # eval samples' seeds: the same noise at every eval, so only the policy moves
 
 # -----------------------------------------------------------------------------
 # config: one flat set of flags; `--help` is its documentation. A flag marked Volatile changes how
@@ -212,13 +207,18 @@ def main(argv: list[str]) -> None:
     reduction = loss.build_loss(cfg, dist.group.WORLD, cp_factor=ranks.cp_size)
     run = resume(cfg, model, optimizer, engine, ranks, resuming)  # step, updates, batches ahead
     logger = Logger(cfg.run_dir, cfg.steps, run.step, cfg.wandb_project, asdict(cfg))
-    rollouts = Rollouts(lambda step: rollout_batch(engine, data, reward_fn, step, cfg, ranks),
-                        cfg.max_staleness, engine.overlaps, ranks, run.pending, cfg.steps)
+    rollouts = rollout.Rollouts(lambda step: rollout_batch(engine, data, reward_fn, step, cfg,
+                                                           ranks), cfg.max_staleness,
+                                engine.overlaps, run.pending, cfg.steps,
+                                share=lambda batch: cp_broadcast(batch, ranks))
     print0(f"nanoareal: {ranks.world} rank(s) on {device.type}, {cfg.model}, {len(data.rows)} "
            f"train prompts, {len(data.evalset)} eval, {cfg.policy_loss}/{cfg.loss_aggregation}, "
            f"{rollouts.describe()}, run {cfg.run_dir}")
+    evaluate = lambda: run.evaluated(tasks.evaluate(  # greedy accuracy; mean@k and pass@k
+        engine, data, reward_fn, cfg.max_new_tokens, cfg.temperature, cfg.eval_k, cfg.seed,
+        ranks.rank, ranks.world, REWARD_TIMEOUT_S))
     if data.evalset and (cfg.steps == 0 or (cfg.eval_every > 0 and run.step == 0)):
-        logger.log(run.step, run.evaluated(evaluate(engine, data, reward_fn, cfg, ranks)))
+        logger.log(run.step, evaluate())
     with checkpoint.Preemption() as preempt:  # SIGINT/SIGTERM: finish the step, save, exit
         for step in range(run.step, cfg.steps):
             t0 = time.perf_counter()
@@ -248,7 +248,7 @@ def main(argv: list[str]) -> None:
             sums = reduce_metrics(sums | train_sums | run.flags(preempt))
             metrics = step_metrics(sums, stats, times, lr, step + 1)
             if data.evalset and every(cfg.eval_every, step + 1, cfg.steps):
-                metrics |= run.evaluated(evaluate(engine, data, reward_fn, cfg, ranks))
+                metrics |= evaluate()
             logger.log(step + 1, metrics)  # metrics.jsonl, wandb, a console line
             if logger.samples_due(step + 1):  # a few groups to samples.jsonl
                 logger.log_samples(step + 1, sample_rows(samples, data.tokenizer))
@@ -350,13 +350,12 @@ def setup_distributed(cp_size: int = 1) -> tuple[Ranks, torch.device]:
     rank's device, the (dp, cp) mesh. Threads: OMP_NUM_THREADS, else 1 (stable on CPUs)."""
     from datetime import timedelta
 
+    from torch.distributed.device_mesh import init_device_mesh
+
     cuda = torch.cuda.is_available()
-    if "RANK" in os.environ:
-        dist.init_process_group("nccl" if cuda else "gloo",
-                                timeout=timedelta(seconds=DIST_TIMEOUT_S))
-    else:
-        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
+    alone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=DIST_TIMEOUT_S),
+                            **alone)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else \
         torch.device("cpu")
@@ -364,18 +363,14 @@ def setup_distributed(cp_size: int = 1) -> tuple[Ranks, torch.device]:
         torch.cuda.set_device(device)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
     cp = cp_size if world % cp_size == 0 else 1  # else: validate_config has said so
-    cp_group = None
-    if cp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
-        cp_group = mesh["cp"].get_group()
+    cp_group = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))[
+        "cp"].get_group() if cp > 1 else None
     return Ranks(rank, world, rank // cp, world // cp, rank % cp, cp, cp_group), device
 
 
 def prepare_run(cfg: Config) -> tuple[tasks.Data, object, bool]:
-    """The reward, the run directory claimed (this run's, or a one-line refusal), the data; and
-    whether the directory holds this run to resume."""
+    """The reward, the run directory claimed (or a one-line refusal), the data; whether the
+    directory holds this run to resume."""
     reward_fn = tasks.load_reward(cfg.reward)
     modeling.check_model_source(cfg.model)
     resuming = on_rank0(checkpoint.claim_run_dir, cfg.run_dir, asdict(cfg), VOLATILE,
@@ -392,8 +387,8 @@ def every(n: int, step: int, last: int) -> bool:
 
 
 def set_lr(optimizer, updates: int, cfg: Config) -> float:
-    """Linear warm-up, then constant or cosine to 0 at --steps, as a function of the steps that
-    updated the weights (a step with nothing to learn from moves neither weights nor lr)."""
+    """Linear warm-up, then constant or cosine to 0 at --steps, counted in steps that updated the
+    weights (a step with nothing to learn from moves neither weights nor lr)."""
     factor = (updates + 1) / (cfg.warmup_steps + 1) if updates < cfg.warmup_steps else 1.0
     if updates >= cfg.warmup_steps and cfg.lr_schedule == "cosine":
         progress = (updates - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
@@ -421,49 +416,6 @@ class Sample:
     metrics: dict = field(default_factory=dict)  # the reward's own
     reward_error: str | None = None
     gen_s: float = 0.0  # seconds its batch took to generate
-
-
-class Rollouts:
-    """The rollout batches in flight. The batch of step s is sampled by the weights at the start of
-    step max(0, s - K), K = --max-staleness: take(s) has the engine start every batch up to s + K
-    (the engine holds the newest weights, those of step s) and returns batch s; wait() lets the
-    batch in flight finish, so new weights reach the engine only between two batches. A run is
-    thus a function of (seed, K). An engine that can overlap generates and scores on a background
-    thread while the trainer trains; a CP group's first rank generates, the group shares it. No
-    batch is made for a step at or past `steps`."""
-
-    def __init__(self, make_batch, staleness: int, overlap: bool, ranks: Ranks,
-                 pending: dict[int, list[Sample]], steps: int | None = None):
-        self.make_batch, self.staleness, self.ranks = make_batch, staleness, ranks
-        self.steps = steps
-        self.batches: dict[int, list[Sample] | Future] = dict(pending)
-        self.pool = ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(
-            torch.get_num_threads(),)) if overlap and staleness > 0 else None
-
-    def describe(self) -> str:
-        if self.staleness == 0:
-            return "synchronous rollouts"
-        how = "overlapped with training" if self.pool else "not overlapped (colocated engine)"
-        return f"rollouts {self.staleness} step(s) ahead, {how}"
-
-    def take(self, step: int) -> list[Sample]:
-        for s in range(step, step + self.staleness + 1):
-            if s not in self.batches and (s == step or self.steps is None or s < self.steps):
-                self.batches[s] = (self.pool.submit(self.make_batch, s) if self.pool
-                                   else self.make_batch(s))
-        batch = self.batches.pop(step)
-        return cp_broadcast(batch.result() if isinstance(batch, Future) else batch, self.ranks)
-
-    def wait(self) -> dict[int, list[Sample]]:
-        """Every batch in flight finished; returns the batches generated ahead (for a
-        checkpoint)."""
-        self.batches = {s: b.result() if isinstance(b, Future) else b
-                        for s, b in self.batches.items()}
-        return self.batches
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
 
 
 def cp_broadcast(obj, ranks: Ranks):
@@ -494,11 +446,11 @@ def prompts_for_step(num_rows: int, per_step: int, step: int, seed: int) -> list
 
 def rollout_batch(engine, data: tasks.Data, reward_fn, step: int, cfg: Config,
                   ranks: Ranks) -> list[Sample]:
-    """This data-parallel rank's share of the step's groups (every dp_size-th slot, so a group
-    never straddles ranks), sampled by the engine's current weights and scored. It may run on the
-    rollout thread, overlapping training: no collectives here."""
+    """This data-parallel rank's share of the step's groups (every dp_size-th slot: a group never
+    straddles ranks), sampled by the engine's current weights and scored. It may run on the
+    rollout thread, overlapping training: no collectives here. A CP group's first rank makes it."""
     if ranks.cp_rank != 0:
-        return []  # the CP group's first rank generates for the group
+        return []
     prompts = prompts_for_step(len(data.rows), cfg.prompts_per_step, step, cfg.seed)
     start = time.perf_counter()
     samples = generate(engine, data.prompts, list(enumerate(prompts))[ranks.dp_rank::ranks.dp_size],
@@ -769,47 +721,7 @@ def microbatch_forward(model, mb: MicroBatch, cfg: Config, device: torch.device,
 
 
 # -----------------------------------------------------------------------------
-# eval, bad steps, checkpoints
-
-
-def evaluate(engine, data: tasks.Data, reward_fn, cfg: Config, ranks: Ranks) -> dict[str, float]:
-    """Held-out metrics, the rows split across ranks, one collective: eval/accuracy of greedy
-    answers; with --eval-k n, n samples per prompt at --temperature give eval/mean@n (the
-    unbiased pass@1) and eval/pass@k for k = 2, 4, ... and n, by Chen et al. 2021's unbiased
-    estimator 1 - C(n-c, k)/C(n, k) for c of the n correct."""
-    rows, prompts = zip(*data.evalset[ranks.rank :: ranks.world]) if \
-        data.evalset[ranks.rank :: ranks.world] else ((), ())
-    greedy = SamplingParams(cfg.max_new_tokens, 0.0, stop_token_ids=data.stop_ids)
-    verdicts = judge(engine, prompts, rows, greedy, [0] * len(prompts), reward_fn, data.tokenizer)
-    sums = Counter({"judged": sum(v is not None for v in verdicts),
-                    "correct": sum(map(bool, verdicts))})
-    n = cfg.eval_k
-    if n:
-        sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, stop_token_ids=data.stop_ids)
-        seeds = [mix_seed(cfg.seed, EVAL_SEED, i, j) for i in range(ranks.rank, len(data.evalset),
-                                                                    ranks.world) for j in range(n)]
-        verdicts = judge(engine, [p for p in prompts for _ in range(n)],
-                         [r for r in rows for _ in range(n)], sampling, seeds, reward_fn,
-                         data.tokenizer)
-        ks = sorted({2**j for j in range(1, n.bit_length()) if 2**j < n} | {n}) if n > 1 else []
-        for i in range(len(prompts)):
-            mine = verdicts[i * n : (i + 1) * n]
-            if None not in mine:  # a prompt counts when every sample got a verdict
-                c = sum(mine)
-                sums.update({"k_judged": 1, f"mean@{n}": c / n} | {
-                    f"pass@{k}": 1 - math.comb(n - c, k) / math.comb(n, k) for k in ks})
-    sums = reduce_metrics(dict(sums))
-    return {"eval/accuracy": sums["correct"] / max(sums["judged"], 1)} | {
-        f"eval/{k}": v / max(sums.get("k_judged", 0), 1) for k, v in sums.items() if "@" in k}
-
-
-def judge(engine, prompts, rows, sampling: SamplingParams, seeds: list[int], reward_fn,
-          tokenizer) -> list[bool | None]:
-    """Each prompt's completion correct, wrong, or None (no verdict)."""
-    outs = engine.generate(list(prompts), sampling, seeds) if prompts else []
-    texts = tokenizer.batch_decode([o.output_ids for o in outs], skip_special_tokens=True)
-    return [s.correct for s in tasks.compute_rewards(reward_fn, texts, list(rows),
-                                                     REWARD_TIMEOUT_S)]
+# bad steps, checkpoints
 
 
 @dataclass
@@ -835,7 +747,7 @@ class RunState:
 
 
 def end_step(step: int, sums: dict, metrics: dict, cfg: Config, model, optimizer, run: RunState,
-             rollouts: Rollouts, logger: Logger) -> None:
+             rollouts: rollout.Rollouts, logger: Logger) -> None:
     """After logging: stop after MAX_BAD_STEPS non-finite steps in a row (checkpoints hold healthy
     steps only); save when due (time, --ckpt-every, the end, a signal); stop on a signal."""
     run.bad_steps = run.bad_steps + 1 if metrics["skipped_steps"] else 0

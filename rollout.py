@@ -4,6 +4,7 @@ One interface (`Engine`), three backends: `HFEngine` (transformers on this rank'
 copy of the weights), `SGLangEngine` (in-process, on the trainer's GPU) and `RemoteSGLangEngine`
 (SGLang servers over HTTP). Behaviour log-probs are SGLang's: log_softmax(logits / temperature)
 of the sampled token before top-p/top-k, as the trainer's, so pi/pi_behave is 1 at equal weights.
+`Rollouts` (at the end) is the queue of batches in flight that bounded staleness needs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from typing import Protocol
 
@@ -798,3 +799,49 @@ def make_engine(backend: str, urls: list[str], model_path: str, device: torch.de
         return RemoteSGLangEngine(urls, model_path, run_dir, sync, deterministic)
     return SGLangEngine(model_path, gpu_id=device.index or 0, seed=seed, device=device,
                         deterministic=deterministic)
+
+
+# -----------------------------------------------------------------------------
+# the batches in flight (--max-staleness)
+
+
+class Rollouts:
+    """The rollout batches in flight. The batch of step s is sampled by the weights at the start of
+    step max(0, s - K), K = --max-staleness: take(s) has the engine start every batch up to s + K
+    (the engine holds the newest weights, those of step s) and returns batch s; wait() lets the
+    batch in flight finish, so new weights reach the engine only between two batches. A run is
+    thus a function of (seed, K). An engine that can overlap makes (generates and scores) batches
+    on a background thread while the trainer trains; `share` hands a batch to the ranks that did
+    not make it (a collective, on the trainer's thread). No batch is made at or past `steps`."""
+
+    def __init__(self, make_batch, staleness: int, overlap: bool, pending: dict[int, list],
+                 steps: int | None = None, share=lambda batch: batch):
+        self.make_batch, self.staleness, self.steps = make_batch, staleness, steps
+        self.share = share
+        self.batches: dict[int, list | Future] = dict(pending)
+        self.pool = ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(
+            torch.get_num_threads(),)) if overlap and staleness > 0 else None
+
+    def describe(self) -> str:
+        if self.staleness == 0:
+            return "synchronous rollouts"
+        how = "overlapped with training" if self.pool else "not overlapped (colocated engine)"
+        return f"rollouts {self.staleness} step(s) ahead, {how}"
+
+    def take(self, step: int) -> list:
+        for s in range(step, step + self.staleness + 1):
+            if s not in self.batches and (s == step or self.steps is None or s < self.steps):
+                self.batches[s] = (self.pool.submit(self.make_batch, s) if self.pool
+                                   else self.make_batch(s))
+        batch = self.batches.pop(step)
+        return self.share(batch.result() if isinstance(batch, Future) else batch)
+
+    def wait(self) -> dict[int, list]:
+        """Every batch in flight finished; returns the batches made ahead (for a checkpoint)."""
+        self.batches = {s: b.result() if isinstance(b, Future) else b
+                        for s, b in self.batches.items()}
+        return self.batches
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)

@@ -24,6 +24,7 @@ import random
 import re
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from fractions import Fraction
 from pathlib import Path
 
 from cli import UserError
+
+EVAL_SEED = 0xE7A1  # eval samples' seeds: the same noise at every eval, so only the policy moves
 
 # -----------------------------------------------------------------------------
 # built-in rewards
@@ -452,6 +455,44 @@ def load_reward(spec: str) -> Callable:
     if not callable(fn):
         raise UserError(f"--reward {spec}: {path} has no function {name!r}")
     return fn
+
+
+def evaluate(engine, data: Data, reward_fn: Callable, max_new_tokens: int, temperature: float,
+             k: int, seed: int, rank: int = 0, world: int = 1, timeout: float = 30.0) -> dict:
+    """Held-out metrics, the rows split across ranks, one collective: eval/accuracy of greedy
+    answers; with k > 0, k samples per prompt at `temperature` give eval/mean@k (the unbiased
+    pass@1) and eval/pass@j for j = 2, 4, ... and k, by Chen et al. 2021's unbiased estimator
+    1 - C(k-c, j)/C(k, j) for c of the k correct; a prompt counts once all its answers are judged.
+    """
+    from logs import reduce_metrics
+    from rollout import SamplingParams, mix_seed
+
+    mine = data.evalset[rank::world]
+    rows, prompts = [r for r, _ in mine], [p for _, p in mine]
+
+    def judge(prompts: list, rows: list, temperature: float, seeds: list[int]) -> list:
+        sampling = SamplingParams(max_new_tokens, temperature, stop_token_ids=data.stop_ids)
+        outs = engine.generate(prompts, sampling, seeds) if prompts else []
+        texts = data.tokenizer.batch_decode([o.output_ids for o in outs], skip_special_tokens=True)
+        return [s.correct for s in compute_rewards(reward_fn, texts, rows, timeout)]
+
+    verdicts = judge(prompts, rows, 0.0, [0] * len(prompts))
+    sums = Counter({"judged": sum(v is not None for v in verdicts),
+                    "correct": sum(map(bool, verdicts))})
+    if k:
+        seeds = [mix_seed(seed, EVAL_SEED, i, j) for i in range(rank, len(data.evalset), world)
+                 for j in range(k)]
+        verdicts = judge([p for p in prompts for _ in range(k)],
+                         [r for r in rows for _ in range(k)], temperature, seeds)
+        js = sorted({2**e for e in range(1, k.bit_length()) if 2**e < k} | {k}) if k > 1 else []
+        for i in range(len(prompts)):
+            if None not in (answers := verdicts[i * k : (i + 1) * k]):
+                c = sum(answers)
+                sums.update({"k_judged": 1, f"mean@{k}": c / k} | {
+                    f"pass@{j}": 1 - math.comb(k - c, j) / math.comb(k, j) for j in js})
+    sums = reduce_metrics(dict(sums))
+    return {"eval/accuracy": sums["correct"] / max(sums["judged"], 1)} | {
+        f"eval/{m}": v / max(sums.get("k_judged", 0), 1) for m, v in sums.items() if "@" in m}
 
 
 @dataclass

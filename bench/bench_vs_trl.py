@@ -36,6 +36,7 @@ import time
 
 import torch
 from common import (  # noqa: I001
+    N,
     NanoRun,
     PositionCounter,
     fix_threads,
@@ -53,7 +54,7 @@ def build_trl(args, nano: NanoRun, total_steps: int):
     from trl import GRPOConfig, GRPOTrainer
 
     cfg = nano.cfg
-    rows = [nano.train_items[g] for s in range(total_steps) for g in nano.prompts(s)]
+    rows = [nano.data.rows[g] for s in range(total_steps) for g in nano.prompts(s)]
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
     def exact_match(completions, answer, **kw):
@@ -71,15 +72,16 @@ def build_trl(args, nano: NanoRun, total_steps: int):
         num_generations=cfg.group_size, max_completion_length=cfg.max_new_tokens,
         temperature=cfg.temperature, top_p=1.0, top_k=0, use_vllm=False, beta=0.0,
         loss_type="dapo", epsilon=cfg.eps_low, epsilon_high=cfg.eps_high, scale_rewards="group",
-        num_iterations=1, learning_rate=cfg.lr, adam_beta1=cfg.beta1, adam_beta2=cfg.beta2,
-        weight_decay=cfg.weight_decay, max_grad_norm=cfg.grad_clip, lr_scheduler_type="constant",
+        num_iterations=1, learning_rate=cfg.lr, adam_beta1=N.ADAM_BETAS[0],
+        adam_beta2=N.ADAM_BETAS[1], weight_decay=N.WEIGHT_DECAY, max_grad_norm=cfg.grad_clip,
+        lr_scheduler_type="constant",
         warmup_steps=0, max_steps=total_steps, shuffle_dataset=False, seed=cfg.seed,
         logging_steps=10, log_completions=False,
     )
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32,
                                                  attn_implementation="sdpa")
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=tcfg, train_dataset=dataset,
-                          processing_class=nano.tokenizer)
+                          processing_class=nano.data.tokenizer)
     return trainer
 
 
@@ -98,7 +100,8 @@ class Alternate(TrainerCallback):
     def on_step_end(self, args, state, control, **kw):
         t, cpu = time.perf_counter() - self.mark, time.process_time() - self.cpu_mark
         prompts = self.nano.prompts(state.global_step - 1)
-        prompt_tokens = sum(len(self.nano.encoded[g]) for g in prompts) * self.nano.cfg.group_size
+        prompt_tokens = sum(len(self.nano.data.prompts[g]) for g in prompts) * \
+            self.nano.cfg.group_size
         gen = sum(self.gen_lens)
         self.trl.append({"time": t, "cpu": cpu, "generated": gen, "real": gen + prompt_tokens,
                          "computed": self.trl_counter.computed,
@@ -132,8 +135,8 @@ def train_only(args, nano: NanoRun, trainer, step: int) -> tuple[list[float], li
     """Both trainers on one identical rollout batch, alternately, `warmup + steps` times each."""
     from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-    samples, _ = nano.rollout(step)
-    prompts = {s.group: nano.encoded[s.row] for s in samples}
+    samples = nano.rollout(step)
+    prompts = {s.group: nano.data.prompts[s.row] for s in samples}
     by_order = list(samples)
 
     def rollout_func(prompts_text, trainer_):
@@ -142,8 +145,8 @@ def train_only(args, nano: NanoRun, trainer, step: int) -> tuple[list[float], li
                 for s in by_order], "logprobs": [s.completion.logprobs for s in by_order]}
 
     assert all(p == prompts[s.group] for s, p in zip(samples, [s.prompt_ids for s in samples]))
-    batch = [{"prompt": nano.train_items[s.row]["prompt"],
-              "answer": nano.train_items[s.row]["answer"]}
+    batch = [{"prompt": nano.data.rows[s.row]["prompt"],
+              "answer": nano.data.rows[s.row]["answer"]}
              for s in samples]
     trainer.rollout_func = rollout_func
     trainer.model.train()
@@ -198,7 +201,7 @@ def main():
 
     over = dict(prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                 max_new_tokens=args.max_new_tokens, loss_aggregation="token_mean",
-                policy_loss="ppo", warmup_steps=0, device="cpu", eval_every=0)
+                policy_loss="ppo", warmup_steps=0, eval_every=0)
     if args.micro_batch_tokens:
         over["micro_batch_tokens"] = args.micro_batch_tokens
     total = args.warmup + args.steps

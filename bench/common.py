@@ -57,9 +57,13 @@ class NanoRun:
                                           self.device, run_dir="runs/bench", seed=cfg.seed)
         self.model, _, self.optimizer = N.load_models(cfg, self.device, self.ranks)
         self.reduction = L.build_loss(cfg)
-        self.rollouts = N.Rollouts(lambda s: N.rollout_batch(self.engine, self.data,
-                                                             self.reward_fn, s, cfg, self.ranks),
-                                   cfg.max_staleness, self.engine.overlaps, self.ranks, {})
+        self.rollouts = rollout.Rollouts(
+            lambda s: N.rollout_batch(self.engine, self.data, self.reward_fn, s, cfg, self.ranks),
+            cfg.max_staleness, self.engine.overlaps, {})
+
+    def prompts(self, step: int) -> list[int]:
+        return N.prompts_for_step(len(self.data.rows), self.cfg.prompts_per_step, step,
+                                  self.cfg.seed)
 
     def rollout(self, step: int) -> list[N.Sample]:
         """This step's batch, its advantages set: what train_on_samples takes."""

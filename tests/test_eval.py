@@ -56,8 +56,7 @@ def test_pass_at_k_and_mean_at_k_are_the_unbiased_estimators(one_rank_group):
                                                                       "wrong" for x in ids])
     rows = [{"prompt": "q", "answer": "right"} for _ in ScriptedEngine.RIGHT]
     data = tasks.Data(tokenizer, [], [], [(r, [i]) for i, r in enumerate(rows)], [0])
-    cfg = N.Config(eval_k=n)
-    got = N.evaluate(ScriptedEngine(), data, tasks.exact_match, cfg, N.Ranks())
+    got = tasks.evaluate(ScriptedEngine(), data, tasks.exact_match, 8, 1.0, n, seed=0)
     assert set(got) == {"eval/accuracy", f"eval/mean@{n}", "eval/pass@2", "eval/pass@4",
                         f"eval/pass@{n}"}
     assert got["eval/accuracy"] == pytest.approx(3 / 5)  # prompts 0, 2, 4

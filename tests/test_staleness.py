@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import nanoareal as N
+import rollout
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--prompts-per-step", "8", "--group-size", "4", "--eval-every", "0", "--warmup-steps",
@@ -95,20 +95,20 @@ def test_the_batch_ahead_is_generated_while_the_step_trains():
             assert trained.wait(10), "batch 1 was generated before step 0 could train"
         return [step]
 
-    rollouts = N.Rollouts(make_batch, 1, True, N.Ranks(), {})
+    rollouts = rollout.Rollouts(make_batch, 1, True, {})
     assert rollouts.take(0) == [0]
     assert started.wait(10)  # batch 1 runs meanwhile, sampled by the weights of step 0
     trained.set()
     assert rollouts.wait() == {1: [1]} and rollouts.take(1) == [1]
     rollouts.close()
-    assert "overlapped with training" in N.Rollouts(make_batch, 1, True, N.Ranks(), {}).describe()
+    assert "overlapped with training" in rollout.Rollouts(make_batch, 1, True, {}).describe()
 
 
 def test_an_engine_that_cannot_overlap_keeps_the_semantics_and_says_so():
     """Colocated SGLang shares the GPU with the trainer: batches up to s + K are generated inline,
     by the same weights they would have had."""
     made = []
-    rollouts = N.Rollouts(lambda s: made.append(s) or [s], 2, False, N.Ranks(), {0: [0]})
+    rollouts = rollout.Rollouts(lambda s: made.append(s) or [s], 2, False, {0: [0]})
     assert rollouts.take(0) == [0] and made == [1, 2]  # batch 0 came from a checkpoint
     assert rollouts.take(1) == [1] and made == [1, 2, 3]
     assert "not overlapped" in rollouts.describe()
