@@ -198,8 +198,7 @@ def main(argv: list[str]) -> None:
     cfg = parse_config(argv)  # flags, TOML, the task's own flags -> resolved and checked
     ranks, device = setup_distributed(cfg.cp_size)  # torchrun's, or a world of one
     data, reward_fn, resuming = prepare_run(cfg)  # the run directory claimed, data, reward
-    # the rollout engine first (SGLang sizes its KV cache from the GPU memory free at start), then
-    # the policy sharded by FSDP2, its optimizer, and the loss, its normalizers reduced globally
+    # the engine first: SGLang sizes its KV cache from the GPU memory free when it starts
     engine = rollout.make_engine(cfg.rollout_backend, cfg.rollout_url, cfg.model, device,
                                  run_dir=cfg.run_dir, seed=cfg.seed, weight_sync=cfg.weight_sync,
                                  deterministic=cfg.sglang_deterministic)
@@ -207,16 +206,14 @@ def main(argv: list[str]) -> None:
     reduction = loss.build_loss(cfg, dist.group.WORLD, cp_factor=ranks.cp_size)
     run = resume(cfg, model, optimizer, engine, ranks, resuming)  # step, updates, batches ahead
     logger = Logger(cfg.run_dir, cfg.steps, run.step, cfg.wandb_project, asdict(cfg))
-    rollouts = rollout.Rollouts(lambda step: rollout_batch(engine, data, reward_fn, step, cfg,
-                                                           ranks), cfg.max_staleness,
-                                engine.overlaps, run.pending, cfg.steps,
+    rollouts = rollout.Rollouts(lambda s: rollout_batch(engine, data, reward_fn, s, cfg, ranks),
+                                cfg.max_staleness, engine.overlaps, run.pending, cfg.steps,
                                 share=lambda batch: cp_broadcast(batch, ranks))
-    print0(f"nanoareal: {ranks.world} rank(s) on {device.type}, {cfg.model}, {len(data.rows)} "
-           f"train prompts, {len(data.evalset)} eval, {cfg.policy_loss}/{cfg.loss_aggregation}, "
+    print0(f"nanoareal: {ranks.world} rank(s) on {device.type}, {cfg.model}, {len(data.rows)}/"
+           f"{len(data.evalset)} train/eval prompts, {cfg.policy_loss}/{cfg.loss_aggregation}, "
            f"{rollouts.describe()}, run {cfg.run_dir}")
-    evaluate = lambda: run.evaluated(tasks.evaluate(  # greedy accuracy; mean@k and pass@k
-        engine, data, reward_fn, cfg.max_new_tokens, cfg.temperature, cfg.eval_k, cfg.seed,
-        ranks.rank, ranks.world, REWARD_TIMEOUT_S))
+    evaluate = lambda: run.evaluated(tasks.evaluate(engine, data, reward_fn, cfg.max_new_tokens,
+        cfg.temperature, cfg.eval_k, cfg.seed, ranks.rank, ranks.world, REWARD_TIMEOUT_S))
     if data.evalset and (cfg.steps == 0 or (cfg.eval_every > 0 and run.step == 0)):
         logger.log(run.step, evaluate())
     with checkpoint.Preemption() as preempt:  # SIGINT/SIGTERM: finish the step, save, exit
@@ -243,8 +240,7 @@ def main(argv: list[str]) -> None:
             engine.update_weights(model, step + 1)
             times = {"rollout": t1 - t0 + t3 - t2, "train": t2 - t1,
                      "sync": time.perf_counter() - t3, "step": time.perf_counter() - t0}
-            # TRY NOT TO MODIFY: metrics and what every rank must agree on (a signal one of them
-            # got, a checkpoint due) in one collective; eval, log, checkpoint, stop on a signal
+            # TRY NOT TO MODIFY: one collective for metrics and what ranks agree on (signal, save)
             sums = reduce_metrics(sums | train_sums | run.flags(preempt))
             metrics = step_metrics(sums, stats, times, lr, step + 1)
             if data.evalset and every(cfg.eval_every, step + 1, cfg.steps):
@@ -291,7 +287,6 @@ def resolve_config(cfg: Config) -> Config:
 def validate_config(cfg: Config, world: int) -> Config:
     """Every check of the flags, before anything heavy loads: a mistake is one line naming the
     flag (a UserError). Checks only; returns cfg."""
-    cuda = torch.cuda.is_available()
     checks = [
         (min(cfg.prompts_per_step, cfg.max_new_tokens, cfg.micro_batch_tokens) >= 1
          and min(cfg.steps, cfg.eval_every, cfg.eval_k, cfg.warmup_steps, cfg.ckpt_every,
@@ -299,9 +294,9 @@ def validate_config(cfg: Config, world: int) -> Config:
          "--prompts-per-step, --max-new-tokens and --micro-batch-tokens must be >= 1; --steps, "
          "--eval-every, --eval-k, --warmup-steps, --ckpt-every and --max-staleness >= 0"),
         (cfg.group_size >= 2, f"--group-size {cfg.group_size}: a sample alone in its group has no "
-         "baseline to compare with (every advantage would be 0); use --group-size >= 2"),
-        (cfg.temperature > 0, f"--temperature {cfg.temperature}: rollouts must sample (> 0); at 0 "
-         "every sample of a group is the same and every advantage 0 (eval is always greedy)"),
+         "baseline (every advantage would be 0); use --group-size >= 2"),
+        (cfg.temperature > 0, f"--temperature {cfg.temperature}: rollouts must sample (> 0; eval "
+         "is always greedy)"),
         (cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number"),
         (cfg.grad_clip >= 0, f"--grad-clip {cfg.grad_clip}: must be > 0, or 0 for no clipping"),
         (1 <= cfg.num_minibatches <= cfg.prompts_per_step,
@@ -311,22 +306,18 @@ def validate_config(cfg: Config, world: int) -> Config:
         (not cfg.eval_dataset or cfg.dataset not in tasks.TASKS, f"--eval-dataset is for a JSONL "
          f"--dataset: the built-in task {cfg.dataset!r} has its own held-out split"),
         (cfg.resume in ("auto", "fresh") or (Path(cfg.resume) / "meta.json").is_file(),
-         f"--resume {cfg.resume} is not a complete checkpoint (no such directory, or no "
-         "meta.json: a save that never finished); use --resume auto or fresh"),
+         f"--resume {cfg.resume} is not a complete checkpoint (no directory, or a save that never "
+         "finished: no meta.json); use --resume auto or fresh"),
     ]
     for ok, message in checks:
         if not ok:
             raise UserError(f"config error: {message}")
     try:
         loss.check_loss_flags(cfg)
-        if ATTENTION != "auto":  # a kernel that cannot run here fails now, not after loading
-            modeling.choose_attention(ATTENTION, torch.device("cuda" if cuda else "cpu"),
-                                      cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and cuda),
-                                      softcap=False)
     except ValueError as e:
         raise UserError(f"config error: {e}") from None
     rollout.check_rollout_config(cfg.rollout_backend, cfg.rollout_url, cfg.weight_sync,
-                                 cfg.sglang_deterministic, cuda)
+                                 cfg.sglang_deterministic, torch.cuda.is_available())
     return cfg
 
 
@@ -552,9 +543,8 @@ def train_on_samples(model, ref_model, optimizer, reduction: loss.LossReduction,
                      samples: list[Sample], cfg: Config, device, ranks: Ranks
                      ) -> tuple[dict, dict]:
     """One rollout batch -> --num-minibatches optimizer steps, each on a share of the groups.
-    Returns this rank's counters (logs.reduce_metrics adds them up over ranks) and the step's
-    stats: grad norm (the mini-batches' mean), skipped (non-finite) steps, whether any update
-    happened, the loss terms' global values (the mini-batches' mean)."""
+    Returns this rank's counters (reduce_metrics sums them over ranks) and the step's stats: grad
+    norm and loss terms (the mini-batches' means), skipped steps, whether any update happened."""
     groups = sorted({s.group for s in samples})
     shares = [set(groups[i :: cfg.num_minibatches]) for i in range(cfg.num_minibatches)]
     packed = []
@@ -563,8 +553,7 @@ def train_on_samples(model, ref_model, optimizer, reduction: loss.LossReduction,
         mbs = frozen_logprobs(model, ref_model, mbs, cfg, device, ranks)
         packed.append(loss.apply_global_mask(mbs, cfg.correction, cfg.correction_threshold,
                                              dist.group.WORLD if ranks.world > 1 else None))
-    # trained_tokens: prompt + completion tokens of the samples trained on; positions: what the
-    # model was fed (fewer: shared prompts, no last tokens)
+    # positions: what the model was fed (fewer than trained_tokens: shared prompts, no last tokens)
     sums = Counter({"trained_tokens": sum(len(s.prompt_ids) + len(s.completion.output_ids)
                                           for s in samples),
                     "positions": sum(len(mb.input_ids) for mbs in packed for mb in mbs)})
@@ -596,12 +585,10 @@ def frozen_logprobs(model, ref_model, mbs: list[MicroBatch], cfg: Config, device
 def train_minibatch(model, optimizer, reduction: loss.LossReduction, mbs: list[MicroBatch],
                     cfg: Config, device, ranks: Ranks) -> tuple[dict, float, dict]:
     """One optimizer step on a mini-batch's micro-batches (the same number on every rank, for
-    FSDP's collectives); with nothing to learn from on any rank, no step at all (AdamW's momentum
-    and the schedule would still move). Returns this rank's counters, its largest
-    pi_prox/pi_behave and the step's stats."""
-    # every token counted once in the global normalizers: a CP group's ranks hold the same
-    # micro-batches, so its first rank counts them (every CP rank computes the full loss: the
-    # reduction's cp_factor puts the N back into Z)
+    FSDP); with nothing to learn from on any rank no step at all (AdamW's momentum would still
+    move). Returns this rank's counters, its largest pi_prox/pi_behave and the step's stats."""
+    # each token counted once in the normalizers: a CP group's ranks hold the same micro-batches,
+    # so its first rank counts (every CP rank computes the full loss: cp_factor puts N into Z)
     reduction.begin_step(mbs if ranks.cp_rank == 0 else [])
     learn = any(reduction.Z.values())
     # counters stay on the device until the end: a float() per micro-batch would sync the GPU
@@ -612,10 +599,9 @@ def train_minibatch(model, optimizer, reduction: loss.LossReduction, mbs: list[M
         batch = replace(mb.to(device), logprobs=logprobs, entropy=entropy)
         reduction(batch).backward()
         # |log pi_theta - log pi_behave| before the update: ~0 when the engine holds the same
-        # weights (larger: stale rollouts, a broken sync); pi_prox/pi_behave is what the
-        # corrections weigh, cap or mask
-        d, prox = batch.denom_mask, logprobs.detach() if batch.prox_logprobs is None else \
-            batch.prox_logprobs
+        # weights (larger: stale rollouts, a broken sync); pi_prox/pi_behave: what corrections weigh
+        d = batch.denom_mask
+        prox = logprobs.detach() if batch.prox_logprobs is None else batch.prox_logprobs
         weight = torch.exp(loss.log_ratio(prox, batch.behave_logprobs)).double()
         acc += torch.stack([x.double() for x in (
             d.sum(), (entropy.detach() * d).sum(),
@@ -676,8 +662,7 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
                         f"{text.num_attention_heads} attention heads")
     model.config.use_cache = False
     model.eval()  # dropout off: the trainer's log-probs must be those the sampler drew from
-    # every layer's attention: packed rows by segments (modeling.py), checked against the model's
-    # own forward once, then run with the fastest kernel that can
+    # every layer attends packed rows by segments (modeling.py), checked once against its forward
     AttentionInterface.register("packed", modeling.packed_attention)
     model.set_attn_implementation("packed")
     if trainable and (problem := modeling.check_model(model, text.vocab_size)):
@@ -726,8 +711,7 @@ def microbatch_forward(model, mb: MicroBatch, cfg: Config, device: torch.device,
 
 @dataclass
 class RunState:
-    """A run's state across steps: what a checkpoint restores besides weights, optimizer and RNGs
-    (step, updates, last eval, the batches generated ahead), and its bookkeeping."""
+    """What a checkpoint restores besides weights, optimizer and RNGs, and the run's bookkeeping."""
 
     step: int = 0
     updates: int = 0  # steps that updated the weights: the learning-rate schedule's clock
@@ -770,11 +754,10 @@ def end_step(step: int, sums: dict, metrics: dict, cfg: Config, model, optimizer
 
 
 def resume(cfg: Config, model, optimizer, engine, ranks: Ranks, resuming: bool) -> RunState:
-    """Restore a checkpoint into model, optimizer, RNGs, the batches generated ahead and the
-    engine, and cut metrics.jsonl and samples.jsonl back to its step: --resume's path, or
-    (resuming this run) its newest readable checkpoint, a broken one set aside on the way. A
-    fresh start of this run drops its old lines. Evaluating (--steps 0) loads the checkpoint
-    asked for, if any, and touches no run's checkpoints or lines."""
+    """Restore --resume's checkpoint, or this run's newest readable one (a broken one set aside),
+    into model, optimizer, RNGs, engine and the batches made ahead, and cut metrics.jsonl and
+    samples.jsonl back to its step (a fresh start drops them). Evaluating (--steps 0) loads the
+    checkpoint asked for, if any, and touches no run's checkpoints or lines."""
     if cfg.steps == 0:
         path = None if cfg.resume in ("auto", "fresh") else cfg.resume
     else:

@@ -54,6 +54,12 @@ def test_bench_vs_trl_prints_its_table():
         assert row in out, out
 
 
+def test_bench_staleness_prints_its_table():
+    out = run_bench("bench_staleness.py", "--steps", "1", "--warmup", "1", "--prompts-per-step",
+                    "8", "--skip-trl")
+    assert "| nanoareal K=1 (1 + rollout thread) |" in out and "K=1 vs K=0:" in out, out
+
+
 def test_the_gpu_check_documents_itself_and_skips_cleanly_without_a_gpu():
     """tests/gpu/check_gpu.py is run by hand on a GPU machine; here its --help, and on a machine
     without CUDA its plain run says it skipped (exit 0) instead of failing."""
