@@ -50,6 +50,10 @@ def test_cli_run_writes_metrics_console_wandb_and_a_loadable_export(tmp_path):
                    WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")
     offline_runs = list((tmp_path / "wandb").glob("offline-run-*/*.wandb"))
     assert len(offline_runs) == 1 and offline_runs[0].stat().st_size > 0
+    tables = sorted(offline_runs[0].parent.glob("files/media/table/samples_*.table.json"))
+    assert len(tables) == 2  # the sampled completions of steps 1 and 2, as wandb tables
+    table = json.loads(tables[0].read_text())
+    assert {"prompt", "completion", "reward", "advantage"} <= set(table["columns"])
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert set(rows[0]) == {"step", "eval/accuracy"}
