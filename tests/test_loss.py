@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -93,8 +94,8 @@ def pack(responses: list[dict], mode: str, divisor: float | None = None, seed: i
             cols["seq_ids"] += [-1] * count
             cols["advantages"] += [r["advantage"]] * count
     mb = {k: torch.tensor(v, dtype=torch.long if k == "seq_ids" else F64) for k, v in cols.items()}
-    mb["loss_weight"] = L.per_token(w, mb["seq_ids"])
-    mb["norm_weight"] = L.per_token(nw, mb["seq_ids"])
+    mb["loss_weight"] = torch.cat([w, w.new_zeros(1)])[mb["seq_ids"]]  # seq_id -1: weight 0
+    mb["norm_weight"] = torch.cat([nw, nw.new_zeros(1)])[mb["seq_ids"]]
     mb["_starts"] = starts
     return mb
 
@@ -505,6 +506,29 @@ def test_float_seq_ids_raise():
         L.as_microbatch({**mb, "seq_ids": mb["seq_ids"].double()}).validate()
 
 
+def test_per_token_tensors_all_of_one_2d_shape_raise():
+    mb = pack(ragged_batch(0), "token_mean")
+    with pytest.raises(ValueError, match="1-D"):  # equal shapes, but [T, 1] broadcasts to [T, T]
+        L.as_microbatch({k: v[:, None] for k, v in mb.items() if torch.is_tensor(v)}).validate()
+
+
+def test_masked_sum_ignores_non_finite_values_where_masked_and_keeps_gradients_finite():
+    values = torch.tensor([2.0, math.inf, math.nan, -math.inf], dtype=F64, requires_grad=True)
+    total = L.masked_sum(values, torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=F64),
+                         torch.tensor([0.5, 1.0, 1.0, 0.0], dtype=F64))
+    total.backward()
+    assert total.item() == 1.0 and values.grad.tolist() == [0.5, 0.0, 0.0, 0.0]
+
+
+def test_microbatch_to_moves_every_tensor_but_the_attention_layout():
+    mb = L.as_microbatch(pack(ragged_batch(0), "token_mean"))
+    mb = replace(mb, segments=torch.zeros(2, 4, dtype=torch.long))
+    moved = mb.to("meta")
+    assert moved.segments.device.type == "cpu"  # modeling.attention_layout reads it on the host
+    assert all(getattr(moved, f.name).device.type == "meta" for f in fields(mb)
+               if f.name != "segments" and getattr(mb, f.name) is not None)
+
+
 def test_token_loss_shape_mismatch_in_masked_sum_raises():
     with pytest.raises(ValueError, match="mask shape"):
         L.masked_sum(torch.ones(4), torch.ones(4, 1))
@@ -773,3 +797,37 @@ def test_m2po_mask_drops_largest_second_moments_until_mean_below_threshold(thres
     assert new.tolist() == [float(e) for e in expected]
     assert new[7] == 0 and new[9] == 1
     assert (new <= loss_mask).all()
+
+
+@pytest.mark.parametrize("mode", L.MODES)
+def test_m2po_trains_on_its_kept_tokens_and_reports_the_share_of_d_it_removed(mode):
+    """M2PO's mask in the loss, whatever the split: the objective is PPO's with m := the kept
+    tokens (d unchanged), and policy/behave_capped_frac is the share of d tokens the mask removed
+    (the stat the token-level corrections report; none and behave report none)."""
+    threshold, seed = 0.1, 31 + list(L.MODES).index(mode)
+    responses = ragged_batch(seed, n_groups=9)
+    mb = pack(responses, mode, divisor=6.0, seed=seed)
+    x = L.sanitize_log_ratio(mb["prox_logprobs"] - mb["behave_logprobs"]).pow(2).tolist()
+    keep = torch.tensor(naive_m2po(x, (mb["loss_mask"] > 0).tolist(), threshold), dtype=F64)
+    d = mb["denom_mask"]
+    removed = float(((mb["loss_mask"] - keep) * d).sum() / d.sum())
+    assert 0 < removed < 1  # the threshold bites, and not everywhere
+
+    full, leaf = with_leaf_logprobs(mb)
+    reference = reference_policy_objective({**full, "loss_mask": keep}, leaf, mode,
+                                           torch.tensor([r["group"] for r in responses]),
+                                           {"policy_loss": "ppo"}, divisor=6.0)
+    (ref_grad,) = torch.autograd.grad(reference, leaf)
+    rng = random.Random(seed)
+    for cuts in ([], budget_cuts(mb, responses, rng), anywhere_cuts(mb, rng)):
+        red = build(mode=mode, divisor=6.0, correction="m2po", correction_threshold=threshold)
+        full, leaf = with_leaf_logprobs(mb)
+        parts = L.apply_global_mask([L.as_microbatch(p) for p in split(full, cuts)], "m2po",
+                                    threshold)
+        (grad,), reported = run(red, parts, [leaf])
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
+        assert reported["policy"] == pytest.approx(reference.item(), rel=1e-9, abs=1e-12)
+        assert reported["policy/behave_capped_frac"] == pytest.approx(removed, rel=1e-12)
+    for correction in ("none", "behave"):  # nothing capped, nothing masked: no such stat
+        red = build(mode=mode, divisor=6.0, correction=correction)
+        assert "policy/behave_capped_frac" not in run(red, [full], [leaf])[1]
