@@ -1,14 +1,9 @@
-"""The command line: flags and a --config TOML in, one-line errors and exit codes out.
-
-tyro turns the flat Config dataclass into flags, with each field's docstring as its help. Its own
-parse errors are multi-line boxes, and its public API has no way to get them as one line, so
-`check_flags` checks the command line against the dataclass first (unknown flags, missing or
-malformed values, choices) and says what is wrong in one line; tyro then parses what passed.
-"""
+"""The command line: flags and a --config TOML in, one-line errors and exit codes out."""
 
 from __future__ import annotations
 
 import difflib
+import faulthandler
 import json
 import os
 import sys
@@ -16,20 +11,19 @@ import time
 import types
 import typing
 from dataclasses import fields
-from typing import Literal, TypeVar, Union
 
-T = TypeVar("T")
+import torch.distributed as dist
+
+T = typing.TypeVar("T")
 ERROR_FILE_WAIT_S = 3.0  # under torchrun, a non-zero rank waits this long for rank 0 to report
 
 
 class UserError(Exception):
-    """A mistake in the user's input (a flag, a file, a value): one line on stderr and exit code 2,
-    no traceback. Tracebacks are kept for real bugs."""
+    """A mistake in the user's input: one line on stderr, exit code 2, no traceback."""
 
 
 class Stopped(Exception):
-    """The run stopped early on purpose (a signal, too many bad steps): its message is printed
-    (rank 0) and the process exits with `code`."""
+    """The run stopped early on purpose (a signal, bad steps): its message, then exit `code`."""
 
     def __init__(self, message: str, code: int):
         super().__init__(message)
@@ -42,35 +36,24 @@ def why(e: BaseException, limit: int = 200) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:limit]}" if text else type(e).__name__
 
 
-# -----------------------------------------------------------------------------
-# flags and TOML
-
-
 def parse(cls: type[T], argv: list[str], preset=lambda dataset: {}) -> T:
-    """Flags -> a `cls` dataclass. Defaults come in layers, later ones winning: the dataclass's,
-    `preset(dataset)` (a built-in task's own flags), the --config TOML's keys, the command line."""
+    """Flags -> a `cls` dataclass (tyro: each field's docstring is its --help). Later layers win:
+    the dataclass's defaults, `preset(dataset)` (a built-in task's flags), --config's, argv."""
+    import tomllib
     import tyro
 
-    args = _toml_as_flags(cls, argv) + list(argv)
+    args = list(argv)
+    if "--config" in argv:
+        path = [*argv, ""][argv.index("--config") + 1]
+        try:
+            with open(path, "rb") as f:
+                args = as_flags(cls, tomllib.load(f), f"--config {path}") + args
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise UserError(f"--config {path}: {e}") from None
     check_flags(cls, args)
     dataset = next((a.partition("=")[2] or args[i + 1] for i, a in reversed(list(enumerate(args)))
                     if a.partition("=")[0] == "--dataset"), getattr(cls, "dataset", None))
     return tyro.cli(cls, args=as_flags(cls, preset(dataset), "a built-in task") + args)
-
-
-def _toml_as_flags(cls: type, argv: list[str]) -> list[str]:
-    import tomllib
-
-    if "--config" not in argv:
-        return []
-    i = argv.index("--config")
-    path = argv[i + 1] if i + 1 < len(argv) else ""
-    try:
-        with open(path, "rb") as f:
-            values = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise UserError(f"--config {path}: {e}") from None
-    return as_flags(cls, values, f"--config {path}")
 
 
 def as_flags(cls: type, values: dict, where: str) -> list[str]:
@@ -80,56 +63,47 @@ def as_flags(cls: type, values: dict, where: str) -> list[str]:
         name = key.replace("-", "_")
         if name not in hints or name == "config":
             raise UserError(f"{where}: unknown key {key!r} (keys are the flags of --help)")
-        flag = "--" + name.replace("_", "-")
-        if _base(hints[name]) is bool:
-            if not isinstance(value, bool):
-                raise UserError(f"{where}: {key} = {value!r} must be true or false")
-            flags.append(flag if value else "--no-" + flag[2:])
+        flag = name.replace("_", "-")
+        if _base(hints[name]) is not bool:
+            flags += ["--" + flag, *map(str, value if isinstance(value, list) else [value])]
+        elif isinstance(value, bool):
+            flags.append(("--" if value else "--no-") + flag)
         else:
-            flags += [flag, *map(str, value if isinstance(value, list) else [value])]
+            raise UserError(f"{where}: {key} = {value!r} must be true or false")
     return flags
 
 
-def _base(hint):
-    """A field's type without its Optional: bool, int, float, str, a list or a Literal."""
+def _base(hint):  # a field's type without its Optional: bool, int, float, str, list, Literal
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) in (Union, types.UnionType) and len(args) == 1:
-        return _base(args[0])
-    return hint
+    single = typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1
+    return _base(args[0]) if single else hint
 
 
 def check_flags(cls: type, args: list[str]) -> None:
-    """One line naming the first thing tyro would refuse: an unknown flag (with the nearest one),
-    a missing or extra value, a value of the wrong type or outside the choices."""
+    """tyro's public API reports parse errors only as multi-line boxes: first refuse, in one line,
+    what it would (an unknown flag, with the nearest; a missing or extra value; a bad value)."""
     hints = typing.get_type_hints(cls)
     known = {"--" + f.name.replace("_", "-"): _base(hints[f.name]) for f in fields(cls)}
     known |= {"--no-" + k[2:]: bool for k, t in list(known.items()) if t is bool}
     i = 0
-    while i < len(args):
+    while i < len(args):  # a flag's values run up to the next --flag (none after --flag=value)
         flag, _, inline = args[i].partition("=")
-        values = [inline] if inline else []
-        while i + 1 < len(args) and not args[i + 1].startswith("--") and not inline:
-            values, i = values + [args[i + 1]], i + 1
-        i += 1
+        end = i + 1 if inline else next(
+            (j for j in range(i + 1, len(args)) if args[j].startswith("--")), len(args))
+        values, i = [inline] if inline else args[i + 1:end], end
         if flag in ("-h", "--help"):
             return
-        if flag not in known:
-            near = difflib.get_close_matches(flag, known, n=1)
-            raise UserError(f"unknown flag {flag}" + (f" (did you mean {near[0]}?)" if near else
-                                                       " (see --help)"))
-        _check_values(flag, known[flag], values)
-
-
-def _check_values(flag: str, kind, values: list[str]) -> None:
-    count = "no value" if kind is bool else "one or more values" if typing.get_origin(kind) is \
-        list else "one value"
-    if (kind is bool) != (not values) or (count == "one value" and len(values) != 1):
-        raise UserError(f"{flag} takes {count}, got {len(values)}: {' '.join(values)}".rstrip(": "))
-    if typing.get_origin(kind) is Literal and values[0] not in map(str, typing.get_args(kind)):
-        raise UserError(f"{flag} {values[0]}: choose one of "
-                        f"{', '.join(map(str, typing.get_args(kind)))}")
-    if kind in (int, float):
-        for value in values:
+        if (kind := known.get(flag)) is None:
+            near = [f"did you mean {n}?" for n in difflib.get_close_matches(flag, known, n=1)]
+            raise UserError(f"unknown flag {flag} ({(near or ['see --help'])[0]})")
+        many, choices = typing.get_origin(kind) is list, [str(c) for c in typing.get_args(kind)]
+        if (kind is bool) != (not values) or (not many and len(values) > 1):
+            count = "no value" if kind is bool else "one or more values" if many else "one value"
+            raise UserError(f"{flag} takes {count}, got {len(values)}: {' '.join(values)}"
+                            .rstrip(": "))
+        if typing.get_origin(kind) is typing.Literal and values[0] not in choices:
+            raise UserError(f"{flag} {values[0]}: choose one of {', '.join(choices)}")
+        for value in values if kind in (int, float) else []:
             try:
                 kind(value)
             except ValueError:
@@ -137,28 +111,15 @@ def _check_values(flag: str, kind, values: list[str]) -> None:
                                 ) from None
 
 
-# -----------------------------------------------------------------------------
-# running main: exit codes, torchrun's error file
-
-
 def rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", 0))
+    initialized = dist.is_available() and dist.is_initialized()
+    return dist.get_rank() if initialized else int(os.environ.get("RANK", 0))
 
 
 def run(main, argv: list[str] | None) -> int:
-    """main(argv) with its exit status: 0, or 2 after a UserError (one line on stderr, rank 0),
-    or a Stopped's code after its message. The process group is destroyed either way."""
-    import faulthandler
-
-    import torch.distributed as dist
-
+    """main(argv) -> the exit status: 0; 2 after a UserError (one line); a Stopped's own code."""
     faulthandler.enable()  # a rank that aborts in C++ (gloo, NCCL) still prints Python stacks
-    # before huggingface_hub is first imported: it reads this once, at import
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read once, at hub import
     try:
         main(sys.argv[1:] if argv is None else argv)
         return 0
@@ -177,30 +138,23 @@ def run(main, argv: list[str] | None) -> int:
 
 
 def _torchrun_error_file(message: str) -> bool:
-    """Under torchrun, hand the error to torchrun instead of printing it: its failure summary ends
-    with the root cause's error file, so the message shows once and last rather than above 40 lines
-    of summary. Rank 0 reports; another rank only when rank 0 did not fail (torchrun stops the
-    others as soon as one fails, so they wait a moment first)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
+    """Hand the error to torchrun, whose summary ends with the root cause's error file: it shows
+    once and last. A non-zero rank reports only if rank 0 did not (torchrun stops the rest)."""
+    if not (path := os.environ.get("TORCHELASTIC_ERROR_FILE")):
         return False
     if rank() != 0:
         time.sleep(ERROR_FILE_WAIT_S)
-    data = {"message": {"message": message, "extraInfo": {
-        "py_callstack": message, "timestamp": str(int(time.time()))}}}
     try:
         with open(path, "w") as f:
-            json.dump(data, f)
+            json.dump({"message": {"message": message, "extraInfo": {
+                "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
         return True
     except OSError:
         return False
 
 
 def exit_now(code: int) -> None:
-    """Exit with `code`, skipping the interpreter's teardown. Everything is written, fsynced or
-    closed by then; the teardown garbage-collects what still references the process groups (FSDP
-    state, device mesh) after their backends were shut down, and about 1 in 60 finished 2-rank
-    gloo runs aborted there ("terminate called without an active exception")."""
+    """Exit now: the teardown's GC of FSDP state after the groups' shutdown aborted 1 in 60 runs."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

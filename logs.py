@@ -7,21 +7,22 @@ import os
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 from cli import rank
 
 SAMPLE_GROUPS = 2  # prompt groups written to samples.jsonl per sampled step
 SAMPLED_STEPS = 100  # about this many steps of a run write samples, evenly spread
-
 # metric -> (numerator, denominator) of the step's summed counters (every rank, each sample once)
-MEANS = {
-    "reward": ("reward", "samples"), "accuracy": ("correct", "judged"),
-    "response_len/correct": ("len_correct", "correct"),
-    "response_len/incorrect": ("len_incorrect", "incorrect"),
-    "response_len": ("response_tokens", "samples"), "truncated_frac": ("truncated", "samples"),
-    "zero_adv_frac": ("zero_adv", "samples"), "entropy": ("entropy", "denom_tokens"),
-    "logprob_mismatch": ("mismatch", "denom_tokens"),
-    "importance_weight/mean": ("importance_weight", "denom_tokens"),
-    "policy_version": ("version", "samples")}
+MEANS = {"reward": ("reward", "samples"), "accuracy": ("correct", "judged"),
+         "response_len/correct": ("len_correct", "correct"),
+         "response_len/incorrect": ("len_incorrect", "incorrect"),
+         "response_len": ("response_tokens", "samples"), "truncated_frac": ("truncated", "samples"),
+         "zero_adv_frac": ("zero_adv", "samples"), "entropy": ("entropy", "denom_tokens"),
+         "logprob_mismatch": ("mismatch", "denom_tokens"),
+         "importance_weight/mean": ("importance_weight", "denom_tokens"),
+         "policy_version": ("version", "samples")}
+MAXIMA = {"importance_weight_max", "gen_s"}  # counters reduced by max over ranks, not summed
 
 
 def print0(*args, **kwargs) -> None:
@@ -30,25 +31,21 @@ def print0(*args, **kwargs) -> None:
 
 
 class Logger:
-    """metrics.jsonl and samples.jsonl (one JSON line each, appended and flushed), wandb when a
-    project is given, and the console: a progress bar only when stdout is a terminal, so a log
-    file gets clean lines. Rank 0 only."""
+    """Rank 0: metrics.jsonl and samples.jsonl (JSON lines, appended), wandb if a project is given,
+    the console (a progress bar only on a terminal, so a log file gets clean lines)."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, start_step: int,
                  wandb_project: str | None = None, config: dict | None = None):
-        self.run_dir, self.total = Path(run_dir), total_steps
-        self.active = rank() == 0
+        self.run_dir, self.total, self.active = Path(run_dir), total_steps, rank() == 0
         self.wandb = self.bar = None
         if not self.active:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if wandb_project:
             import wandb
-
             self.wandb = wandb.init(project=wandb_project, name=self.run_dir.name, config=config)
         if sys.stdout.isatty():
             from tqdm import tqdm
-
             self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, leave=False)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -66,14 +63,12 @@ class Logger:
         return self.active and step % max(1, self.total // SAMPLED_STEPS) == 0
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
-        """Sampled completions (prompt, completion, reward, advantage, ...) to samples.jsonl and, as
-        a table, to wandb."""
+        """Sampled completions (sample_rows) to samples.jsonl and, as a table, to wandb."""
         if not self.active or not rows:
             return
         self._append("samples.jsonl", [{"step": step} | r for r in rows])
         if self.wandb is not None:
             import wandb
-
             columns = list(rows[0])
             self.wandb.log({"samples": wandb.Table(columns=columns, data=[
                 [r[c] for c in columns] for r in rows])}, step=step)
@@ -83,12 +78,10 @@ class Logger:
             f.write("".join(json.dumps(line) + "\n" for line in lines))
 
     def line(self, text: str) -> None:
-        """A console line (above the progress bar when there is one)."""
-        if not self.active:
-            return
+        """A console line (above the progress bar when there is one); rank 0 only."""
         if self.bar is not None:
             self.bar.write(text)
-        else:
+        elif self.active:
             print(text, flush=True)
 
     def close(self, last_eval: dict | None = None) -> None:
@@ -100,32 +93,21 @@ class Logger:
             self.wandb.finish()
 
 
-MAXIMA = {"importance_weight_max", "gen_s"}  # counters reduced by max over ranks, not summed
-
-
 def reduce_metrics(sums: dict) -> dict:
-    """Every rank's counters added up (MAXIMA: the largest taken) in ONE collective; ranks may
-    hold different keys (a reward's own metrics), and a string (an error message) keeps the first
-    one seen."""
-    import torch.distributed as dist
-
+    """All ranks' counters (keys may differ) summed in ONE collective (MAXIMA: max; str: first)."""
     gathered = [sums]
     if dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, sums)
     total: dict = {}
-    for part in gathered:
-        for k, v in part.items():
-            if isinstance(v, str):
-                total.setdefault(k, v)
-            else:
-                total[k] = max(total.get(k, v), v) if k in MAXIMA else total.get(k, 0.0) + float(v)
+    for k, v in (item for part in gathered for item in part.items()):
+        total[k] = (total.get(k, v) if isinstance(v, str) else max(total.get(k, v), v)
+                    if k in MAXIMA else total.get(k, 0.0) + float(v))
     return total
 
 
 def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> dict:
-    """The step's metrics.jsonl line from the summed counters, the training stats (grad norm, the
-    loss terms by name, "x/y" loss stats) and the phase times."""
+    """The step's metrics.jsonl line: MEANS of the summed counters, training stats, phase times."""
     metrics = {name: sums[num] / sums[den] for name, (num, den) in MEANS.items()
                if sums.get(den, 0) > 0}
     metrics["staleness"] = step - 1 - metrics.get("policy_version", step - 1)
@@ -136,12 +118,10 @@ def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> 
                                                                          1e-9),
                 "train_tokens_per_s": sums.get("trained_tokens", 0) / max(times["train"], 1e-9),
                 "train_positions": sums.get("positions", 0)}
-    for k, v in stats.items():
-        metrics["loss/total" if k == "loss" else k if "/" in k or k in ("grad_norm",
-                "skipped_steps") else f"loss/{k}"] = v
-    for k in sums:  # the reward's own metrics: a mean over the samples that report them
-        if k.startswith("reward/") and not k.endswith("#n"):
-            metrics[k] = sums[k] / max(sums.get(k + "#n", 1), 1)
+    metrics |= {k if "/" in k or k in ("grad_norm", "skipped_steps") else
+                "loss/total" if k == "loss" else f"loss/{k}": v for k, v in stats.items()}
+    metrics |= {k: sums[k] / max(sums.get(k + "#n", 1), 1) for k in sums  # over its reporters
+                if k.startswith("reward/") and not k.endswith("#n")}  # a reward's own metrics
     return metrics | {f"time/{k}": v for k, v in times.items()}
 
 
@@ -163,8 +143,7 @@ def format_line(step: int, total: int, m: dict[str, float]) -> str:
     if "reward" not in m:  # the step-0 (or evaluate-only) line: held-out metrics only
         return f"step {step}/{total}  {evals}"
     parts = [f"step {step}/{total}", f"reward {m['reward']:.3f}"]
-    if "accuracy" in m:
-        parts.append(f"acc {m['accuracy']:.3f}")
+    parts += [f"acc {m['accuracy']:.3f}"] if "accuracy" in m else []
     parts += [f"len {m.get('response_len', 0.0):.1f}", f"loss {m.get('loss/total', 0.0):+.4f}",
               f"clip {m.get('policy/clip_frac', 0.0):.3f}", f"gnorm {m['grad_norm']:.3g}",
               f"{m['time/step']:.2f}s/step"]
@@ -173,12 +152,9 @@ def format_line(step: int, total: int, m: dict[str, float]) -> str:
 
 
 def quiet_libraries() -> None:
-    """No progress bars or info chatter from transformers and the hub: a log file gets our lines
-    only, and a user error stays one line."""
+    """No progress bars or chatter from transformers and the hub: a user error stays one line."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        return
+    from transformers.utils import logging as hf_logging
+
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
