@@ -228,6 +228,8 @@ def naive_objective(responses: list[dict], mode: str, divisor: float) -> float:
         return sum(num[i] / M[i] for i in active) / len(active) if active else 0.0
     if mode == "constant":
         return sum(num) / (len(active) * divisor) if active else 0.0
+    if mode != "prompt_mean":
+        raise ValueError(f"naive_objective: no loop for mode {mode!r}; write one for a new mode")
     per_group = {}
     for i, r in enumerate(responses):
         n, d = per_group.get(r["group"], (0.0, 0.0))

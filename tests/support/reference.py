@@ -52,10 +52,12 @@ def policy_token_loss(case: dict, logp, prox, behave, advantages, seq_ids, mask)
         token_loss, _ = L.gspo_surrogate(logp, anchor, advantages, seq_ids, mask, **kw)
     elif name == "cispo":
         token_loss, _ = L.cispo_surrogate(logp, anchor, advantages, eps_high=kw["eps_high"])
-    else:
+    elif name == "sapo":
         token_loss, _ = L.sapo_surrogate(logp, anchor, advantages,
                                          tau_pos=params.get("tau_pos", 1.0),
                                          tau_neg=params.get("tau_neg", 1.05))
+    else:
+        raise ValueError(f"policy_token_loss: no reference for {name!r}; write one")
     if correction in ("truncate", "mask"):  # decoupled PPO: w = pi_prox / pi_behave
         w = torch.exp(prox - behave)
         cap = case.get("correction_threshold", 2.0)
