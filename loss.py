@@ -398,8 +398,8 @@ class Correction:
 CORRECTIONS: dict[str, Correction] = {
     "none": Correction(),  # clip around pi_prox; pi_behave is ignored
     "behave": Correction(clip_to_behaviour=True),  # PPO around the policy that sampled (AReaL's)
-    "truncate": Correction(2.0, token_mode="truncate"),  # AReaL's decoupled PPO, weight capped
-    "mask": Correction(2.0, token_mode="mask"),  # decoupled PPO, tokens above the cap rejected
+    "truncate": Correction(2.0, token_mode="truncate"),  # decoupled PPO, its weight capped (TIS)
+    "mask": Correction(2.0, token_mode="mask"),  # AReaL's decoupled PPO: tokens over the cap out
     "m2po": Correction(0.04, global_mask=m2po_mask)}  # the paper's tau
 
 

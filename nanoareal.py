@@ -248,11 +248,10 @@ def main(argv: list[str]) -> None:
             logger.log(step + 1, metrics)  # metrics.jsonl, wandb, a console line
             if logger.samples_due(step + 1):  # a few groups to samples.jsonl
                 logger.log_samples(step + 1, sample_rows(samples, data.tokenizer))
-            end_step(step + 1, sums, metrics, cfg, model, optimizer, run, rollouts, logger)
+            end_step(step + 1, sums, metrics, cfg, model, optimizer, run, rollouts, logger,
+                     data.tokenizer)
     rollouts.close()
     logger.close(run.last_eval)
-    if cfg.steps > 0:  # a safetensors copy that from_pretrained (and SGLang) loads
-        checkpoint.export_hf(model, data.tokenizer, cfg.model, Path(cfg.run_dir) / "final")
     engine.shutdown()
 
 
@@ -295,8 +294,8 @@ def validate_config(cfg: Config, world: int) -> Config:
          "--eval-every, --eval-k, --warmup-steps, --ckpt-every and --max-staleness >= 0"),
         (cfg.group_size >= 2, f"--group-size {cfg.group_size}: a sample alone in its group has no "
          "baseline (every advantage would be 0); use --group-size >= 2"),
-        (cfg.temperature > 0, f"--temperature {cfg.temperature}: rollouts must sample (> 0; eval "
-         "is always greedy)"),
+        (cfg.temperature > 0, f"--temperature {cfg.temperature}: rollouts must sample (> 0; "
+         "eval/accuracy is greedy anyway)"),
         (cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number"),
         (cfg.grad_clip >= 0, f"--grad-clip {cfg.grad_clip}: must be > 0, or 0 for no clipping"),
         (1 <= cfg.num_minibatches <= cfg.prompts_per_step,
@@ -731,9 +730,10 @@ class RunState:
 
 
 def end_step(step: int, sums: dict, metrics: dict, cfg: Config, model, optimizer, run: RunState,
-             rollouts: rollout.Rollouts, logger: Logger) -> None:
+             rollouts: rollout.Rollouts, logger: Logger, tokenizer) -> None:
     """After logging: stop after MAX_BAD_STEPS non-finite steps in a row (checkpoints hold healthy
-    steps only); save when due (time, --ckpt-every, the end, a signal); stop on a signal."""
+    steps only); save when due (time, --ckpt-every, the end, a signal); after the last step, the
+    final export (safetensors that from_pretrained and SGLang load); stop on a signal."""
     run.bad_steps = run.bad_steps + 1 if metrics["skipped_steps"] else 0
     if run.bad_steps >= MAX_BAD_STEPS:
         last = checkpoint.complete_checkpoints(cfg.run_dir)
@@ -748,6 +748,8 @@ def end_step(step: int, sums: dict, metrics: dict, cfg: Config, model, optimizer
         path = checkpoint.save_checkpoint(cfg.run_dir, step, model, optimizer, meta, ahead)
         logger.line(f"saved {path} in {time.perf_counter() - t0:.2f}s")
         run.last_save = time.monotonic()
+    if step == cfg.steps:
+        checkpoint.export_hf(model, tokenizer, cfg.model, Path(cfg.run_dir) / "final")
     if "signal" in sums:
         logger.close()
         raise checkpoint.Interrupted(cfg.run_dir, step, int(sums["signal"]))
@@ -775,7 +777,8 @@ def resume(cfg: Config, model, optimizer, engine, ranks: Ranks, resuming: bool) 
                        {s: mine(b) for s, b in ahead.items()} if ranks.cp_rank == 0 else {})
         engine.update_weights(model, meta["step"])
         done = " (nothing left to train)" if meta["step"] >= cfg.steps > 0 else ""
-        print0(f"resumed from step {meta['step']} ({path}){done}")
+        print0(f"evaluating step {meta['step']} ({path})" if cfg.steps == 0 else
+               f"resumed from step {meta['step']} ({path}){done}")
     if ranks.rank == 0:  # the run starts: its directory holds its config from now on
         checkpoint.write_config(cfg.run_dir, asdict(cfg))
         for name in ("metrics.jsonl", "samples.jsonl") if cfg.steps else ():

@@ -1,4 +1,4 @@
-"""Achieved FLOP/s of nanoareal's training forward+backward against the measured matmul peak.
+r"""Achieved FLOP/s of nanoareal's training forward+backward against the measured matmul peak.
 
     python bench/bench_flops.py                 # CPU, 1 thread, the shipped tiny model, fp32
     python bench/bench_flops.py --device cuda --model qwen2.5-0.5b   # GPU: random-init

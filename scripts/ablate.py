@@ -1,4 +1,4 @@
-"""Run a study: named variants x seeds of nanoareal.py, in parallel on the cores, one run directory
+r"""Run a study: named variants x seeds of nanoareal.py, in parallel on the cores, one run directory
 each; then scripts/compare.py plots them and writes the table.
 
     python scripts/ablate.py bench/studies/modes_arithmetic.toml     # 4 modes x 3 seeds, ~5 min

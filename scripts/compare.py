@@ -10,8 +10,10 @@ of run directories, one run directory (grouped with the others of its name less 
 -s<seed>), or NAME=DIR,DIR,... Writes to --out (default: the one study directory given, else
 ./compare): eval.png (every eval/* metric), train.png (reward, response length, of correct and
 of incorrect responses, share cut at --max-new-tokens, the reward's own reward/* shares; trailing
-means) and compare.md, the table, also printed: final held-out metrics, training metrics averaged
-over the last steps, steps reached and wall time per run (from study.json).
+means), offpolicy.png when rollouts were stale (the log-prob gap, the importance weights' mean and
+max, the share a correction capped or masked) and compare.md, the table, also printed: final
+held-out metrics, training metrics averaged over the last steps, steps reached and wall time per
+run (from study.json).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ WINDOW = 10  # last steps averaged for the table's training metrics
 SMOOTH = 5  # trailing steps averaged in train.png: per-step training metrics are noisy
 TRAIN_KEYS = ("reward", "response_len", "response_len/correct", "response_len/incorrect",
               "truncated_frac")
+# plotted (offpolicy.png) and tabled when some run trains on stale rollouts (--max-staleness)
+OFFPOLICY_KEYS = ("logprob_mismatch", "importance_weight/mean", "importance_weight/max",
+                  "policy/behave_capped_frac")
 
 
 def fail(message: str) -> NoReturn:
@@ -162,10 +167,12 @@ def main() -> None:
                        key=lambda k: (k != "eval/accuracy", k))
     train_keys = [k for k in TRAIN_KEYS if k in present] + sorted(
         k for k in present if k.startswith("reward/"))
+    stale = any(row.get("staleness", 0) > 0 for rs in runs.values() for r in rs for row in r)
+    offpolicy_keys = [k for k in OFFPOLICY_KEYS if k in present] if stale else []
     study_dir = len(args.runs) == 1 and (Path(args.runs[0]) / "study.json").is_file()
     out = args.out or (Path(args.runs[0]) if study_dir else Path("compare"))
     out.mkdir(parents=True, exist_ok=True)
-    text = table(groups, runs, eval_keys, train_keys)
+    text = table(groups, runs, eval_keys, train_keys + offpolicy_keys)
     (out / "compare.md").write_text(text + "\n")
     print(text)
     seeds = "mean and min-max over each variant's runs"
@@ -174,8 +181,11 @@ def main() -> None:
     if train_keys:
         plot(runs, train_keys, out / "train.png",
              f"training samples per step: {seeds}, trailing {SMOOTH}-step means", SMOOTH)
+    if offpolicy_keys:
+        plot(runs, offpolicy_keys, out / "offpolicy.png", "pi_prox / pi_behave of the tokens "
+             f"trained on (stale rollouts): {seeds}, trailing {SMOOTH}-step means", SMOOTH)
     print(f"compare: {out / 'compare.md'}" + "".join(
-        f", {out / f}" for f in ("eval.png", "train.png") if (out / f).exists()))
+        f", {out / f}" for f in ("eval.png", "train.png", "offpolicy.png") if (out / f).exists()))
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ def test_evaluate_only_a_checkpoint_or_an_export_writes_eval_metrics_and_touches
     step1 = trained / "checkpoints" / "step_000001"
     out = cli("--steps", "0", "--model", str(step1), "--eval-k", "4", "--run-dir",
               str(tmp_path / "e1"))
-    assert "resumed from step 1" in out.stdout
+    assert "evaluating step 1" in out.stdout
     (row,) = lines(tmp_path / "e1" / "metrics.jsonl")
     evals = {r["step"]: r["eval/accuracy"] for r in lines(trained / "metrics.jsonl")
              if "eval/accuracy" in r}
