@@ -120,8 +120,7 @@ def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> 
                 "train_positions": sums.get("positions", 0)}
     metrics |= {k if "/" in k or k in ("grad_norm", "skipped_steps") else
                 "loss/total" if k == "loss" else f"loss/{k}": v for k, v in stats.items()}
-    # a counter with a "<name>#n" partner is a mean over its reporters (a reward's own metrics,
-    # or a new one: add {name: value, name + "#n": 1} to a rank's counters, nothing else)
+    # x with an "x#n" partner: a mean over its reporters (a new metric adds {x: v, "x#n": 1})
     metrics |= {k: sums[k] / max(sums[k + "#n"], 1) for k in sums if k + "#n" in sums}
     return metrics | {f"time/{k}": v for k, v in times.items()}
 
