@@ -201,10 +201,13 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, meta: dict
         tmp.mkdir(parents=True)
     dist.barrier()
     dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optimizer))), checkpoint_id=tmp)
-    torch.save(rng_states(), tmp / f"rng_rank{rank}.pt")
-    if ahead:
-        torch.save(ahead, tmp / f"ahead_rank{rank}.pt")
-    dist.barrier()  # every rank's files are written (dcp.save fsyncs its own)
+    for name, obj in (("rng", rng_states()), ("ahead", ahead)):
+        if obj:  # fsynced like DCP's shards: a renamed checkpoint never holds a part of a file
+            with open(tmp / f"{name}_rank{rank}.pt", "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+    dist.barrier()  # every rank's files are written
     if rank == 0:
         write_meta(tmp, {"step": step} | meta)
         shutil.rmtree(final, ignore_errors=True)  # only there when resumed from an older checkpoint

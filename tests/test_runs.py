@@ -116,7 +116,7 @@ MISTAKES = [
     (["--dataset", "{box}/letters.jsonl"], "cannot encode", False),
     (["--dataset", "{box}/missing.jsonl"], "missing.jsonl", False),
     (["--eval-dataset", "{box}/ok.jsonl"], "--eval-dataset", False),
-    (["--micro-batch-tokens", "8"], "--micro-batch-tokens 8", False),
+    (["--micro-batch-tokens", "8"], "over --micro-batch-tokens (8)", False),
     (["--reward", "{box}/missing.py:score"], "no such file", False),
     (["--reward", "{box}/reward.py:nope"], "no function 'nope'", False),
     (["--run-dir", "runs/other"], "holds another run", False),
