@@ -1,25 +1,33 @@
 """How nanoareal runs a Hugging Face causal LM: packed rows attended by segments on every attention
 path, Ulysses context parallel, and log-probs from the model's own head in vocabulary chunks.
 
-A packed row is a 1-D run of tokens from many sequences, its `segments` say who attends to what
-(attention_layout), and `packed_attention` (registered with transformers) runs every layer on it.
-Under Ulysses each rank runs a contiguous 1/N of the row. Nothing here holds state. Any
-*ForCausalLM runs as body (`model.base_model`) + head (output embeddings, with bias) + the head's
-transform (logit scale, final softcap); `check_model` compares that with the model's own forward
-at start: a family whose semantics this file does not reproduce is refused in one line.
-"""
+A packed row is a 1-D run of tokens from many sequences; its `segments` say who attends to what
+(attention_layout) and `packed_attention` (registered with transformers) runs every layer on it;
+under Ulysses each rank runs a contiguous 1/N of it. Nothing here holds state. Any *ForCausalLM
+runs as body (`model.base_model`) + head (output embeddings, bias) + the head's transform (logit
+scale, final softcap); `check_model` compares that with the model's own forward at start, so a
+family whose semantics this file does not reproduce is refused in one line."""
 
 from __future__ import annotations
 
 import functools
 import math
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cli import UserError
+
 HALF = (torch.float16, torch.bfloat16)  # the varlen kernels' dtypes; fp32 takes the padded path
 ATTENTION_PATHS = ("auto", "flash_attn", "torch_varlen", "sdpa")
+# model_type prefix -> (the config field that scales its head's logits, whether it divides by it)
+HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", False),
+               "hyperclovax": ("logits_scaling", False), "falcon_h1": ("lm_head_multiplier", False)}
 
 # -----------------------------------------------------------------------------
 # attention layouts and kernels
@@ -27,26 +35,22 @@ ATTENTION_PATHS = ("auto", "flash_attn", "torch_varlen", "sdpa")
 
 def segments_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     """Segments [R, 4] (start, len, 0, 0) of a row of whole sequences (positions restart at 0)."""
-    pos = position_ids.flatten()
-    start = torch.nonzero(pos == 0).flatten()
-    length = torch.diff(start, append=start.new_tensor([len(pos)]))
-    zero = torch.zeros_like(start)
-    return torch.stack([start, length, zero, zero], 1)
+    start = torch.nonzero(position_ids.flatten() == 0).flatten()
+    length = torch.diff(start, append=start.new_tensor([position_ids.numel()]))
+    return F.pad(torch.stack([start, length], 1), (0, 2))
 
 
 def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.device | None = None,
                      kernel=None, cp_group=None) -> dict:
-    """Index tensors for segment_attention, built once per micro-batch for every layer. A row
-    (q_start, q_len, ctx_start, ctx_len) of `segments` [R, 4]: q_len tokens attend causally to
-    ctx_len earlier tokens (a shared prompt prefix), then to themselves; a token's slot in that
-    attention row is its position in its sequence. Padded encoding: `grid` ([R, max_len] slots ->
-    token), `out` (token -> its own slot); varlen: `k_index`, `cu_q`, `cu_k` (bottom-right causal:
-    queries are the last q_len keys of their row). Built on the CPU (no GPU sync for the sizes).
-    `kernel`: a varlen kernel for half inputs; `cp_group`: set when the row is split across ranks
-    (num_tokens is then the whole row)."""
+    """Index tensors for segment_attention, built on the CPU (no GPU sync for the sizes) once per
+    micro-batch for every layer. A row (q_start, q_len, ctx_start, ctx_len) of `segments` [R, 4]:
+    q_len tokens attend causally to ctx_len earlier tokens (a shared prompt prefix), then to
+    themselves; a token's slot in that attention row is its position in its sequence. Padded:
+    `grid` ([R, max_len] slots -> token), `out` (token -> its slot); varlen: `k_index`, `cu_q`,
+    `cu_k` (bottom-right causal: queries are the last q_len keys of their row). `kernel`: a varlen
+    kernel for half inputs; `cp_group`: the row is split across ranks (num_tokens: all of it)."""
     device = device or segments.device
-    segments = segments.cpu()
-    q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
+    q_start, q_len, ctx_start, ctx_len = segments.cpu().unbind(1)
     if int(q_len.sum()) != num_tokens or (q_start != torch.cumsum(q_len, 0) - q_len).any():
         raise ValueError(f"segments must cover the {num_tokens} tokens of the row in order, got "
                          f"{segments.tolist()}")
@@ -66,9 +70,8 @@ def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.devi
              "out": seg * max_len + ctx_len[seg] + torch.arange(num_tokens) - q_start[seg],
              "k_index": src[valid], "cu_q": F.pad(torch.cumsum(q_len, 0), (1, 0)).int(),
              "cu_k": F.pad(torch.cumsum(row_len, 0), (1, 0)).int()}
-    sizes = {"rows": len(segments), "max_len": max_len, "max_q": int(q_len.max())}
-    return {k: v.to(device, non_blocking=True) for k, v in index.items()} | sizes | {
-        "kernel": kernel, "cp_group": cp_group}
+    return {k: v.to(device, non_blocking=True) for k, v in index.items()} | {"rows": len(segments),
+        "max_len": max_len, "max_q": int(q_len.max()), "kernel": kernel, "cp_group": cp_group}
 
 
 def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropout: float = 0.0,
@@ -76,14 +79,13 @@ def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropo
     """Attention of a packed row by segments: q [H, T, D], k/v [Hkv, T, D] -> [T, H, D]. `window`:
     a query sees the last `window` keys of its row, itself included (HF's sliding_window);
     `softcap`: scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2). A varlen
-    kernel keeps queries packed and gathers each segment's keys (context, then itself); otherwise
-    a padded [R, H, max_len, D] batch with a causal mask (cost ~ R * max_len^2, not T^2). Shared
-    context tokens are gathered into each row; index_select's backward sums their gradients."""
+    kernel keeps queries packed and gathers each segment's keys (context, then itself), else a
+    padded [R, H, max_len, D] batch with a causal mask (cost ~ R * max_len^2, not T^2). Shared
+    context is gathered into each row; index_select's backward sums its gradients."""
     scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
     if layout["kernel"] is not None and q.dtype in HALF:
-        kt, vt = (x.transpose(0, 1).index_select(0, layout["k_index"]) for x in (k, v))
-        return layout["kernel"](q.transpose(0, 1), kt, vt, layout, scaling, dropout, window,
-                                softcap)
+        k, v = (x.transpose(0, 1).index_select(0, layout["k_index"]) for x in (k, v))
+        return layout["kernel"](q.transpose(0, 1), k, v, layout, scaling, dropout, window, softcap)
     rows, length = layout["rows"], layout["max_len"]
     q, k, v = (x.transpose(0, 1).index_select(0, layout["grid"]).unflatten(0, (rows, length))
                .transpose(1, 2) for x in (q, k, v))  # [h, T, D] -> [rows, h, max_len, D]
@@ -91,30 +93,26 @@ def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropo
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
                                              scale=scaling, enable_gqa=True)
     else:  # the slots of a row are positions, so the window is a band of the causal mask
-        i = torch.arange(length, device=q.device)
-        behind = i[:, None] - i[None, :]  # how far key slot j is behind query slot i
-        keep = (behind >= 0) & (behind < (length if window is None else window))
+        i = torch.arange(length, device=q.device)  # query slot i sees key slot j: 0 <= i-j < window
+        keep = (i[:, None] >= i) & (i[:, None] - i < (length if window is None else window))
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
         scores = (q @ k.transpose(-1, -2)) * scaling
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
-        probs = scores.masked_fill(~keep, float("-inf")).softmax(-1)
-        out = F.dropout(probs, dropout) @ v
+        out = F.dropout(scores.masked_fill(~keep, float("-inf")).softmax(-1), dropout) @ v
     return out.transpose(1, 2).flatten(0, 1).index_select(0, layout["out"])
 
 
 def packed_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0, layout=None,
                      sliding_window=None, softcap=None, s_aux=None, **kwargs):
-    """transformers attention ("packed"): q [1, H, T, D], k/v [1, Hkv, T, D] -> ([1, T, H, D],
-    None). attention_mask is None for a registered function: the row comes in `layout`, each
-    layer's window and softcap as keywords. Under context parallel (layout["cp_group"]) T is this
-    rank's chunk: Ulysses all-to-alls around it."""
+    """transformers attention "packed": q [1, H, T, D], k/v [1, Hkv, T, D] -> ([1, T, H, D], None).
+    attention_mask is None: the row comes in `layout`, each layer's window and softcap as keywords.
+    Under context parallel (layout["cp_group"]) T is this rank's chunk: Ulysses all-to-alls."""
     if layout is None:
         raise RuntimeError("packed attention needs the row's layout: call policy_logprobs")
     if s_aux is not None:
         raise NotImplementedError("attention sinks (s_aux) are not supported")
-    args = (scaling, dropout, sliding_window or None, softcap or None)
-    group = layout["cp_group"]
+    args, group = (scaling, dropout, sliding_window or None, softcap or None), layout["cp_group"]
     if group is None:
         return segment_attention(q[0], k[0], v[0], layout, *args)[None], None
     n = dist.get_world_size(group)
@@ -128,7 +126,6 @@ def packed_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0,
 def _flash_attn_kernel(q, k, v, layout, scaling, dropout, window, softcap):
     """flash-attn 2 (>= 2.6): bottom-right causal; window_size=(w-1, 0) keeps the last w keys."""
     from flash_attn import flash_attn_varlen_func
-
     return flash_attn_varlen_func(q, k, v, layout["cu_q"], layout["cu_k"], layout["max_q"],
                                   layout["max_len"], dropout_p=dropout, softmax_scale=scaling,
                                   causal=True, window_size=(window - 1 if window else -1, 0),
@@ -136,11 +133,9 @@ def _flash_attn_kernel(q, k, v, layout, scaling, dropout, window, softcap):
 
 
 def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
-    """torch.nn.attention.varlen.varlen_attn (PyTorch's bundled FA2): window_size (-1, 0) is causal,
-    (w-1, 0) a window of w keys, bottom-right as in flash-attn (key j visible to query i iff
-    j <= i + Lk - Lq). No softcap, no dropout: choose_attention never picks it for those."""
+    """PyTorch's bundled FA2 varlen_attn: window_size (-1, 0) causal, (w-1, 0) the last w keys,
+    bottom-right as flash-attn (key j seen by query i iff j <= i + Lk - Lq); no softcap/dropout."""
     from torch.nn.attention.varlen import varlen_attn
-
     if softcap or dropout:
         raise NotImplementedError("torch varlen_attn has no softcap or dropout")
     if k.shape[1] != q.shape[1]:  # GQA: repeat the KV heads (older torch has no enable_gqa)
@@ -151,16 +146,15 @@ def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
 
 def choose_attention(requested: str, device: torch.device, half: bool, softcap: bool
                      ) -> tuple[str, object, str]:
-    """(path, kernel, why) for --attention: a varlen kernel for half-precision compute on a GPU
-    (flash-attn, else PyTorch's own), the padded per-segment path otherwise. A requested path that
-    cannot run here raises ValueError saying why; auto says what it skipped."""
+    """(path, kernel, why) for --attention: a varlen kernel (flash-attn, else PyTorch's) for half
+    compute on a GPU, else the padded path. A requested path that cannot run here raises ValueError
+    saying why; auto says what it skipped."""
     reasons = {}
     if device.type != "cuda" or not half:
         reasons["flash_attn"] = reasons["torch_varlen"] = "it needs bf16/fp16 compute on a GPU"
     else:
         try:
             import flash_attn
-
             if not hasattr(flash_attn, "flash_attn_varlen_func"):  # flash-attn-4's namespace
                 raise ImportError("this flash_attn has no flash_attn_varlen_func (flash-attn 2)")
         except Exception as e:  # an ABI mismatch raises ImportError or OSError
@@ -176,10 +170,9 @@ def choose_attention(requested: str, device: torch.device, half: bool, softcap: 
         if requested in reasons:
             raise ValueError(f"--attention {requested} cannot run here: {reasons[requested]}")
         return requested, kernels.get(requested), "as requested"
-    path = next((p for p in ("flash_attn", "torch_varlen") if p not in reasons), "sdpa")
-    order = ATTENTION_PATHS.index
-    skipped = {k: v for k, v in reasons.items() if order(k) < order(path)}
-    if len(set(skipped.values())) == 1 and len(skipped) > 1:  # one reason for all: say it once
+    path = next((p for p in kernels if p not in reasons), "sdpa")
+    skipped = {} if path == "flash_attn" else reasons  # only paths before `path` have reasons
+    if len(skipped) > 1 and len(set(skipped.values())) == 1:  # one reason for all: say it once
         return path, kernels.get(path), f"not {' nor '.join(skipped)}: {reasons['flash_attn']}"
     return path, kernels.get(path), "; ".join(f"not {k}: {v}" for k, v in skipped.items())
 
@@ -189,8 +182,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
-        x = x.contiguous()  # before empty_like, which copies a permuted view's strides
+        ctx.group, x = group, x.contiguous()  # before empty_like, which copies a view's strides
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x, group=group)
         return out
@@ -214,8 +206,7 @@ class GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
-        x = x.contiguous()
+        ctx.group, x = group, x.contiguous()
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x, group=group)
         return torch.cat(parts, -1)
@@ -228,9 +219,8 @@ class GatherSequence(torch.autograd.Function):
 
 
 def ulysses_chunk(ids, pos, targets, segments, group, device, kernel=None) -> tuple[tuple, dict]:
-    """This CP rank's 1/N of a packed row -> ((ids [1, T/N], positions [1, T/N], targets [T/N]) on
-    `device`, the whole row's layout), padded to a multiple of N by a segment of its own (no real
-    token attends to it; gather_row cuts it off)."""
+    """This CP rank's 1/N of a packed row -> ((ids, positions [1, T/N], targets [T/N]) on `device`,
+    the whole row's layout), padded to a multiple of N by a segment of its own (gather_row cuts)."""
     T, n, r = len(ids), dist.get_world_size(group), dist.get_rank(group)
     pad = -T % n
     ids, targets = F.pad(ids, (0, pad)), F.pad(targets, (0, pad))
@@ -238,9 +228,8 @@ def ulysses_chunk(ids, pos, targets, segments, group, device, kernel=None) -> tu
     if pad:
         segments = torch.cat([segments, segments.new_tensor([[T, pad, 0, 0]])])
     mine = slice(r * (T + pad) // n, (r + 1) * (T + pad) // n)
-    layout = attention_layout(segments, T + pad, device, kernel=kernel, cp_group=group)
-    return (ids[mine][None].to(device), pos[mine][None].to(device),
-            targets[mine].to(device)), layout
+    chunk = (ids[mine][None].to(device), pos[mine][None].to(device), targets[mine].to(device))
+    return chunk, attention_layout(segments, T + pad, device, kernel=kernel, cp_group=group)
 
 
 def gather_row(logprobs, entropy, group, num_tokens: int) -> tuple:
@@ -254,16 +243,8 @@ def gather_row(logprobs, entropy, group, num_tokens: int) -> tuple:
 
 
 def check_model_source(name: str) -> None:
-    """--model must be a model directory (config.json and tokenizer files) or a hub id that can be
-    fetched: a wrong path is one line at once, not a minute of retries against an unreachable hub
-    (a hub id already in the local cache works offline)."""
-    import os
-    import socket
-    from pathlib import Path
-    from urllib.parse import urlparse
-
-    from cli import UserError
-
+    """--model is a model directory (config.json, tokenizer files) or a cached or reachable hub id:
+    a wrong path is one line at once, not a minute of retries against an unreachable hub."""
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -277,7 +258,6 @@ def check_model_source(name: str) -> None:
         raise UserError(f"--model {name}: no such directory")
     try:
         from huggingface_hub import try_to_load_from_cache
-
         if isinstance(try_to_load_from_cache(name, "config.json"), str):
             return
     except Exception:  # not a valid repo id either
@@ -302,11 +282,6 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return (blocks or list(max(lists, key=len, default=[])))[::-1]
 
 
-# model_type prefix -> (the config field that scales its head's logits, whether it divides by it)
-HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", False),
-               "hyperclovax": ("logits_scaling", False), "falcon_h1": ("lm_head_multiplier", False)}
-
-
 def head_transform(config) -> tuple[float, float | None]:
     """(scale, softcap) a family's forward applies to its lm_head output: logits * scale, then
     softcap * tanh(logits / softcap). check_model catches a family that applies something else."""
@@ -322,18 +297,15 @@ def policy_logprobs(model, input_ids, position_ids, targets, temperature: float 
                     chunk: int = 1024, segments: torch.Tensor | None = None,
                     layout: dict | None = None):
     """log pi(target_t | prefix) and the entropy at every position of a packed row -> ([T], [T]).
-    `segments` (default: each run of position_ids from 0 is a sequence) or, under CP, the whole
-    row's `layout`. The fp32 logits of a 150k vocabulary exist `chunk` tokens at a time (recomputed
-    in backward), never for a whole micro-batch."""
+    `segments` (default: a sequence per run of positions from 0) or, under CP, the row's `layout`.
+    fp32 logits of a 150k vocabulary exist `chunk` tokens at a time (recomputed in backward)."""
     if layout is None:
-        if segments is None:
-            segments = segments_from_positions(position_ids.cpu())
+        segments = segments_from_positions(position_ids.cpu()) if segments is None else segments
         layout = attention_layout(segments, input_ids.shape[-1], input_ids.device,
                                   kernel=getattr(model, "attention_kernel", None))
     hidden = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                               layout=layout).last_hidden_state[0]
-    head = model.get_output_embeddings()
-    scale, softcap = head_transform(model.config)
+    head, (scale, softcap) = model.get_output_embeddings(), head_transform(model.config)
     out = [torch.utils.checkpoint.checkpoint(chunk_logprobs, hidden[i : i + chunk], head.weight,
                                              getattr(head, "bias", None), targets[i : i + chunk],
                                              temperature, scale, softcap, use_reentrant=False)
@@ -352,9 +324,8 @@ def chunk_logprobs(hidden, weight, bias, targets, temperature: float = 1.0, scal
         logits = softcap * torch.tanh(logits / softcap)
     logits = logits / temperature
     logz = torch.logsumexp(logits, -1)
-    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
-    entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1)
-    return logprobs, entropy
+    return (logits.gather(-1, targets[:, None]).squeeze(-1) - logz,  # log-probs
+            logz - (torch.softmax(logits, -1) * logits).sum(-1))  # entropies
 
 
 @functools.cache
@@ -379,10 +350,10 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
 
 
 class HeadLogits(torch.autograd.Function):
-    """hidden [n, d] @ weight [V, d].T (+ bias) -> logits [n, V] in fp32 (fp64 for fp64), by half
+    """hidden [n, d] @ weight [V, d].T (+ bias) -> logits [n, V] in fp32 (fp64 for fp64) by half
     GEMMs both ways: no fp32 copy of a 150k x d head. Backward rounds the logit gradient to the
-    inputs' dtype, as any half GEMM's backward does. grad_hidden sums over V: fp32 out (cuBLAS may
-    split-K a half output in bf16); grad_weight sums over n: half out, no [V, d] fp32 temporary."""
+    inputs' dtype, as any half GEMM's does; grad_hidden (sums over V) comes out fp32, since cuBLAS
+    may split-K a half output in bf16; grad_weight (over n) half: no [V, d] fp32 temporary."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias):
@@ -401,19 +372,15 @@ class HeadLogits(torch.autograd.Function):
 
 
 def check_model(model, vocab_size: int) -> str | None:
-    """None if our packed shared-prompt forward of the (unsharded) model equals its own eager
-    per-sequence forward on two samples sharing a prompt, else why not. Long enough to cross a
-    small window; it meets every attention keyword and head transform the model uses."""
+    """None if our packed forward of the (unsharded) model equals its own eager one on two samples
+    sharing a prompt, past a small window (every attention keyword and head transform), else why."""
     if model.config._attn_implementation != "packed":
         return "its attention does not go through transformers' AttentionInterface"
-    text = model.config.get_text_config()
-    window = getattr(text, "sliding_window", None)
-    n = min(max(16, (window or 0) + 8), 64)
-    g = torch.Generator().manual_seed(0)
-    prompt, tails = (torch.randint(vocab_size, (k,), generator=g).tolist() for k in (n // 2, n))
-    tails = [tails[: n // 2], tails[n // 2 :][: n // 3]]
-    p, device = len(prompt), next(model.parameters()).device
-    tensor = functools.partial(torch.tensor, device=device)
+    n = min(max(16, (getattr(model.config.get_text_config(), "sliding_window", None) or 0) + 8), 64)
+    p, g = n // 2, torch.Generator().manual_seed(0)
+    prompt, tails = (torch.randint(vocab_size, (k,), generator=g).tolist() for k in (p, n))
+    tails = [tails[:p], tails[p:][: n // 3]]
+    tensor = functools.partial(torch.tensor, device=next(model.parameters()).device)
     ids = prompt[:-1] + sum((prompt[-1:] + t[:-1] for t in tails), [])
     pos = list(range(p - 1)) + sum((list(range(p - 1, p - 1 + len(t))) for t in tails), [])
     segments = torch.tensor([[0, p - 1, 0, 0], [p - 1, len(tails[0]), 0, p - 1],
@@ -433,7 +400,6 @@ def check_model(model, vocab_size: int) -> str | None:
     finally:
         model.set_attn_implementation("packed")
     diff = float((ours.float() - torch.cat(theirs).float()).abs().max())
-    if not diff <= 1e-4:  # eager attention's softmax runs in fp32 even for fp64 models
-        return (f"nanoareal's packed forward disagrees with the model's own by {diff:.2g} in "
-                "log-prob (an attention or head feature this model uses is not reproduced)")
-    return None
+    return None if diff <= 1e-4 else (  # 1e-4 for fp64 too: eager softmaxes in fp32; NaN fails
+        f"nanoareal's packed forward disagrees with the model's own by {diff:.2g} in log-prob (an "
+        "attention or head feature this model uses is not reproduced)")
