@@ -1,17 +1,11 @@
-"""Tasks and rewards: the built-in tasks (generated here, never downloaded), JSONL datasets, reward
-functions.
+"""Tasks and rewards: built-in tasks (generated here, never downloaded), JSONL datasets, rewards.
 
-A dataset is a list of rows, dicts with "prompt" (a string) or "messages" (a chat), plus whatever
-else the reward needs ("answer" for the built-in rewards). A reward is any function
-
-    def my_reward(completion: str, row: dict) -> float | tuple[float, dict[str, float]]
-
-that gets the decoded completion and the WHOLE dataset row. Returning (reward, metrics) logs the
-mean of each metric as reward/<name>; a "correct" entry (a bool) defines accuracy. Without one, a
-response is correct when it equals the row's "answer" (stripped), so a shaped reward never
-changes what accuracy means. Plug one in with `--reward path/to/file.py:my_reward`; nothing in
-the trainer needs editing.
-"""
+A row is a dict with "prompt" (a string) or "messages" (a chat), plus what the reward reads
+("answer" for the built-in ones). A reward, plugged in with `--reward path/to/file.py:my_reward`,
+is any `my_reward(completion: str, row: dict) -> float | tuple[float, dict[str, float]]` given the
+decoded completion and the WHOLE row: each metric's mean is logged as reward/<name>; a "correct"
+entry (a bool) defines accuracy, else a response is correct when it equals the row's "answer"
+(stripped), so a shaped reward never changes what accuracy means."""
 
 from __future__ import annotations
 
@@ -29,11 +23,14 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from fractions import Fraction
+from itertools import product
 from pathlib import Path
 
-from cli import UserError
+from cli import UserError, why
 
 EVAL_SEED = 0xE7A1  # eval samples' seeds: the same noise at every eval, so only the policy moves
+_NUMBER = re.compile(r"-?[\d,]*\.?\d+(?:/\d+)?")  # 1,234 | -3.5 | .5 | 3/4
+_INTEGER = re.compile(r"-?\d+")
 
 # -----------------------------------------------------------------------------
 # built-in rewards
@@ -48,10 +45,8 @@ def answer_span(text: str) -> str | None:
     """What a text marks as its final answer, whichever mark comes last: the inside of its last
     \\boxed{...} (nested braces kept) or the first line after its last '####'; else None."""
     box, mark = text.rfind("\\boxed{"), text.rfind("####")
-    if mark > box:
-        return (text[mark + 4:].strip().splitlines() or [""])[0]
-    if box < 0:
-        return None
+    if box < mark or box < 0:  # the '####' comes last, or there is neither mark
+        return (text[mark + 4:].strip().splitlines() or [""])[0] if mark >= 0 else None
     depth, start = 0, box + len("\\boxed{")
     for i, c in enumerate(text[start:], start):
         depth += (c == "{") - (c == "}")
@@ -60,12 +55,8 @@ def answer_span(text: str) -> str | None:
     return text[start:]  # a box cut off by --max-new-tokens: what there is
 
 
-_NUMBER = re.compile(r"-?[\d,]*\.?\d+(?:/\d+)?")  # 1,234 | -3.5 | .5 | 3/4
-
-
 def final_number(text: str) -> str | None:
-    """The first number of the text's final answer (answer_span: its last \\boxed{} or '#### x',
-    whichever comes last), else its last number; commas dropped, \\frac{a}{b} read as a/b."""
+    """The first number in answer_span(text), else the last; commas dropped, \\frac{a}{b} = a/b."""
     span = answer_span(text)
     nums = _NUMBER.findall(re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"\1/\2",
                                   text if span is None else span).replace("{,}", ","))
@@ -73,8 +64,7 @@ def final_number(text: str) -> str | None:
 
 
 def gsm8k(completion: str, row: dict) -> tuple[float, dict]:
-    """GSM8K style: 1 if the completion's final_number equals the answer's (as numbers: 18.00 = 18,
-    3/4 = 0.75); the completion is correct exactly when it scores 1."""
+    """GSM8K: 1 (correct) if completion and answer have equal final_numbers (18.00 = 18 = 36/2)."""
     try:
         got, want = (Fraction(final_number(t) or "nan") for t in (completion, str(row["answer"])))
         ok = abs(got - want) < 1e-6
@@ -88,7 +78,6 @@ def math_reward(completion: str, row: dict) -> tuple[float, dict]:
     LaTeX or number it writes) equals the row's "answer" (a number, '... #### 72' or LaTeX, with or
     without $) as mathematics: \\frac{3}{4} = 0.75, 1,234 = 1234, \\$18.00 = 18, units dropped."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
     # math-verify's own timeouts use SIGALRM, main thread only: compute_rewards times the call
     read = lambda text: parse(text, config, parsing_timeout=None)
@@ -101,19 +90,14 @@ def math_reward(completion: str, row: dict) -> tuple[float, dict]:
     return float(ok), {"correct": ok}
 
 
-_INTEGER = re.compile(r"-?\d+")
-
-
 def last_integer(text: str) -> str | None:
     """The last integer in the text ("3 7 4" -> "4"), or None if it has none."""
-    found = _INTEGER.findall(text)
-    return found[-1] if found else None
+    return (_INTEGER.findall(text) or [None])[-1]
 
 
 def last_number(completion: str, row: dict) -> tuple[float, dict]:
-    """1 if the completion's last integer equals the row's integer "answer" (as integers), else 0:
-    whatever precedes it is free, so a response may show its work or not. The "scratchpad" metric
-    is 1 when the completion holds more than one integer (for the chain task: running values)."""
+    """1 if the completion's last integer equals the row's integer "answer", else 0: whatever comes
+    before is free (work shown or not); "scratchpad" is 1 when it holds more than one integer."""
     found, want = _INTEGER.findall(completion), str(row["answer"]).strip()
     ok = bool(found) and _INTEGER.fullmatch(want) is not None and int(found[-1]) == int(want)
     return float(ok), {"correct": ok, "scratchpad": float(len(found) > 1)}
@@ -129,20 +113,15 @@ REWARDS: dict[str, Callable] = {  # every one reads row["answer"]
 
 def make_arithmetic_task(seed: int = 0, max_operand: int = 50,
                          heldout_size: int = 256) -> tuple[list, list]:
-    """All sums a+b with 0 <= a, b < max_operand, split deterministically into (train, heldout).
-
-    Each row is {"prompt": "12+34=", "answer": "46"}. The split depends only on `seed`, so the
-    SFT warm start, every GRPO run and every test see the same held-out set.
-    """
+    """All sums a+b with 0 <= a, b < max_operand as {"prompt": "12+34=", "answer": "46"}, split by
+    `seed` alone into (train, heldout): the SFT warm start, every run and test share a held-out."""
     pairs = [(a, b) for a in range(max_operand) for b in range(max_operand)]
     random.Random(seed).shuffle(pairs)
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
     return rows[heldout_size:], rows[:heldout_size]
 
 
-# -----------------------------------------------------------------------------
 # the chain task: one-digit answers, responses of 2 to 18 tokens
-
 CHAIN_OPS = [f"+{d}" for d in range(10)] + [f"*{d}" for d in range(1, 10)]
 # no "*0": it would reset the chain, making every earlier step irrelevant
 CHAIN_MAX_OPS = 8
@@ -150,14 +129,12 @@ CHAIN_WIDTH = 2 * CHAIN_MAX_OPS + 1  # the longest body, a digit and 8 operation
 
 
 def chain_values(prompt: str) -> list[int]:
-    """The running values of a chain prompt (or of its bare body), the start digit first:
-    v_0 = d_0 and v_j = (v_{j-1} + d_j) mod 10 or (v_{j-1} * d_j) mod 10, left to right.
-    "3+4*2            =" -> [3, 7, 4]; the answer is the last one."""
+    """The running values of a chain prompt (or bare body), the start digit first: v_0 = d_0 and
+    v_j = (v_{j-1} + d_j) or (v_{j-1} * d_j) mod 10, left to right: "3+4*2" -> [3, 7, 4]."""
     body = prompt.rstrip("=").rstrip()
     values = [int(body[0])]
-    for op, digit in zip(body[1::2], body[2::2]):
-        d = int(digit)
-        values.append((values[-1] + d) % 10 if op == "+" else values[-1] * d % 10)
+    for op, d in zip(body[1::2], body[2::2]):
+        values.append((values[-1] + int(d)) % 10 if op == "+" else values[-1] * int(d) % 10)
     return values
 
 
@@ -168,53 +145,42 @@ def chain_scratchpad(prompt: str) -> str:
 
 def make_chain_task(seed: int = 0, heldout_size: int = 256,
                     per_length: int = 2500) -> tuple[list, list]:
-    """Chains of k = 1..8 operations (+d or *d, mod 10) on a start digit, split deterministically
-    (by `seed` only) into (train, heldout).
-
-    Each row is {"prompt": "3+4*2            =", "answer": "4"}: the body padded to 17 characters,
-    then "=", so a scratchpad's j-th value is a fixed distance after the j-th operand (the tiny
-    model does not learn k-dependent offsets). A response may be the digit alone (2 tokens with
+    """Chains of k = 1..8 operations (+d or *d, mod 10) on a start digit, split by `seed` alone into
+    (train, heldout), rows like {"prompt": "3+4*2            =", "answer": "4"}: the body padded to
+    17 characters, so a scratchpad's j-th value is a fixed distance after the j-th operand (the
+    tiny model learns no k-dependent offsets). A response may be the digit alone (2 tokens with
     <eos>) or the scratchpad (2k + 2): `last_number` judges the final number only, so length is
-    the policy's choice. Per k, min(per_length, 10 * 19^k) distinct bodies; heldout_size / 8 of
-    each k held out, interleaved k = 1..8, 1..8, ... (any prefix is balanced over k); the rest,
-    shuffled, is train (17434 rows by default)."""
+    the policy's choice. Per k, min(per_length, 10 * 19^k) distinct bodies, heldout_size / 8 held
+    out, interleaved k = 1..8, 1..8, ... (any prefix is balanced); the rest, shuffled, is train."""
     if heldout_size % CHAIN_MAX_OPS:
         raise ValueError(f"heldout_size must be a multiple of {CHAIN_MAX_OPS} (one share per k)")
-    per_k = heldout_size // CHAIN_MAX_OPS
-    rng = random.Random(seed)
-    train, held_by_k = [], []
+    per_k, rng, train, held_by_k = heldout_size // CHAIN_MAX_OPS, random.Random(seed), [], []
     for k in range(1, CHAIN_MAX_OPS + 1):
-        space = 10 * len(CHAIN_OPS) ** k
-        want = min(per_length, space)
+        want = min(per_length, space := 10 * len(CHAIN_OPS) ** k)
         if per_k >= want:
             raise ValueError(f"heldout_size {heldout_size} leaves no train rows with {k} ops")
         if space <= 4 * per_length:  # small: enumerate and shuffle (rejection would crawl)
-            bodies = [str(d) for d in range(10)]
-            for _ in range(k):
-                bodies = [b + op for b in bodies for op in CHAIN_OPS]
+            bodies = ["".join(b) for b in product("0123456789", *[CHAIN_OPS] * k)]
             rng.shuffle(bodies)
             bodies = bodies[:want]
         else:  # large: draw until `want` distinct (a dict keeps the order of first draws)
-            drawn: dict[str, None] = {}
-            while len(drawn) < want:
+            bodies = {}
+            while len(bodies) < want:
                 digit = str(rng.randrange(10))  # then the ops: the draws of the shipped split
-                drawn[digit + "".join(rng.choice(CHAIN_OPS) for _ in range(k))] = None
-            bodies = list(drawn)
+                bodies[digit + "".join(rng.choice(CHAIN_OPS) for _ in range(k))] = None
         rows = [{"prompt": b.ljust(CHAIN_WIDTH) + "=", "answer": str(chain_values(b)[-1])}
                 for b in bodies]
         held_by_k.append(rows[:per_k])
         train += rows[per_k:]
-    heldout = [rows[i] for i in range(per_k) for rows in held_by_k]
     random.Random(seed + 1).shuffle(train)
-    return train, heldout
+    return train, [rows[i] for i in range(per_k) for rows in held_by_k]
 
 
 @dataclass(frozen=True)
 class Task:
     make: Callable[[], tuple[list, list]]
     reward: str
-    flags: dict
-    """Its warm start and recommended flags, applied unless the user gives them."""
+    flags: dict  # its warm start and recommended flags, applied unless the user gives them
 
 
 TASKS: dict[str, Task] = {
@@ -228,8 +194,7 @@ TASKS: dict[str, Task] = {
 
 
 def load_jsonl(path: str, prompt_key: str = "prompt") -> list[dict]:
-    """Rows of {prompt_key: str} or {"messages": [{"role", "content"}, ...]} plus any other fields,
-    kept whole."""
+    """Rows of {prompt_key: str} or {"messages": [{"role", "content"}, ...]}, other fields kept."""
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
@@ -246,14 +211,12 @@ def load_jsonl(path: str, prompt_key: str = "prompt") -> list[dict]:
             raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
         if not isinstance(row, dict):
             raise UserError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-        has_prompt = isinstance(row.get(prompt_key), str)
-        has_messages = isinstance(row.get("messages"), list)
-        if has_prompt == has_messages:
+        if isinstance(row.get(prompt_key), str) == (chat := isinstance(row.get("messages"), list)):
             raise UserError(f'{path}:{n}: needs exactly one of "{prompt_key}" (string; '
                             '--prompt-key names the field) or "messages" (list); it has '
                             + (", ".join(map(json.dumps, row)) or "no fields"))
-        if has_messages and not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
-                                    for m in row["messages"]):
+        if chat and not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
+                            for m in row["messages"]):
             raise UserError(f'{path}:{n}: every message needs "role" and "content"')
         if "answer" in row and not isinstance(row["answer"], (str, int, float)):
             raise UserError(f'{path}:{n}: "answer" must be a string or a number')
@@ -284,38 +247,30 @@ def load_dataset(dataset: str, eval_dataset: str | None, reward: str, prompt_key
 
 
 def adds_bos(tokenizer) -> bool:
-    """Whether the model expects a BOS token first: its tokenizer adds one to plain text (Llama,
-    Gemma base) where add_special_tokens=False does not."""
+    """Whether the model wants a BOS first: its tokenizer adds one to plain text (Llama, Gemma)."""
     bos = tokenizer.bos_token_id
     return bos is not None and tokenizer("a")["input_ids"][:1] == [bos] != \
         tokenizer("a", add_special_tokens=False)["input_ids"][:1]
 
 
-def encode_prompt(row: dict, tokenizer, chat_template: bool, prompt_key: str = "prompt",
-                  bos: bool = False) -> list[int]:
-    """A row's prompt as token ids: its "messages", or its prompt field (as a user turn with
-    chat_template). A chat is exactly what the template writes (its BOS if any, as HF's
-    apply_chat_template(tokenize=True) gives it); plain text gets the BOS first when `bos`, once."""
-    chat = "messages" in row or chat_template
-    if chat:
-        messages = row.get("messages") or [{"role": "user", "content": row[prompt_key]}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer(text if chat else row[prompt_key], add_special_tokens=False)["input_ids"]
-    bos_id = tokenizer.bos_token_id
-    return [bos_id] + ids if bos and not chat and ids[:1] != [bos_id] else ids
-
-
 def encode_prompts(rows: list[dict], tokenizer, chat_template: bool, name: str,
                    prompt_key: str = "prompt") -> list[list[int]]:
-    """Every row's prompt as token ids, or a one-line error: a chat without a template to render
-    it, or characters the tokenizer has no token for (they would all become <unk>)."""
-    if uses_chat(rows, chat_template) and not tokenizer.chat_template:
+    """Every row's prompt as token ids: its "messages", or its prompt field (a user turn with
+    chat_template). A chat is exactly what the template writes (its BOS if any, as HF's
+    apply_chat_template(tokenize=True)); plain text gets the BOS once, if the model expects one.
+    Or a one-line error: a chat and no template, or characters with no token (all <unk>)."""
+    if (chat_template or any("messages" in r for r in rows)) and not tokenizer.chat_template:
         what = "--chat-template" if chat_template else 'rows with "messages"'
         raise UserError(f"{name}: {what} need(s) a chat template, and the tokenizer has none; use "
                         f'"{prompt_key}" rows without --chat-template, or a model whose tokenizer '
                         "has one")
-    bos = adds_bos(tokenizer)
-    encoded = [encode_prompt(row, tokenizer, chat_template, prompt_key, bos) for row in rows]
+    bos, encoded = tokenizer.bos_token_id if adds_bos(tokenizer) else None, []
+    for row in rows:
+        if chat := "messages" in row or chat_template:
+            msgs = row.get("messages") or [{"role": "user", "content": row[prompt_key]}]
+            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text if chat else row[prompt_key], add_special_tokens=False)["input_ids"]
+        encoded.append([bos] + ids if bos is not None and not chat and ids[:1] != [bos] else ids)
     unk = tokenizer.unk_token_id
     for n, ids in enumerate(encoded, 1):
         if unk is not None and unk in ids:
@@ -328,22 +283,15 @@ def encode_prompts(rows: list[dict], tokenizer, chat_template: bool, name: str,
     return encoded
 
 
-def uses_chat(rows: list[dict], chat_template: bool) -> bool:
-    return chat_template or any("messages" in r for r in rows)
-
-
 def stop_token_ids(tokenizer, model: str, chat: bool) -> list[int]:
     """Every token that ends a response, the same set for every engine: the tokenizer's eos, the
     model's own eos ids (config.json and generation_config.json: SGLang stops on those too), and
     with a chat template the token that ends an assistant turn (a base model's eos is not it)."""
     from transformers import AutoConfig, GenerationConfig
-
-    ids = [tokenizer.eos_token_id, AutoConfig.from_pretrained(model).get_text_config()
-           .eos_token_id]
+    ids = [tokenizer.eos_token_id, AutoConfig.from_pretrained(model).get_text_config().eos_token_id,
+           end_of_turn_id(tokenizer) if chat else None]
     with suppress(OSError):  # no generation_config.json
         ids.append(GenerationConfig.from_pretrained(model).eos_token_id)
-    if chat:
-        ids.append(end_of_turn_id(tokenizer))
     flat = [i for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None]
     if not flat:
         raise UserError(f"--model {model}: its tokenizer and configs name no end-of-sequence "
@@ -352,8 +300,7 @@ def stop_token_ids(tokenizer, model: str, chat: bool) -> list[int]:
 
 
 def end_of_turn_id(tokenizer) -> int | None:
-    """The special token the chat template writes right after an assistant's message (<|im_end|>,
-    <|eot_id|>, <end_of_turn>, ...), or None."""
+    """The special token closing an assistant turn in the chat template (<|im_end|>...) or None."""
     mark = "XQZ7"
     try:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {
@@ -370,7 +317,6 @@ def end_of_turn_id(tokenizer) -> int | None:
 def context_length(model: str) -> int | None:
     """The model's trained context (max_position_embeddings or the like), from config.json."""
     from transformers import AutoConfig
-
     text = AutoConfig.from_pretrained(model).get_text_config()
     names = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
     return next((getattr(text, n) for n in names if isinstance(getattr(text, n, None), int)), None)
@@ -387,24 +333,21 @@ class Data:
 
 def load_data(model: str, dataset: str, eval_dataset: str | None, reward: str, prompt_key: str,
               chat_template: bool, max_new_tokens: int, micro_batch_tokens: int) -> Data:
-    """The tokenizer, rows, every prompt tokenized once (BOS as the model expects it), the stop
-    tokens; or a one-line error: a tokenizer that will not load, prompts it cannot encode, a
-    sequence longer than the model's context or a micro-batch. Loads no weights."""
+    """The tokenizer, rows, prompts tokenized once (BOS as the model expects), stop tokens, and no
+    weights; or a one-line error: no tokenizer, prompts it cannot encode, a sequence too long."""
     from transformers import AutoTokenizer
 
-    from cli import why
     from logs import quiet_libraries
-
     quiet_libraries()  # transformers' progress bars and info lines off (imported from here)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
     except Exception as e:  # a directory without tokenizer files ends in sentencepiece advice
         raise UserError(f"--model {model}: no usable tokenizer there ({why(e)})") from None
     rows, eval_rows = load_dataset(dataset, eval_dataset, reward, prompt_key)
-    prompts = encode_prompts(rows, tokenizer, chat_template, dataset, prompt_key)
-    eval_prompts = encode_prompts(eval_rows, tokenizer, chat_template, eval_dataset or "",
-                                  prompt_key)
-    stop_ids = stop_token_ids(tokenizer, model, uses_chat(rows + eval_rows, chat_template))
+    prompts, eval_prompts = (encode_prompts(r, tokenizer, chat_template, name, prompt_key)
+                             for r, name in ((rows, dataset), (eval_rows, eval_dataset or "")))
+    stop_ids = stop_token_ids(tokenizer, model,
+                              chat_template or any("messages" in r for r in rows + eval_rows))
     # sequences are never cut: the longest possible one must fit the model and a micro-batch
     longest = max(map(len, prompts + eval_prompts), default=0) + max_new_tokens
     for limit, what in ((context_length(model), "the model's context length"),
@@ -421,9 +364,8 @@ def load_data(model: str, dataset: str, eval_dataset: str | None, reward: str, p
 
 def resolve_reward_name(reward: str, dataset: str) -> str:
     """--reward auto: the built-in task's own reward, exact_match for a JSONL dataset."""
-    if reward != "auto":
-        return reward
-    return TASKS[dataset].reward if dataset in TASKS else "exact_match"
+    auto = TASKS[dataset].reward if dataset in TASKS else "exact_match"
+    return auto if reward == "auto" else reward
 
 
 def load_reward(spec: str) -> Callable:
@@ -451,41 +393,35 @@ def load_reward(spec: str) -> Callable:
     except Exception as e:
         raise UserError(f"--reward {spec}: importing {path} failed ({type(e).__name__}: {e})"
                         ) from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
+    if not callable(fn := getattr(module, name, None)):
         raise UserError(f"--reward {spec}: {path} has no function {name!r}")
     return fn
 
 
 def evaluate(engine, data: Data, reward_fn: Callable, max_new_tokens: int, temperature: float,
              k: int, seed: int, rank: int = 0, world: int = 1, timeout: float = 30.0) -> dict:
-    """Held-out metrics, the rows split across ranks, one collective: eval/accuracy of greedy
-    answers; with k > 0, k samples per prompt at `temperature` give eval/mean@k (the unbiased
-    pass@1) and eval/pass@j for j = 2, 4, ... and k, by Chen et al. 2021's unbiased estimator
-    1 - C(k-c, j)/C(k, j) for c of the k correct; a prompt counts once all its answers are judged.
-    """
+    """Held-out metrics (rows split across ranks, one collective): eval/accuracy of greedy answers;
+    with k > 0, k samples per prompt at `temperature` give eval/mean@k (unbiased pass@1) and
+    eval/pass@j, j = 2, 4, ..., k: 1 - C(k-c, j)/C(k, j) for c of k correct (Chen et al. 2021's
+    unbiased estimator), over the prompts whose every answer is judged."""
     from logs import reduce_metrics
     from rollout import SamplingParams, mix_seed
-
     mine = data.evalset[rank::world]
-    rows, prompts = [r for r, _ in mine], [p for _, p in mine]
 
-    def judge(prompts: list, rows: list, temperature: float, seeds: list[int]) -> list:
+    def judge(todo: list, temperature: float, seeds: list[int]) -> list:  # (row, prompt) pairs
         sampling = SamplingParams(max_new_tokens, temperature, stop_token_ids=data.stop_ids)
-        outs = engine.generate(prompts, sampling, seeds) if prompts else []
+        outs = engine.generate([p for _, p in todo], sampling, seeds) if todo else []
         texts = data.tokenizer.batch_decode([o.output_ids for o in outs], skip_special_tokens=True)
-        return [s.correct for s in compute_rewards(reward_fn, texts, rows, timeout)]
+        return [s.correct for s in compute_rewards(reward_fn, texts, [r for r, _ in todo], timeout)]
 
-    verdicts = judge(prompts, rows, 0.0, [0] * len(prompts))
-    sums = Counter({"judged": sum(v is not None for v in verdicts),
-                    "correct": sum(map(bool, verdicts))})
+    verdicts = judge(mine, 0.0, [0] * len(mine))
+    sums = Counter(judged=sum(v is not None for v in verdicts), correct=sum(map(bool, verdicts)))
     if k:
         seeds = [mix_seed(seed, EVAL_SEED, i, j) for i in range(rank, len(data.evalset), world)
                  for j in range(k)]
-        verdicts = judge([p for p in prompts for _ in range(k)],
-                         [r for r in rows for _ in range(k)], temperature, seeds)
+        verdicts = judge([pair for pair in mine for _ in range(k)], temperature, seeds)
         js = sorted({2**e for e in range(1, k.bit_length()) if 2**e < k} | {k}) if k > 1 else []
-        for i in range(len(prompts)):
+        for i in range(len(mine)):
             if None not in (answers := verdicts[i * k : (i + 1) * k]):
                 c = sum(answers)
                 sums.update({"k_judged": 1, f"mean@{k}": c / k} | {
@@ -504,47 +440,41 @@ class Score:
 
 
 def score_one(reward_fn: Callable, completion: str, row: dict) -> Score:
-    """Run a reward and normalise what it returns: a float, or (float, dict of metrics incl.
-    "correct")."""
+    """Run a reward and normalise what it returns: a float, or (float, metrics incl. "correct")."""
     out, metrics = reward_fn(completion, row), {}
     if isinstance(out, tuple):
         if len(out) != 2 or not isinstance(out[1], dict):
             raise TypeError(f"a reward returns a float or (float, dict), got a tuple of {len(out)}")
         out, metrics = out[0], dict(out[1])
-    reward = float(out)
-    if not math.isfinite(reward):
+    if not math.isfinite(reward := float(out)):
         raise ValueError(f"the reward is {reward}")
-    correct = metrics.pop("correct", None)
-    if correct is None and "answer" in row:
-        correct = completion.strip() == str(row["answer"]).strip()
-    metrics = {k: float(v) for k, v in metrics.items()}
-    return Score(reward, None if correct is None else bool(correct), metrics)
+    if (correct := metrics.pop("correct", None)) is None and "answer" in row:
+        correct = exact_match(completion, row)
+    return Score(reward, None if correct is None else bool(correct),
+                 {k: float(v) for k, v in metrics.items()})
 
 
 def compute_rewards(reward_fn: Callable, texts: list[str], rows: list[dict],
                     timeout: float) -> list[Score]:
-    """Score every completion on a daemon worker thread. A call that raises, returns something
-    unusable or takes over `timeout` seconds scores 0 with no verdict and its error; after a
-    timeout the batch goes on on a fresh thread. A hung call keeps its daemon thread busy (threads
-    cannot be killed; one stuck in C holding the GIL stalls us): untrusted code wants a process."""
+    """Score every completion on a daemon worker thread; a call that raises, returns junk or takes
+    over `timeout` s scores 0 with no verdict and its error. A hung call keeps its thread (threads
+    cannot be killed; one in C holding the GIL stalls us): untrusted code wants a process."""
 
-    def work(start: int, out: queue.Queue) -> None:
+    def work(start: int, out: queue.Queue) -> None:  # calls start.. in order, into its own queue
         for i in range(start, len(texts)):
             try:
-                out.put((i, score_one(reward_fn, texts[i], rows[i])))
+                out.put(score_one(reward_fn, texts[i], rows[i]))
             except Exception as e:
-                out.put((i, Score(0.0, None, {}, f"{type(e).__name__}: {e}")))
+                out.put(Score(0.0, None, {}, f"{type(e).__name__}: {e}"))
 
-    scores, i = [Score(0.0, None, {})] * len(texts), 0
-    while i < len(texts):
-        results: queue.Queue = queue.Queue()
-        threading.Thread(target=work, args=(i, results), daemon=True).start()
-        while i < len(texts):
-            try:
-                j, scores[i] = results.get(timeout=timeout)
-            except queue.Empty:  # call i hangs: it scores 0, the next calls run on a new thread
-                scores[i] = Score(0.0, None, {}, f"a call took over {timeout:g}s")
-                i += 1
-                break
-            i = j + 1
+    scores, results = [], None
+    while len(scores) < len(texts):
+        if results is None:  # a worker from the first unscored call on
+            results = queue.Queue()
+            threading.Thread(target=work, args=(len(scores), results), daemon=True).start()
+        try:
+            scores.append(results.get(timeout=timeout))
+        except queue.Empty:  # this call hangs: it scores 0, the next calls run on a new thread
+            scores.append(Score(0.0, None, {}, f"a call took over {timeout:g}s"))
+            results = None
     return scores
