@@ -322,3 +322,14 @@ def test_bf16_head_logits_are_not_rounded_to_bf16():
     assert got.dtype == torch.float32
     assert (got.double() - exact).abs().max() < 1e-4
     assert (rounded - exact).abs().max() > 1e-2  # what rounding the logits first would cost
+
+
+def test_each_micro_batch_numbers_its_responses_from_zero():
+    """seq_ids index a micro-batch's responses (GSPO's per-sequence ratio sums by them)."""
+    s = lambda g, prompt, out: N.Sample(g, prompt, N.Completion(out, [-0.1] * len(out), "stop"))
+    samples = [s(g, [4 + g, 5, 6], [7] * (1 + g % 3)) for g in range(6)]
+    mbs = N.pack_microbatches(samples, N.Config(micro_batch_tokens=9))
+    assert len(mbs) >= 2
+    for mb in mbs:
+        ids = mb.seq_ids[mb.seq_ids >= 0].unique().tolist()
+        assert ids == list(range(len(ids))), ids
