@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cli import UserError
+from cli import UserError, why
 
 HALF = (torch.float16, torch.bfloat16)  # the varlen kernels' dtypes; fp32 takes the padded path
 ATTENTION_PATHS = ("auto", "flash_attn", "torch_varlen", "sdpa")
@@ -271,6 +271,36 @@ def check_model_source(name: str) -> None:
     except OSError:
         raise UserError(f"--model {name}: {where}, and {host} cannot be reached to download "
                         "it") from None
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, heads_divisor: int,
+                   attention: str, half: bool, check: bool = True):
+    """An HF causal LM on `device` in `dtype`, dropout off (the trainer's log-probs must be the
+    sampler's), every layer attending packed rows by segments, checked once against its
+    own forward (`check`), with the fastest kernel that can (`attention`; `half`: bf16 compute).
+    Returns (model, which attention runs); a model it cannot run is a UserError."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    except (OSError, ValueError) as e:  # no weights, an unknown architecture, ...
+        raise UserError(f"--model {path}: cannot load a causal LM ({why(e)})") from None
+    text = model.config.get_text_config()
+    if text.num_attention_heads % heads_divisor:  # each CP rank attends with H/N whole heads
+        raise UserError(f"config error: --cp-size {heads_divisor} must divide the model's "
+                        f"{text.num_attention_heads} attention heads")
+    model.config.use_cache = False
+    model.eval()
+    AttentionInterface.register("packed", packed_attention)
+    model.set_attn_implementation("packed")
+    if check and (problem := check_model(model, text.vocab_size)):
+        raise UserError(f"--model {path} ({text.model_type}) is not supported: {problem}")
+    try:
+        kind, model.attention_kernel, reason = choose_attention(
+            attention, device, half, bool(getattr(text, "attn_logit_softcapping", None)))
+    except ValueError as e:
+        raise UserError(f"config error: {e}") from None
+    return model, f"attention: {kind}{f' ({reason})' if reason else ''}"
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -648,33 +648,14 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp import register_fsdp_forward_method as fsdp_method
-    from transformers import AttentionInterface, AutoModelForCausalLM
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.model, dtype=torch.float64 if cfg.dtype == "float64" else torch.float32)
-    except (OSError, ValueError) as e:  # no weights, an unknown architecture, ...
-        raise UserError(f"--model {cfg.model}: cannot load a causal LM ({cli.why(e)})") from None
-    model, text = model.to(device), model.config.get_text_config()
-    if text.num_attention_heads % ranks.cp_size:  # each CP rank attends with H/N whole heads
-        raise UserError(f"config error: --cp-size {ranks.cp_size} must divide the model's "
-                        f"{text.num_attention_heads} attention heads")
-    model.config.use_cache = False
-    model.eval()  # dropout off: the trainer's log-probs must be those the sampler drew from
-    # every layer attends packed rows by segments (modeling.py), checked once against its forward
-    AttentionInterface.register("packed", modeling.packed_attention)
-    model.set_attn_implementation("packed")
-    if trainable and (problem := modeling.check_model(model, text.vocab_size)):
-        raise UserError(f"--model {cfg.model} ({text.model_type}) is not supported: {problem}")
     mixed = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
-    try:
-        path, model.attention_kernel, why = modeling.choose_attention(
-            ATTENTION, device, mixed, bool(getattr(text, "attn_logit_softcapping", None)))
-    except ValueError as e:
-        raise UserError(f"config error: {e}") from None
+    model, attention = modeling.load_causal_lm(
+        cfg.model, torch.float64 if cfg.dtype == "float64" else torch.float32, device,
+        ranks.cp_size, ATTENTION, mixed, check=trainable)
     if trainable:
         compute = "bf16 (fp32 master weights)" if mixed else str(model.dtype).removeprefix("torch.")
-        print0(f"attention: {path}{f' ({why})' if why else ''}; compute: {compute}")
+        print0(f"{attention}; compute: {compute}")
     mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                             reduce_dtype=torch.float32)} if mixed else {}
     mesh = init_device_mesh(device.type, (ranks.world,))
