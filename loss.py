@@ -1,5 +1,5 @@
-"""nanoareal's losses: a catalogue of aggregation modes, policy surrogates and off-policy
-corrections, under the LossReduction contract that makes each of them exact.
+"""nanoareal's losses: a catalogue of advantage estimators, aggregation modes, policy surrogates and
+off-policy corrections, under the LossReduction contract that makes each of them exact.
 
 Notation. A step's mini-batch holds prompt groups g (the responses sampled for one prompt). For
 token t of response i: l_t the policy loss (a surrogate), m_t the numerator mask, d_t >= m_t the
@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+ADV_EPS = 1e-6  # added to a group's reward std before dividing: a tiny spread cannot explode
 LOG_RATIO_BOUND = 20.0  # |log-ratio| clamp before any exp(): exp(20) ~ 5e8 overflows nothing
 K3_CAP = 10.0  # k3's value explodes where pi_ref >> pi; cap it like verl's low_var_kl
 KL_ESTIMATOR = "k3"  # the KL penalty's estimator (KL_ESTIMATORS): forward-KL gradient, as GRPO
@@ -129,6 +130,34 @@ def aggregate(token_loss: Tensor, loss_mask: Tensor, *, mode: str, group_ids: Te
                      if (D := M[group_ids == g].sum()) > 0]
         return sum(per_group, zero) / len(per_group) if per_group else zero
     raise ValueError(f"aggregate: no reference for mode {mode!r}; write one for a new mode")
+
+
+# -----------------------------------------------------------------------------
+# advantages (--adv-estimator): a sample's reward against its GRPO group's
+
+ADVANTAGES = ("grpo", "rloo")
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo",
+                     use_std: bool = True, eps: float = ADV_EPS) -> torch.Tensor:
+    """Per-sample advantages from rewards and group ids (any sizes, any order; a group of one gets
+    0): A_i = (R_i - baseline_i) / (std_g R + eps), divided by the (unbiased) std only with
+    use_std and grpo; rloo's baseline is the mean of the group's other samples, never divided."""
+    rewards = rewards.double()
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    sums = lambda x: torch.zeros(int(inv.max()) + 1 if len(inv) else 0,
+                                 dtype=torch.float64).index_add_(0, inv, x)
+    n, total = sums(torch.ones_like(rewards)), sums(rewards)
+    mean = (total / n)[inv]
+    std = (sums((rewards - mean) ** 2) / (n - 1).clamp(min=1)).sqrt()[inv]
+    if estimator == "grpo":
+        adv = (rewards - mean) / (std + eps) if use_std else rewards - mean
+    elif estimator == "rloo":
+        adv = rewards - (total[inv] - rewards) / (n[inv] - 1).clamp(min=1)
+    else:
+        raise ValueError(f"unknown advantage estimator {estimator!r}")
+    return torch.where(n[inv] > 1, adv, torch.zeros_like(adv)).float()
+
 
 
 # -----------------------------------------------------------------------------

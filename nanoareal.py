@@ -4,14 +4,11 @@ to bottom: the config, the loop (generate -> reward -> advantages -> loss -> opt
 weight sync -> log), then the pieces in the order the loop uses them.
 
     python nanoareal.py                                   # the built-in arithmetic task, on a CPU
-    python nanoareal.py --dataset chain                   # the task where the loss modes differ
-    torchrun --nproc_per_node 2 nanoareal.py --loss-aggregation prompt_mean
-    python nanoareal.py --max-staleness 2 --correction truncate   # rollouts 2 steps ahead
-    python nanoareal.py --config configs/qwen2.5-0.5b-gsm8k.toml  # one GPU, SGLang colocated
+    python nanoareal.py --dataset chain --reward my_reward.py:score   # another task, your reward
     torchrun --nproc_per_node 4 nanoareal.py --cp-size 2  # 2 data-parallel x 2 context-parallel
-    python nanoareal.py --reward my_reward.py:score       # your own reward, no edit here
+    python nanoareal.py --max-staleness 2 --correction mask       # rollouts 2 steps ahead
+    python nanoareal.py --config configs/qwen2.5-0.5b-gsm8k.toml  # one GPU, SGLang colocated
     python nanoareal.py --steps 0 --model runs/<run>/final --eval-k 8   # evaluate only
-    python nanoareal.py --help                            # every flag, documented
 
 Plumbing lives in flat files that never import this one: loss.py (aggregation modes, surrogates,
 corrections, the LossReduction contract: gradients independent of micro-batching and world size),
@@ -31,11 +28,15 @@ import types
 import typing
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import register_fsdp_forward_method as fsdp_method
 
 import checkpoint
 import cli
@@ -47,12 +48,11 @@ import tasks
 from checkpoint import on_rank0
 from cli import UserError
 from logs import Logger, print0, reduce_metrics, sample_rows, step_metrics
-from loss import MicroBatch
+from loss import MicroBatch, group_advantages
 from rollout import Completion, SamplingParams, mix_seed
 
 ROOT = Path(__file__).resolve().parent
 ADAM_BETAS, WEIGHT_DECAY = (0.9, 0.99), 0.0  # AdamW: RL steps are few and noisy, no decay
-ADV_EPS = 1e-6  # added to a group's reward std before dividing: a tiny spread cannot explode
 SHARE_PROMPTS = True  # feed a group's prompt once per micro-batch (exact; off only to compare)
 ATTENTION = "auto"  # auto | flash_attn | torch_varlen | sdpa: force a kernel when benchmarking
 REWARD_TIMEOUT_S = 30.0  # a reward call that takes longer scores 0 and is counted
@@ -118,7 +118,7 @@ class Config:
     """How new weights reach SGLang: auto is tensor in-process and disk for --rollout-url."""
 
     # advantages
-    adv_estimator: Literal["grpo", "rloo"] = "grpo"
+    adv_estimator: Literal[loss.ADVANTAGES] = "grpo"  # type: ignore[valid-type]
     """Baseline of a sample's reward: grpo, its group's mean; rloo, the mean of the others."""
     adv_std: bool = True
     """Divide grpo advantages by the group's reward std (--no-adv-std: Dr. GRPO)."""
@@ -338,10 +338,6 @@ class Ranks:
 def setup_distributed(cp_size: int = 1) -> tuple[Ranks, torch.device]:
     """torchrun's environment (or a world of one: one code path for FSDP2 and collectives), this
     rank's device, the (dp, cp) mesh. Threads: OMP_NUM_THREADS, else 1 (stable on CPUs)."""
-    from datetime import timedelta
-
-    from torch.distributed.device_mesh import init_device_mesh
-
     cuda = torch.cuda.is_available()
     alone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=DIST_TIMEOUT_S),
@@ -410,10 +406,9 @@ class Sample:
 
 def cp_broadcast(obj, ranks: Ranks):
     """The CP group's first rank's object on every rank of the group (one rollout per CP group)."""
-    if ranks.cp_size == 1:
-        return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=ranks.rank - ranks.cp_rank, group=ranks.cp_group)
+    if ranks.cp_size > 1:
+        dist.broadcast_object_list(box, src=ranks.rank - ranks.cp_rank, group=ranks.cp_group)
     return box[0]
 
 
@@ -499,27 +494,6 @@ def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:
     error = next((s.reward_error for s in samples if s.reward_error), None)
     return dict(sums) | ({"reward_error_message": error} if error else {}) | (
         {"gen_s": samples[0].gen_s} if samples else {})
-
-
-def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo",
-                     use_std: bool = True, eps: float = ADV_EPS) -> torch.Tensor:
-    """Per-sample advantages from rewards and group ids (any sizes, any order; a group of one gets
-    0): A_i = (R_i - baseline_i) / (std_g R + eps), divided by the (unbiased) std only with
-    use_std and grpo; rloo's baseline is the mean of the group's other samples, never divided."""
-    rewards = rewards.double()
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    sums = lambda x: torch.zeros(int(inv.max()) + 1 if len(inv) else 0,
-                                 dtype=torch.float64).index_add_(0, inv, x)
-    n, total = sums(torch.ones_like(rewards)), sums(rewards)
-    mean = (total / n)[inv]
-    std = (sums((rewards - mean) ** 2) / (n - 1).clamp(min=1)).sqrt()[inv]
-    if estimator == "grpo":
-        adv = (rewards - mean) / (std + eps) if use_std else rewards - mean
-    elif estimator == "rloo":
-        adv = rewards - (total[inv] - rewards) / (n[inv] - 1).clamp(min=1)
-    else:
-        raise ValueError(f"unknown advantage estimator {estimator!r}")
-    return torch.where(n[inv] > 1, adv, torch.zeros_like(adv)).float()
 
 
 def set_advantages(samples: list[Sample], cfg: Config) -> None:
@@ -645,10 +619,6 @@ def load_models(cfg: Config, device: torch.device, ranks: Ranks) -> tuple:
 def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool = True):
     """An HF causal LM sharded with FSDP2 over every rank: one unit per decoder layer + the root.
     Master weights and optimizer state stay fp32 (fp64 with --dtype float64); bf16 is compute."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.fsdp import register_fsdp_forward_method as fsdp_method
-
     mixed = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
     model, attention = modeling.load_causal_lm(
         cfg.model, torch.float64 if cfg.dtype == "float64" else torch.float32, device,
