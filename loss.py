@@ -422,6 +422,7 @@ class Correction:
     clip_to_behaviour: bool = False  # pi_prox := pi_behave
     token_mode: str | None = None  # a behaviour_weights mode, per token
     global_mask: Callable | None = None  # a keep mask over the mini-batch, from pi_prox pre-step
+    clip: bool = True  # False: the surrogate's clip range opened up (eps_low 1, eps_high inf)
 
 
 CORRECTIONS: dict[str, Correction] = {
@@ -429,7 +430,8 @@ CORRECTIONS: dict[str, Correction] = {
     "behave": Correction(clip_to_behaviour=True),  # PPO around the policy that sampled (AReaL's)
     "truncate": Correction(2.0, token_mode="truncate"),  # decoupled PPO, its weight capped (TIS)
     "mask": Correction(2.0, token_mode="mask"),  # AReaL's decoupled PPO: tokens over the cap out
-    "m2po": Correction(0.04, global_mask=m2po_mask)}  # the paper's tau
+    # M2PO: the plain ratio to pi_behave (no clip), the tokens of extreme second moment masked
+    "m2po": Correction(0.04, clip_to_behaviour=True, global_mask=m2po_mask, clip=False)}
 
 
 def apply_global_mask(mbs: list[MicroBatch], correction: str, threshold: float,
@@ -484,7 +486,7 @@ def needs_proximal_forward(correction: str, num_minibatches: int) -> bool:
     """With one mini-batch the training forward's log-probs, detached, are pi_prox, unless a
     correction masks the mini-batch from pi_prox first: else pi_prox needs a forward of its own."""
     corr = CORRECTIONS[correction]
-    return not corr.clip_to_behaviour and (num_minibatches > 1 or corr.global_mask is not None)
+    return corr.global_mask is not None or (num_minibatches > 1 and not corr.clip_to_behaviour)
 
 
 def surrogate_params(policy_loss: str, eps_low: float | None, eps_high: float | None) -> dict:
@@ -533,6 +535,8 @@ def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
     params = surrogate_params(cfg.policy_loss, cfg.eps_low, cfg.eps_high)
     surrogate = SURROGATES[cfg.policy_loss].fn
     corr, cap = _choice("correction", cfg.correction, CORRECTIONS), cfg.correction_threshold
+    if not corr.clip:  # r in [1 - 1, 1 + inf]: never clipped
+        params |= {k: v for k, v in (("eps_low", 1.0), ("eps_high", math.inf)) if k in params}
 
     def policy(mb: MicroBatch) -> tuple[Tensor, Stats]:
         d, logp, active = mb.denom_mask, mb.logprobs, mb.denom_mask > 0

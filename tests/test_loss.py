@@ -803,9 +803,10 @@ def test_m2po_mask_drops_largest_second_moments_until_mean_below_threshold(thres
 
 @pytest.mark.parametrize("mode", L.MODES)
 def test_m2po_trains_on_its_kept_tokens_and_reports_the_share_of_d_it_removed(mode):
-    """M2PO's mask in the loss, whatever the split: the objective is PPO's with m := the kept
-    tokens (d unchanged), and policy/behave_capped_frac is the share of d tokens the mask removed
-    (the stat the token-level corrections report; none and behave report none)."""
+    """M2PO's mask in the loss, whatever the split: the objective is the plain importance ratio to
+    pi_behave, unclipped (PPO clipped around pi_behave with an open clip range), on m := the kept
+    tokens (d unchanged); policy/behave_capped_frac is the share of d tokens the mask removed (the
+    stat the token-level corrections report; none and behave report none)."""
     threshold, seed = 0.1, 31 + list(L.MODES).index(mode)
     responses = ragged_batch(seed, n_groups=9)
     mb = pack(responses, mode, divisor=6.0, seed=seed)
@@ -818,7 +819,8 @@ def test_m2po_trains_on_its_kept_tokens_and_reports_the_share_of_d_it_removed(mo
     full, leaf = with_leaf_logprobs(mb)
     reference = reference_policy_objective({**full, "loss_mask": keep}, leaf, mode,
                                            torch.tensor([r["group"] for r in responses]),
-                                           {"policy_loss": "ppo"}, divisor=6.0)
+                                           {"policy_loss": "ppo", "correction": "behave",
+                                            "eps_low": 1.0, "eps_high": math.inf}, divisor=6.0)
     (ref_grad,) = torch.autograd.grad(reference, leaf)
     rng = random.Random(seed)
     for cuts in ([], budget_cuts(mb, responses, rng), anywhere_cuts(mb, rng)):
