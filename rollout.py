@@ -140,7 +140,7 @@ class HFEngine:
         from transformers import AutoModelForCausalLM
         self.device, self.batch_size, self.version = torch.device(device), batch_size, 0
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32)
-        self.model = self.model.to(self.device).eval()
+        self.model = self.model.to(self.device).eval().requires_grad_(False)  # no autograd graph
 
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
