@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+import tomllib
 import types
 import typing
 from dataclasses import fields
@@ -39,7 +40,6 @@ def why(e: BaseException, limit: int = 200) -> str:
 def parse(cls: type[T], argv: list[str], preset=lambda dataset: {}) -> T:
     """Flags -> a `cls` dataclass (tyro: each field's docstring is its --help). Later layers win:
     the dataclass's defaults, `preset(dataset)` (a built-in task's flags), --config's, argv."""
-    import tomllib
     import tyro
 
     args = list(argv)
