@@ -425,3 +425,13 @@ def test_a_micro_batch_budget_below_the_longest_prompt_plus_max_new_tokens_fails
     with pytest.raises(UserError, match=r"longest prompt \+ --max-new-tokens is 14 tokens, over "
                                         r"--micro-batch-tokens \(13\)"):
         load(13)
+
+
+def test_a_sequence_longer_than_the_models_context_fails_at_start_up_naming_both_numbers():
+    """tiny-arith was trained on 64 positions: the hf engine would run past them silently, and
+    SGLang would reject the request mid-run."""
+    load = lambda new: tasks.load_data(str(ROOT / "assets" / "tiny-arith"), "arithmetic", None,
+                                       "exact_match", "prompt", False, new, 4096)
+    assert load(58).prompts  # 6 + 58 = 64 fits
+    with pytest.raises(UserError, match=r"is 65 tokens, over the model's context length \(64\)"):
+        load(59)
