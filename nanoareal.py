@@ -61,9 +61,8 @@ MAX_BAD_STEPS = 3  # stop after this many steps in a row with a non-finite gradi
 CKPT_MINUTES = 10.0  # save a checkpoint when this long has passed since the last one
 
 # -----------------------------------------------------------------------------
-# config: one flat set of flags; `--help` is its documentation. A flag marked Volatile changes how
-# a run is watched or how long it goes, not what it computes: a rerun with another value continues
-# the same run (its directory's name hashes the other flags).
+# config: one flat set of flags, `--help` its documentation. A Volatile flag changes how a run is
+# watched or how long it goes, not what it computes: a rerun with another value continues the run.
 
 T = TypeVar("T")
 Volatile = Annotated[T, "volatile"]
@@ -322,9 +321,8 @@ def validate_config(cfg: Config, world: int) -> Config:
 
 @dataclass(frozen=True)
 class Ranks:
-    """This process's place in torchrun's world and in the (data-parallel, context-parallel) mesh:
-    ranks [k*cp_size, (k+1)*cp_size) form CP group k (data-parallel rank k), which shares one
-    rollout and splits each micro-batch's tokens."""
+    """This process's place in torchrun's world and the (dp, cp) mesh: ranks [k*cp_size,
+    (k+1)*cp_size) are CP group k (dp rank k): one rollout, each micro-batch's tokens split."""
 
     rank: int = 0
     world: int = 1
@@ -413,10 +411,9 @@ def cp_broadcast(obj, ranks: Ranks):
 
 
 def prompts_for_step(num_rows: int, per_step: int, step: int, seed: int) -> list[int]:
-    """Row indices of a step's prompts, in slot order: an epoch is a seeded permutation cut into
-    num_rows // per_step steps (the rows left over sit out that epoch), so a step never holds a
-    row twice; with fewer rows than --prompts-per-step a step joins fresh permutations. A function
-    of (seed, step) only: resuming needs no loader state, every world size sees the same order."""
+    """Row indices of a step's prompts: an epoch is a seeded permutation cut into steps (rows left
+    over sit out the epoch), so no step holds a row twice (fewer rows than --prompts-per-step: fresh
+    permutations joined). A function of (seed, step): no loader state, the same on any world."""
     def permutation(epoch: int) -> list[int]:
         perm = list(range(num_rows))
         random.Random(mix_seed(seed, 0xDA7A, epoch)).shuffle(perm)
@@ -449,9 +446,8 @@ def rollout_batch(engine, data: tasks.Data, reward_fn, step: int, cfg: Config,
 
 def generate(engine, encoded: list[list[int]], prompts: list[tuple[int, int]], step: int,
              cfg: Config, stop_ids: list[int]) -> list[Sample]:
-    """group_size completions of each (slot, row) prompt; a sample the engine aborted is dropped.
-    The slot is the group id, and with k it keys the sampling seed: a function of (seed, step,
-    slot, k) only, not of the rank, the batch or the world size."""
+    """group_size completions of each (slot, row) prompt (one the engine aborted is dropped); the
+    slot is the group, and seeds are (seed, step, slot, k): not the rank's, batch's or world's."""
     sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, stop_token_ids=stop_ids)
     slots = [(slot, row) for slot, row in prompts for _ in range(cfg.group_size)]
     seeds = [mix_seed(cfg.seed, step, slot, k) for slot, _ in prompts
@@ -497,7 +493,7 @@ def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:
 
 
 def set_advantages(samples: list[Sample], cfg: Config) -> None:
-    """Sets each sample's .advantage and .zero_variance (its group's rewards are all equal)."""
+    """Each sample's .advantage, and .zero_variance: its group's rewards are all equal."""
     adv = group_advantages(torch.tensor([s.reward for s in samples], dtype=torch.float32),
                            torch.tensor([s.group for s in samples], dtype=torch.long),
                            cfg.adv_estimator, cfg.adv_std)
@@ -585,11 +581,10 @@ def train_minibatch(model, optimizer, reduction: loss.LossReduction, mbs: list[M
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                               cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
         out["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        if math.isfinite(out["grad_norm"]):  # a global norm: every rank skips or steps together
+        finite = math.isfinite(out["grad_norm"])  # a global norm: all ranks step or skip together
+        if finite:
             optimizer.step()
-            out["updated"] = 1.0
-        else:
-            out["skipped_steps"] = 1.0
+        out["updated" if finite else "skipped_steps"] = 1.0
     optimizer.zero_grad(set_to_none=True)
     counters = dict(zip(("denom_tokens", "entropy", "mismatch", "importance_weight"),
                         acc.tolist()))
@@ -662,7 +657,6 @@ def microbatch_forward(model, mb: MicroBatch, cfg: Config, device: torch.device,
 @dataclass
 class RunState:
     """What a checkpoint restores besides weights, optimizer and RNGs, and the run's bookkeeping."""
-
     step: int = 0
     updates: int = 0  # steps that updated the weights: the learning-rate schedule's clock
     last_eval: dict = field(default_factory=dict)
