@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from cli import Stopped, UserError
 
@@ -42,16 +44,15 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def rng_states() -> dict:
-    """Every RNG this process has, as tensors and plain lists (loadable with weights_only=True)."""
-    version, words, gauss = random.getstate()
+    """Every RNG this process has, as tensors and plain tuples and lists (weights_only loads it)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": [version, list(words), gauss], "torch": torch.get_rng_state(),
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]}
 
 
 def set_rng_states(state: dict) -> None:
-    version, words, gauss = state["python"]
+    version, words, gauss = state["python"]  # a list in older checkpoints
     random.setstate((version, tuple(words), gauss))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
@@ -151,20 +152,18 @@ def write_config(run_dir: str | Path, config: dict) -> None:
 
 
 class Preemption:
-    """While active, SIGINT and SIGTERM (a scheduler's warning) only set `signal`, for the loop to
-    end its step, save and exit; the first wins (torchrun passes Ctrl-C on a second time)."""
+    """While active, SIGINT and SIGTERM (a scheduler's warning) are only noted, for the loop to end
+    its step, save and exit; the first wins (torchrun passes Ctrl-C on a second time)."""
 
     def __enter__(self):
-        self.signal = None
-        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.signals: list[int] = []
+        self.previous = {s: signal.signal(s, lambda signum, _: self.signals.append(signum))
+                         for s in (signal.SIGINT, signal.SIGTERM)}
         return self
-
-    def handle(self, signum, frame) -> None:
-        self.signal = self.signal or signum
 
     def signal_sums(self) -> dict:
         """{"signal": "<number>"} once one came: logs.reduce_metrics spreads it to every rank."""
-        return {} if self.signal is None else {"signal": str(self.signal)}
+        return {"signal": str(self.signals[0])} if self.signals else {}
 
     def __exit__(self, *exc) -> None:
         for s, handler in self.previous.items():
@@ -191,8 +190,6 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, meta: dict
                     ahead: dict | None = None) -> Path:
     """Collective: each rank's DCP shards, RNG states and batches generated ahead into step_N.tmp/,
     then rank 0's meta.json ({"step": step} | meta), the rename to step_N/ and old ones deleted."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
     rank = dist.get_rank()
     final = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -225,8 +222,6 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, meta: dict
 def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
     """Collective: loads model, optimizer and RNGs; returns meta and every rank's batches generated
     ahead, merged (step -> samples), to share out (a run may resume on another number of ranks)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     meta = json.loads((path / "meta.json").read_text())
     state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
     dcp.load(state, storage_reader=safe_dcp_reader(path), planner=safe_dcp_planner())
@@ -255,7 +250,6 @@ def truncate_metrics(path: Path, step: int) -> None:
 def safe_dcp_reader(path: Path):
     """DCP's FileSystemReader, but `.metadata` (plain pickle) is first unpickled knowing only DCP's
     metadata classes, torch sizes and dtypes, and paths."""
-    from torch.distributed.checkpoint import FileSystemReader
     allowed = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
                ("pathlib", "WindowsPath"),
                ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
@@ -270,7 +264,7 @@ def safe_dcp_reader(path: Path):
                                              f"{module}.{name}")
             return super().find_class(module, name)
 
-    class Reader(FileSystemReader):
+    class Reader(dcp.FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             with open(Path(path) / ".metadata", "rb") as f:
                 MetadataUnpickler(f).load()
@@ -281,8 +275,7 @@ def safe_dcp_reader(path: Path):
 
 def safe_dcp_planner():
     """DCP loads non-tensors (param_groups) with weights_only=False: check with True first."""
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    class Planner(DefaultLoadPlanner):
+    class Planner(dcp.DefaultLoadPlanner):
         def load_bytes(self, read_item, value):
             torch.load(value, weights_only=True)
             value.seek(0)

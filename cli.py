@@ -11,7 +11,6 @@ import time
 import tomllib
 import types
 import typing
-from dataclasses import fields
 
 import torch.distributed as dist
 
@@ -41,7 +40,6 @@ def parse(cls: type[T], argv: list[str], preset=lambda dataset: {}) -> T:
     """Flags -> a `cls` dataclass (tyro: each field's docstring is its --help). Later layers win:
     the dataclass's defaults, `preset(dataset)` (a built-in task's flags), --config's, argv."""
     import tyro
-
     args = list(argv)
     if "--config" in argv:
         path = [*argv, ""][argv.index("--config") + 1]
@@ -60,8 +58,7 @@ def as_flags(cls: type, values: dict, where: str) -> list[str]:
     """{"max_new_tokens": 32, "adv_std": False} -> ["--max-new-tokens", "32", "--no-adv-std"]."""
     hints, flags = typing.get_type_hints(cls), []
     for key, value in values.items():
-        name = key.replace("-", "_")
-        if name not in hints or name == "config":
+        if (name := key.replace("-", "_")) not in hints or name == "config":
             raise UserError(f"{where}: unknown key {key!r} (keys are the flags of --help)")
         flag = name.replace("_", "-")
         if _base(hints[name]) is not bool:
@@ -82,8 +79,7 @@ def _base(hint):  # a field's type without its Optional: bool, int, float, str, 
 def check_flags(cls: type, args: list[str]) -> None:
     """tyro's public API reports parse errors only as multi-line boxes: first refuse, in one line,
     what it would (an unknown flag, with the nearest; a missing or extra value; a bad value)."""
-    hints = typing.get_type_hints(cls)
-    known = {"--" + f.name.replace("_", "-"): _base(hints[f.name]) for f in fields(cls)}
+    known = {"--" + n.replace("_", "-"): _base(t) for n, t in typing.get_type_hints(cls).items()}
     known |= {"--no-" + k[2:]: bool for k, t in list(known.items()) if t is bool}
     i = 0
     while i < len(args):  # a flag's values run up to the next --flag (none after --flag=value)
@@ -138,12 +134,10 @@ def run(main, argv: list[str] | None) -> int:
 
 
 def _torchrun_error_file(message: str) -> bool:
-    """Hand the error to torchrun, whose summary ends with the root cause's error file: it shows
-    once and last. A non-zero rank reports only if rank 0 did not (torchrun stops the rest)."""
+    """Hand the error to torchrun, whose summary shows the root cause's error file once, last."""
     if not (path := os.environ.get("TORCHELASTIC_ERROR_FILE")):
         return False
-    if rank() != 0:
-        time.sleep(ERROR_FILE_WAIT_S)
+    time.sleep(0 if rank() == 0 else ERROR_FILE_WAIT_S)  # rank 0 first: torchrun stops the rest
     try:
         with open(path, "w") as f:
             json.dump({"message": {"message": message, "extraInfo": {

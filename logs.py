@@ -31,8 +31,7 @@ def print0(*args, **kwargs) -> None:
 
 
 class Logger:
-    """Rank 0: metrics.jsonl and samples.jsonl (JSON lines, appended), wandb if a project is given,
-    the console (a progress bar only on a terminal, so a log file gets clean lines)."""
+    """JSON lines appended; a progress bar only on a terminal, so a log file gets clean lines."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, start_step: int,
                  wandb_project: str | None = None, config: dict | None = None):
@@ -49,7 +48,6 @@ class Logger:
             self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, leave=False)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """A step's metrics: a metrics.jsonl line, wandb, a console line."""
         if not self.active:
             return
         self._append("metrics.jsonl", [{"step": step} | metrics])
@@ -69,16 +67,14 @@ class Logger:
         self._append("samples.jsonl", [{"step": step} | r for r in rows])
         if self.wandb is not None:
             import wandb
-            columns = list(rows[0])
-            self.wandb.log({"samples": wandb.Table(columns=columns, data=[
-                [r[c] for c in columns] for r in rows])}, step=step)
+            table = wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
+            self.wandb.log({"samples": table}, step=step)
 
     def _append(self, name: str, lines: list[dict]) -> None:
         with open(self.run_dir / name, "a") as f:
             f.write("".join(json.dumps(line) + "\n" for line in lines))
 
     def line(self, text: str) -> None:
-        """A console line (above the progress bar when there is one); rank 0 only."""
         if self.bar is not None:
             self.bar.write(text)
         elif self.active:
@@ -113,11 +109,10 @@ def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> 
     metrics["staleness"] = step - 1 - metrics.get("policy_version", step - 1)
     metrics |= {"importance_weight/max": sums.get("importance_weight_max", 1.0),
                 "zero_var_groups": sums.get("zero_var_groups", 0),
-                "reward_errors": sums.get("reward_errors", 0), "lr": lr,
-                "gen_tokens_per_s": sums.get("response_tokens", 0) / max(sums.get("gen_s", 0),
-                                                                         1e-9),
-                "train_tokens_per_s": sums.get("trained_tokens", 0) / max(times["train"], 1e-9),
-                "train_positions": sums.get("positions", 0)}
+                "reward_errors": sums.get("reward_errors", 0), "lr": lr}
+    metrics["gen_tokens_per_s"] = sums.get("response_tokens", 0) / max(sums.get("gen_s", 0), 1e-9)
+    metrics["train_tokens_per_s"] = sums.get("trained_tokens", 0) / max(times["train"], 1e-9)
+    metrics["train_positions"] = sums.get("positions", 0)
     metrics |= {k if "/" in k or k in ("grad_norm", "skipped_steps") else
                 "loss/total" if k == "loss" else f"loss/{k}": v for k, v in stats.items()}
     # x with an "x#n" partner: a mean over its reporters (a new metric adds {x: v, "x#n": 1})
@@ -155,6 +150,5 @@ def quiet_libraries() -> None:
     """No progress bars or chatter from transformers and the hub: a user error stays one line."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from transformers.utils import logging as hf_logging
-
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

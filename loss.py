@@ -1,5 +1,8 @@
 """nanoareal's losses: a catalogue of advantage estimators, aggregation modes, policy surrogates and
-off-policy corrections, under the LossReduction contract that makes each of them exact.
+off-policy corrections, under the LossReduction contract that makes each of them exact. It grows in
+this file only: a mode is a function and its MODES entry (plus a branch of the reference
+`aggregate`); a surrogate, a function with the common signature and its SURROGATES entry holding
+its defaults; a correction, a CORRECTIONS entry.
 
 Notation. A step's mini-batch holds prompt groups g (the responses sampled for one prompt). For
 token t of response i: l_t the policy loss (a surrogate), m_t the numerator mask, d_t >= m_t the
@@ -28,10 +31,6 @@ Rules, each tested:
    every CP rank computes the loss of the gathered full sequences.
 6. A term's logged value is its global objective (same group, same normalizer).
 7. Entropy bonus and KL penalty are terms of the same reduction (token means).
-
-The catalogue grows in this file only: a mode is a function and its MODES entry (plus a branch of
-the reference `aggregate`); a surrogate, a function with the common signature and its SURROGATES
-entry holding its defaults; a correction, a CORRECTIONS entry.
 """
 
 from __future__ import annotations
@@ -51,16 +50,25 @@ K3_CAP = 10.0  # k3's value explodes where pi_ref >> pi; cap it like verl's low_
 KL_ESTIMATOR = "k3"  # the KL penalty's estimator (KL_ESTIMATORS): forward-KL gradient, as GRPO
 CAPPED = "policy/behave_capped_frac"  # the share of d tokens a correction capped or masked
 Stats = dict[str, tuple[Tensor, Tensor]]  # name -> (total, count): a global fraction
+TokenLoss = tuple[Tensor, dict[str, Tensor]]  # a surrogate's (loss [T], {name: indicator [T]})
 _safe_inverse = lambda x: torch.where(x > 0, 1.0 / torch.where(x > 0, x, 1.0), 0.0)  # 1/0 -> 0
 # a log-ratio's NaN (from -inf - -inf) -> 0; a real +-inf stays, so masks and caps can reject it
 sanitize_log_ratio = lambda x: torch.nan_to_num(x, nan=0.0, posinf=math.inf, neginf=-math.inf)
+# log(p / q), sanitised and clamped before any exp(): inf * 0 in a branch the clip does not select
+# would make the step's gradient NaN. A correction's cap (<< e^20) still sees a clamped ratio.
+log_ratio = lambda p, q: sanitize_log_ratio(p - q).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
+def _group_sums(x: Tensor, ids: Tensor) -> Tensor:
+    """Each element's group total, sum_{j: ids_j = ids_i} x_j (ids: any values, in any order)."""
+    _, g = torch.unique(ids, return_inverse=True)
+    return x.new_zeros(int(g.max()) + 1 if g.numel() else 0).index_add_(0, g, x)[g]
+
 
 # -----------------------------------------------------------------------------
 # aggregation modes (--loss-aggregation): objective = sum_t m_t w_t l_t / sum_t d_t nw_t, with
 # fn(M [R], groups [R], divisor) -> per-response (w_i, nw_i), zero for inactive responses. So a
 # micro-batch's normalizer is a (fractional) count of tokens, responses or groups, cut anywhere.
-
-
 def token_mean(M: Tensor, groups: Tensor, divisor: float) -> tuple[Tensor, Tensor]:
     """sum_t m_t l_t / sum_t d_t (DAPO; TRL "dapo", verl "token-mean"): tokens weigh the same."""
     return (M > 0).double(), (M > 0).double()
@@ -73,9 +81,7 @@ def seq_mean(M: Tensor, groups: Tensor, divisor: float) -> tuple[Tensor, Tensor]
 
 def prompt_mean(M: Tensor, groups: Tensor, divisor: float) -> tuple[Tensor, Tensor]:
     """(1/P) sum_g (sum_{i in g, t} m_it l_it) / D_g, D_g = sum_{i in g} M_i."""
-    _, g = torch.unique(groups, return_inverse=True)
-    D = torch.zeros(int(g.max()) + 1 if g.numel() else 0, dtype=M.dtype).index_add_(0, g, M)[g]
-    return (inv := torch.where(M > 0, _safe_inverse(D), 0.0)), inv
+    return (inv := torch.where(M > 0, _safe_inverse(_group_sums(M, groups)), 0.0)), inv
 
 
 def constant(M: Tensor, groups: Tensor, divisor: float) -> tuple[Tensor, Tensor]:
@@ -134,7 +140,6 @@ def aggregate(token_loss: Tensor, loss_mask: Tensor, *, mode: str, group_ids: Te
 
 # -----------------------------------------------------------------------------
 # advantages (--adv-estimator): a sample's reward against its GRPO group's
-
 ADVANTAGES = ("grpo", "rloo")
 
 
@@ -144,31 +149,24 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: 
     0): A_i = (R_i - baseline_i) / (std_g R + eps), divided by the (unbiased) std only with
     use_std and grpo; rloo's baseline is the mean of the group's other samples, never divided."""
     rewards = rewards.double()
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    sums = lambda x: torch.zeros(int(inv.max()) + 1 if len(inv) else 0,
-                                 dtype=torch.float64).index_add_(0, inv, x)
-    n, total = sums(torch.ones_like(rewards)), sums(rewards)
-    mean = (total / n)[inv]
-    std = (sums((rewards - mean) ** 2) / (n - 1).clamp(min=1)).sqrt()[inv]
+    n, total = _group_sums(torch.ones_like(rewards), group_ids), _group_sums(rewards, group_ids)
+    mean = total / n
+    std = (_group_sums((rewards - mean) ** 2, group_ids) / (n - 1).clamp(min=1)).sqrt()
     if estimator == "grpo":
         adv = (rewards - mean) / (std + eps) if use_std else rewards - mean
     elif estimator == "rloo":
-        adv = rewards - (total[inv] - rewards) / (n[inv] - 1).clamp(min=1)
+        adv = rewards - (total - rewards) / (n - 1).clamp(min=1)
     else:
         raise ValueError(f"unknown advantage estimator {estimator!r}")
-    return torch.where(n[inv] > 1, adv, torch.zeros_like(adv)).float()
-
+    return torch.where(n > 1, adv, torch.zeros_like(adv)).float()
 
 
 # -----------------------------------------------------------------------------
 # the LossReduction contract
-
-
 @dataclass(frozen=True)
 class MicroBatch:
     """A packed micro-batch. Past the model's input_ids, position_ids and segments: 1-D [T] tensors
     aligned with the *predicted* token. A field computed later is set (`replace`) where it is."""
-
     input_ids: Tensor | None = None
     position_ids: Tensor | None = None
     segments: Tensor | None = None  # [R, 4] attention layout
@@ -232,9 +230,8 @@ def all_reduce_vector(vec: Tensor, group=None, op=None) -> Tensor:
 
 
 class LossReduction:
-    """Exact loss reduction. `group`: every rank whose gradients are reduced together (None: the
-    default group); begin_step sees each token of the mini-batch once across it. `cp_factor`: the
-    CP size if every CP rank computes the loss of the gathered full sequences, else 1."""
+    """The contract's reduction. `group`: the ranks whose gradients are summed (None: the default
+    group), which together see each token once; `cp_factor`: rule 5's CP size, else 1."""
 
     def __init__(self, terms: list[LossTerm], group=None, cp_factor: int = 1):
         if len({t.name for t in terms}) != len(terms) or cp_factor < 1:
@@ -290,7 +287,6 @@ def fsdp_sum_gradients(model: torch.nn.Module) -> None:
     """Make FSDP2 sum, not average, gradients: on every FSDP module (the setters act on its own
     parameters), forced sums (a divide factor alone reduces with PREMUL_SUM, which gloo rejects)."""
     from torch.distributed.fsdp import FSDPModule
-
     for module in (m for m in model.modules() if isinstance(m, FSDPModule)):
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
@@ -300,15 +296,6 @@ def fsdp_sum_gradients(model: torch.nn.Module) -> None:
 # policy surrogates (--policy-loss): fn(logp, prox, A, seq_ids, mask, **params) -> (loss, stats)
 # on [T] tensors (log pi, log pi_prox, advantages, response ids or -1, m); stats are {name: 0/1
 # indicator [T]}, logged as policy/<name>, a fraction of the m tokens.
-TokenLoss = tuple[Tensor, dict[str, Tensor]]
-
-
-def log_ratio(logp: Tensor, other: Tensor) -> Tensor:
-    """log(p / other), sanitised and clamped to +-LOG_RATIO_BOUND before any exp(): inf * 0 in a
-    branch the clip does not select would make the step's gradient NaN. Caps still see it."""
-    return sanitize_log_ratio(logp - other).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-
-
 def ppo_surrogate(logp: Tensor, prox: Tensor, A: Tensor, seq_ids: Tensor | None = None,
                   mask: Tensor | None = None, *, eps_low: float = 0.2, eps_high: float = 0.2,
                   dual_clip: float | None = None) -> TokenLoss:
@@ -330,13 +317,10 @@ def gspo_surrogate(logp: Tensor, prox: Tensor, A: Tensor, seq_ids: Tensor, mask:
     """GSPO (Zheng et al. 2025), per token (GSPO-token): l = max(-A r_t, -A clip(r_t, 1-eps_low,
     1+eps_high)), r_t = sg(s_i) pi_t / sg(pi_t) (value s_i, gradient s_i grad logp_t), s_i =
     exp(mean_{t in i, mask} log(pi_t / pi_prox_t)). Needs whole responses in the micro-batch."""
-    is_resp, idx = (seq_ids >= 0) & (mask > 0), seq_ids.clamp(min=0)
-    n_seq = max(int(seq_ids.max()) + 1 if seq_ids.numel() else 0, 1)  # all -1: slot 0, masked out
+    is_resp = (seq_ids >= 0) & (mask > 0)
     token = torch.where(is_resp, log_ratio(logp, prox).detach(), 0.0)
-    sums = torch.zeros(n_seq, dtype=token.dtype, device=token.device).index_add_(0, idx, token)
-    counts = torch.zeros_like(sums).index_add_(0, idx, is_resp.to(token.dtype))
-    seq_ratio = torch.exp(torch.where(seq_ids >= 0, (sums / counts.clamp(min=1.0))[idx], 0.0))
-    ratio = seq_ratio * torch.exp(logp - logp.detach())
+    mean = _group_sums(token, seq_ids) / _group_sums(is_resp.to(token.dtype), seq_ids).clamp(min=1)
+    ratio = torch.exp(torch.where(seq_ids >= 0, mean, 0.0)) * torch.exp(logp - logp.detach())
     unclipped, clipped = -A * ratio, -A * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     return torch.maximum(unclipped, clipped), {
         "clip_frac": (clipped > unclipped).detach().to(logp.dtype)}
@@ -377,8 +361,6 @@ SURROGATES: dict[str, Surrogate] = {
 # -----------------------------------------------------------------------------
 # off-policy corrections (--correction) for pi_behave (the engine that sampled, maybe
 # --max-staleness versions old) differing from pi_prox (the weights before this step's update)
-
-
 def behaviour_weights(prox_logprobs: Tensor, behave_logprobs: Tensor, *, cap: float,
                       mode: str = "truncate") -> tuple[Tensor, Tensor]:
     """Decoupled PPO (Hilton et al. 2022): (w, rejected 0/1), w_t = sg(pi_prox / pi_behave).
@@ -408,10 +390,9 @@ def m2po_mask(prox_logprobs: Tensor, behave_logprobs: Tensor, loss_mask: Tensor,
     x_max = all_reduce_vector(local_max, group, op=dist.ReduceOp.MAX).item()
     if kept_mean_ok(x_max):
         return loss_mask.clone()
-    bits = lambda v: struct.unpack("<q", struct.pack("<d", v))[0]
-    value = lambda b: struct.unpack("<d", struct.pack("<q", b))[0]
-    lo, hi = bits(0.0), bits(x_max)  # invariant: ok(lo) (x <= 0 keeps only exact zeros), not ok(hi)
-    while hi - lo > 1:
+    value = lambda b: struct.unpack("<d", struct.pack("<q", b))[0]  # the float64 of bit pattern b
+    lo, hi = 0, struct.unpack("<q", struct.pack("<d", x_max))[0]  # 0: 0.0's bits (keeps x = 0)
+    while hi - lo > 1:  # invariant: ok(value(lo)), not ok(value(hi))
         lo, hi = (mid, hi) if kept_mean_ok(value(mid := (lo + hi) // 2)) else (lo, mid)
     return loss_mask * (x <= value(lo)).to(loss_mask.dtype)
 
@@ -448,8 +429,7 @@ def apply_global_mask(mbs: list[MicroBatch], correction: str, threshold: float,
 
 # -----------------------------------------------------------------------------
 # KL penalty to a reference policy. With L = log pi - log pi_ref on tokens sampled from pi, each
-# estimator's *value* estimates KL(pi || ref) (Schulman, "Approximating KL divergence", 2020), but
-# as a loss only its gradient counts, and those differ:
+# estimator's *value* estimates KL(pi || ref) (Schulman 2020); as a loss only its gradient counts:
 #   k1 = L             gradient E_pi[grad log pi] = 0: pure noise, so not offered;
 #   k2 = L^2 / 2       gradient E_pi[L grad log pi] = grad KL(pi || ref)   (reverse KL);
 #   k3 = e^-L - 1 + L  gradient E_pi[(1 - pi_ref/pi) grad log pi] = grad KL(ref || pi) (forward).
@@ -464,8 +444,6 @@ def kl_penalty(logp: Tensor, ref: Tensor, estimator: str | None = None) -> Tenso
 
 # -----------------------------------------------------------------------------
 # the trainer's loss: defaults that depend on other flags, checks, build_loss
-
-
 def resolve_loss_flags(policy_loss: str, loss_aggregation: str, eps_low: float | None,
                        eps_high: float | None, divisor: float | None, correction: str,
                        threshold: float | None, max_new_tokens: int) -> dict:
@@ -529,9 +507,8 @@ def masked_sum(values: Tensor, mask: Tensor, weight: Tensor | None = None,
 
 
 def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
-    """The trainer's loss from its resolved flags: "policy" (sum m w l / sum d nw, w and nw the
-    mode's loss_weight and norm_weight), "entropy" and "kl" (token means, coefs -entropy_coef and
-    kl_coef) where the coef is not 0. Stats: the surrogate's; CAPPED if its correction caps."""
+    """The trainer's loss from resolved flags: "policy" (the mode's objective; stats: the
+    surrogate's, CAPPED), "entropy" and "kl" (token means, coefs -entropy_coef, kl_coef) if != 0."""
     params = surrogate_params(cfg.policy_loss, cfg.eps_low, cfg.eps_high)
     surrogate = SURROGATES[cfg.policy_loss].fn
     corr, cap = _choice("correction", cfg.correction, CORRECTIONS), cfg.correction_threshold

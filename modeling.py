@@ -1,12 +1,7 @@
-"""How nanoareal runs a Hugging Face causal LM: packed rows attended by segments on every attention
-path, Ulysses context parallel, and log-probs from the model's own head in vocabulary chunks.
-
-A packed row is a 1-D run of tokens from many sequences; its `segments` say who attends to what
-(attention_layout) and `packed_attention` (registered with transformers) runs every layer on it;
-under Ulysses each rank runs a contiguous 1/N of it. Nothing here holds state. Any *ForCausalLM
-runs as body (`model.base_model`) + head (output embeddings, bias) + the head's transform (logit
-scale, final softcap); `check_model` compares that with the model's own forward at start, so a
-family whose semantics this file does not reproduce is refused in one line."""
+"""How nanoareal runs a Hugging Face causal LM: packed rows (1-D runs of tokens from many sequences,
+their `segments` saying who attends to what) on every attention path, Ulysses context parallel (a
+rank runs a contiguous 1/N of a row), log-probs from the model's own head in vocabulary chunks. A
+model is body + head + the head's transform; `check_model` refuses a family it misreproduces."""
 
 from __future__ import annotations
 
@@ -31,8 +26,6 @@ HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", Fa
 
 # -----------------------------------------------------------------------------
 # attention layouts and kernels
-
-
 def segments_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     """Segments [R, 4] (start, len, 0, 0) of a row of whole sequences (positions restart at 0)."""
     start = torch.nonzero(position_ids.flatten() == 0).flatten()
@@ -42,13 +35,12 @@ def segments_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
 
 def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.device | None = None,
                      kernel=None, cp_group=None) -> dict:
-    """Index tensors for segment_attention, built on the CPU (no GPU sync for the sizes) once per
-    micro-batch for every layer. A row (q_start, q_len, ctx_start, ctx_len) of `segments` [R, 4]:
-    q_len tokens attend causally to ctx_len earlier tokens (a shared prompt prefix), then to
-    themselves; a token's slot in that attention row is its position in its sequence. Padded:
-    `grid` ([R, max_len] slots -> token), `out` (token -> its slot); varlen: `k_index`, `cu_q`,
-    `cu_k` (bottom-right causal: queries are the last q_len keys of their row). `kernel`: a varlen
-    kernel for half inputs; `cp_group`: the row is split across ranks (num_tokens: all of it)."""
+    """Index tensors for segment_attention, built once per micro-batch on the CPU (no GPU sync for
+    the sizes). A row (q_start, q_len, ctx_start, ctx_len) of `segments` [R, 4]: q_len tokens attend
+    causally to ctx_len earlier tokens (a shared prompt prefix), then to themselves; a token's slot
+    in that attention row is its position in its sequence. Padded: `grid` ([R, max_len] slots ->
+    token), `out` (token -> its slot); varlen: `k_index`, `cu_q`, `cu_k` (bottom-right causal:
+    queries are the last q_len keys of their row). `cp_group`: the ranks sharing this whole row."""
     device = device or segments.device
     q_start, q_len, ctx_start, ctx_len = segments.cpu().unbind(1)
     if int(q_len.sum()) != num_tokens or (q_start != torch.cumsum(q_len, 0) - q_len).any():
@@ -76,12 +68,10 @@ def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.devi
 
 def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropout: float = 0.0,
                       window: int | None = None, softcap: float | None = None):
-    """Attention of a packed row by segments: q [H, T, D], k/v [Hkv, T, D] -> [T, H, D]. `window`:
-    a query sees the last `window` keys of its row, itself included (HF's sliding_window);
-    `softcap`: scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2). A varlen
-    kernel keeps queries packed and gathers each segment's keys (context, then itself), else a
-    padded [R, H, max_len, D] batch with a causal mask (cost ~ R * max_len^2, not T^2). Shared
-    context is gathered into each row; index_select's backward sums its gradients."""
+    """Attention of a packed row by segments: q [H, T, D], k/v [Hkv, T, D] -> [T, H, D]; `window`
+    as HF's sliding_window (the last `window` keys, itself included), `softcap` as Gemma 2's. A
+    varlen kernel gathers each segment's keys (context, then itself), else a padded [R, H, max_len,
+    D] batch (cost ~ R * max_len^2, not T^2); index_select sums a shared context's gradients."""
     scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
     if layout["kernel"] is not None and q.dtype in HALF:
         k, v = (x.transpose(0, 1).index_select(0, layout["k_index"]) for x in (k, v))
@@ -105,9 +95,8 @@ def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropo
 
 def packed_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0, layout=None,
                      sliding_window=None, softcap=None, s_aux=None, **kwargs):
-    """transformers attention "packed": q [1, H, T, D], k/v [1, Hkv, T, D] -> ([1, T, H, D], None).
-    attention_mask is None: the row comes in `layout`, each layer's window and softcap as keywords.
-    Under context parallel (layout["cp_group"]) T is this rank's chunk: Ulysses all-to-alls."""
+    """transformers attention "packed": q [1, H, T, D], k/v [1, Hkv, T, D] -> ([1, T, H, D], None);
+    the row in `layout` (attention_mask is None); under CP, T is this rank's chunk (Ulysses)."""
     if layout is None:
         raise RuntimeError("packed attention needs the row's layout: call policy_logprobs")
     if s_aux is not None:
@@ -118,9 +107,9 @@ def packed_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0,
     n = dist.get_world_size(group)
     if k.shape[1] % n:  # too few KV heads to split: repeat each, every rank gets the ones it needs
         k, v = (x.repeat_interleave(n // math.gcd(x.shape[1], n), 1) for x in (k, v))
-    q, k, v = (_swap(x, group, 1, 2) for x in (q, k, v))
+    q, k, v = (_Swap.apply(x, group, 1, 2) for x in (q, k, v))
     out = segment_attention(q[0], k[0], v[0], layout, *args)  # [S, H/N, D]
-    return _swap(out.transpose(0, 1)[None], group, 2, 1).transpose(1, 2), None
+    return _Swap.apply(out.transpose(0, 1)[None], group, 2, 1).transpose(1, 2), None
 
 
 def _flash_attn_kernel(q, k, v, layout, scaling, dropout, window, softcap):
@@ -133,8 +122,7 @@ def _flash_attn_kernel(q, k, v, layout, scaling, dropout, window, softcap):
 
 
 def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
-    """PyTorch's bundled FA2 varlen_attn: window_size (-1, 0) causal, (w-1, 0) the last w keys,
-    bottom-right as flash-attn (key j seen by query i iff j <= i + Lk - Lq); no softcap/dropout."""
+    """PyTorch's bundled FA2 varlen_attn: flash-attn's window_size and bottom-right causal mask."""
     from torch.nn.attention.varlen import varlen_attn
     if softcap or dropout:
         raise NotImplementedError("torch varlen_attn has no softcap or dropout")
@@ -147,8 +135,7 @@ def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
 def choose_attention(requested: str, device: torch.device, half: bool, softcap: bool
                      ) -> tuple[str, object, str]:
     """(path, kernel, why) for --attention: a varlen kernel (flash-attn, else PyTorch's) for half
-    compute on a GPU, else the padded path. A requested path that cannot run here raises ValueError
-    saying why; auto says what it skipped."""
+    compute on a GPU, else the padded path; one requested that cannot run here raises ValueError."""
     reasons = {}
     if device.type != "cuda" or not half:
         reasons["flash_attn"] = reasons["torch_varlen"] = "it needs bf16/fp16 compute on a GPU"
@@ -177,33 +164,26 @@ def choose_attention(requested: str, device: torch.device, half: bool, softcap: 
     return path, kernels.get(path), "; ".join(f"not {k}: {v}" for k, v in skipped.items())
 
 
-class _AllToAll(torch.autograd.Function):
-    """Block i of dim 0 goes to CP rank i; exchanging twice is the identity, so backward is too."""
-
+class _Swap(torch.autograd.Function):
+    """Dim `split` cut into N blocks, block i sent to CP rank i, the blocks received joined along
+    dim `join`: heads for tokens [B, H, S/N, D] -> [B, H/N, S, D] is (1, 2), the way back (2, 1).
+    An exchange undoes itself, so the backward is the way back."""
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, x = group, x.contiguous()  # before empty_like, which copies a view's strides
-        out = torch.empty_like(x)
+    def forward(ctx, x, group, split: int, join: int):
+        ctx.args = group, join, split
+        x = x.unflatten(split, (dist.get_world_size(group), -1)).movedim(split, 0).contiguous()
+        out = torch.empty_like(x)  # x contiguous first: empty_like copies a view's strides
         dist.all_to_all_single(out, x, group=group)
-        return out
+        return out.movedim(0, join).flatten(join, join + 1)
 
     @staticmethod
     def backward(ctx, grad):
-        return _AllToAll.apply(grad, ctx.group), None
-
-
-def _swap(x, group, split: int, join: int):
-    """Dim `split` cut into N blocks, block i sent to CP rank i, the blocks received joined along
-    dim `join`: heads for tokens [B, H, S/N, D] -> [B, H/N, S, D] is (1, 2), the way back (2, 1)."""
-    x = _AllToAll.apply(x.unflatten(split, (dist.get_world_size(group), -1)).movedim(split, 0),
-                        group)
-    return x.movedim(0, join).flatten(join, join + 1)
+        return _Swap.apply(grad, *ctx.args), None, None, None
 
 
 class GatherSequence(torch.autograd.Function):
     """[..., T/N] per CP rank -> [..., T] on every CP rank. Every rank's loss reads all T values:
     the gradient of this rank's slice is the *sum* over the group of the incoming gradients."""
-
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, x = group, x.contiguous()
@@ -234,55 +214,49 @@ def ulysses_chunk(ids, pos, targets, segments, group, device, kernel=None) -> tu
 
 def gather_row(logprobs, entropy, group, num_tokens: int) -> tuple:
     """Every CP rank's chunk of log-probs and entropies -> the whole row's, on every CP rank."""
-    full = GatherSequence.apply(torch.stack([logprobs, entropy]), group)[:, :num_tokens]
-    return full[0], full[1]
+    return GatherSequence.apply(torch.stack([logprobs, entropy]), group)[:, :num_tokens].unbind()
 
 
 # -----------------------------------------------------------------------------
 # the model: body, head, log-probs
-
-
 def check_model_source(name: str) -> None:
     """--model is a model directory (config.json, tokenizer files) or a cached or reachable hub id:
     a wrong path is one line at once, not a minute of retries against an unreachable hub."""
-    path = Path(name).expanduser()
+    path, bad = Path(name).expanduser(), lambda problem: UserError(f"--model {name}: {problem}")
     if path.exists():
         if not (path / "config.json").is_file():
-            raise UserError(f"--model {name}: not a model directory (it has no config.json)")
+            raise bad("not a model directory (it has no config.json)")
         files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
         if not any((path / f).is_file() for f in files):
-            raise UserError(f"--model {name}: no tokenizer files there (none of "
-                            f"{', '.join(files)}); save the tokenizer with the model")
+            raise bad(f"no tokenizer files there (none of {', '.join(files)}); save the tokenizer "
+                      "with the model")
         return
     if name.startswith((".", "/", "~")) or name.count("/") > 1:  # a path, not an org/name id
-        raise UserError(f"--model {name}: no such directory")
+        raise bad("no such directory")
     try:
         from huggingface_hub import try_to_load_from_cache
         if isinstance(try_to_load_from_cache(name, "config.json"), str):
             return
     except Exception:  # not a valid repo id either
-        raise UserError(f"--model {name}: no such directory, nor a Hugging Face hub id") from None
+        raise bad("no such directory, nor a Hugging Face hub id") from None
     where = f"no such directory, and {name!r} is not in the local Hugging Face cache"
     if {os.environ.get(v, "0") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")} - {"0", ""}:
-        raise UserError(f"--model {name}: {where} (HF_HUB_OFFLINE is set)")
+        raise bad(f"{where} (HF_HUB_OFFLINE is set)")
     host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
     try:
         socket.create_connection((host, 443), timeout=3).close()
     except OSError:
-        raise UserError(f"--model {name}: {where}, and {host} cannot be reached to download "
-                        "it") from None
+        raise bad(f"{where}, and {host} cannot be reached to download it") from None
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, heads_divisor: int,
                    attention: str, half: bool, check: bool = True):
-    """An HF causal LM on `device` in `dtype`, dropout off (the trainer's log-probs must be the
-    sampler's), every layer attending packed rows by segments, checked once against its
-    own forward (`check`), with the fastest kernel that can (`attention`; `half`: bf16 compute).
-    Returns (model, which attention runs); a model it cannot run is a UserError."""
+    """(model, which attention runs): an HF causal LM on `device` in `dtype`, dropout off (its
+    log-probs must be the sampler's), attending packed rows with the fastest kernel that can
+    (`half`: bf16 compute), checked against its own forward (`check`); else a UserError."""
     from transformers import AttentionInterface, AutoModelForCausalLM
-
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     except (OSError, ValueError) as e:  # no weights, an unknown architecture, ...
         raise UserError(f"--model {path}: cannot load a causal LM ({why(e)})") from None
     text = model.config.get_text_config()
@@ -290,7 +264,6 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, heads_di
         raise UserError(f"config error: --cp-size {heads_divisor} must divide the model's "
                         f"{text.num_attention_heads} attention heads")
     model.config.use_cache = False
-    model.eval()
     AttentionInterface.register("packed", packed_attention)
     model.set_attn_implementation("packed")
     if check and (problem := check_model(model, text.vocab_size)):
@@ -384,7 +357,6 @@ class HeadLogits(torch.autograd.Function):
     GEMMs both ways: no fp32 copy of a 150k x d head. Backward rounds the logit gradient to the
     inputs' dtype, as any half GEMM's does; grad_hidden (sums over V) comes out fp32, since cuBLAS
     may split-K a half output in bf16; grad_weight (over n) half: no [V, d] fp32 temporary."""
-
     @staticmethod
     def forward(ctx, hidden, weight, bias):
         ctx.save_for_backward(hidden, weight, bias)

@@ -1,7 +1,6 @@
 """Rollout engines: prompt ids -> completions with behaviour log-probs, SGLang's log_softmax(logits
 / T) of each sampled token before top-p/top-k, as the trainer's (pi/pi_behave = 1 at equal weights).
-`Engine` is the interface of `HFEngine` (transformers, its own weights), `SGLangEngine` (in-process,
-on the trainer's GPU), `RemoteSGLangEngine` (SGLang over HTTP); `Rollouts`: batches in flight."""
+`Engine`: HFEngine, SGLangEngine, RemoteSGLangEngine (HTTP); `Rollouts`: the batches in flight."""
 
 from __future__ import annotations
 
@@ -47,7 +46,7 @@ _MASK32 = 0xFFFFFFFF
 
 
 @dataclasses.dataclass
-class SamplingParams:
+class SamplingParams:  # its fields are SGLang's sampling_params names
     max_new_tokens: int
     temperature: float = 1.0  # 0 is greedy
     top_p: float = 1.0
@@ -65,7 +64,6 @@ class Completion:
 class Engine(Protocol):
     """One completion per (prompt, seed). Every rank calls update_weights (FSDP2 gathers are
     collectives); release/resume_memory bracket training (a colocated engine frees the GPU)."""
-
     version: int  # the policy version (optimizer steps) of the weights it holds
     overlaps: bool  # can generate on a background thread while the trainer trains
 
@@ -85,8 +83,6 @@ def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 # -----------------------------------------------------------------------------
 # Counter-based noise: a sample depends on (seed, position), never on batch, rank or world size.
-
-
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
     """MurmurHash3's fmix32 on ints or int64 tensors in [0, 2^32) (an overflow keeps low bits)."""
     for shift, mul in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
@@ -128,11 +124,8 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.T
 
 # -----------------------------------------------------------------------------
 # HF backend: batched generation with a KV cache on plain transformers
-
-
 class HFEngine:
     """Rollouts on a private transformers copy of the policy (CPU default; one GPU works too)."""
-
     overlaps = True  # a background thread hides generation behind training (NOTES: overlap)
 
     def __init__(self, model_path: str, device: torch.device | str = "cpu",
@@ -144,10 +137,9 @@ class HFEngine:
 
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
-        own = self.model.state_dict()
+        own, self.version = self.model.state_dict(), version
         for name, tensor in iter_full_tensors(model):
             own[name].copy_(tensor)
-        self.version = version
 
     def release_memory(self) -> None: ...  # no KV cache outlives a generate call
     def resume_memory(self) -> None: ...
@@ -169,12 +161,11 @@ class HFEngine:
     def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int]):
         from transformers import DynamicCache
         unique: dict[tuple[int, ...], int] = {}  # a distinct prompt (a group's) is prefilled once
-        row_prompt = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
+        rows = torch.tensor([unique.setdefault(tuple(p), len(unique)) for p in prompts])
         B, L = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.zeros((len(unique), L), dtype=torch.long, device=self.device)
-        attention = torch.zeros_like(input_ids)
-        for b, p in enumerate(unique):  # left padding: every row's next token in the same column
-            input_ids[b, L - len(p):], attention[b, L - len(p):] = torch.tensor(p), 1
+        pad = lambda p: [0] * (L - len(p)) + list(p)  # left: every row's next token in one column
+        input_ids = torch.tensor([pad(p) for p in unique], device=self.device)
+        attention = torch.tensor([pad([1] * len(p)) for p in unique], device=self.device)
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
         seed_t, cache = torch.tensor(seeds, dtype=torch.int64), DynamicCache()
         stop = torch.tensor(sampling.stop_token_ids or [-1], device=self.device)
@@ -183,7 +174,6 @@ class HFEngine:
         forward = lambda ids, mask, pos: self.model(
             input_ids=ids, attention_mask=mask, position_ids=pos, **kw).logits[:, -1]
         logits = forward(input_ids, attention, position_ids)
-        rows = torch.tensor(row_prompt, device=self.device)
         cache.reorder_cache(rows)  # [unique prompts] -> [rows]
         logits, attention, step_pos = logits[rows], attention[rows], position_ids[rows, -1:]
         live, T = torch.arange(B), sampling.max_new_tokens  # live rows' original rows
@@ -211,8 +201,6 @@ class HFEngine:
 
 # -----------------------------------------------------------------------------
 # SGLang, in-process or remote: its facts that bite (read from its source, 0.5.10-0.5.23) inline
-
-
 def completion_from_sglang(out: dict, stop_ids: list[int]) -> Completion:
     """Ids from output_token_logprobs [(logprob, id, None)], never misaligned. A stop sampled as
     the last allowed token is "length" in SGLang <= 0.5.17, "stop" from 0.5.18: tokens decide."""
@@ -228,9 +216,8 @@ def completion_from_sglang(out: dict, stop_ids: list[int]) -> Completion:
 
 
 def _sampling_dict(sampling: SamplingParams, max_new_tokens: int, seed: int | None) -> dict:
-    d = {"max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_p":
-         sampling.top_p, "top_k": sampling.top_k, "stop_token_ids": list(sampling.stop_token_ids),
-         "skip_special_tokens": False, "no_stop_trim": True}
+    d = dataclasses.asdict(sampling) | {"max_new_tokens": max_new_tokens,
+                                        "skip_special_tokens": False, "no_stop_trim": True}
     return d if seed is None else d | {"sampling_seed": int(seed) & 0x7FFFFFFF}
 
 
@@ -276,22 +263,18 @@ def iter_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int,
 
 
 def _succeeded(result, what: str, step: int | None = None, where: str = "") -> None:
-    """Raise if an SGLang control call failed: it says so in its result ((ok, message), .success or
-    {"success": false, "message"}), never raising."""
+    """Raise if an SGLang control call failed: it returns its failures, never raising them."""
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool):
-        ok, message = result
-    else:
-        get = result.get if isinstance(result, dict) else lambda k, d: getattr(result, k, d)
-        ok, message = get("success", True), get("message", "")
-    if not ok:
+        result = {"success": result[0], "message": result[1]}
+    get = result.get if isinstance(result, dict) else lambda k, d: getattr(result, k, d)
+    if not get("success", True):
         at = (f" at step {step}" if step is not None else "") + (f" on {where}" if where else "")
-        raise RuntimeError(f"SGLang {what} failed{at}: {message or '(no message)'}")
+        raise RuntimeError(f"SGLang {what} failed{at}: {get('message', '') or '(no message)'}")
 
 
 class SGLangEngine:
     """One in-process `sglang.Engine` (tp=1) on this rank's GPU, shared with the trainer. Make it
     before the trainer allocates: SGLang sizes its KV cache from the GPU memory free at start."""
-
     overlaps = False  # it must free the GPU memory the trainer trains in
 
     def __init__(self, model_path: str, gpu_id: int = 0, seed: int = 0,
@@ -362,8 +345,7 @@ class SGLangEngine:
 
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
-        """Pushed by CUDA IPC (NCCL on one GPU: "Duplicate GPU detected") in the engine's dtype,
-        from 0.5.21 within begin/end_weight_update; then the KV cache resumes, flushed (stale)."""
+        """By CUDA IPC in the engine's dtype (NCCL on one GPU fails: "Duplicate GPU detected")."""
         self.version, ok = version, lambda result, what: _succeeded(result, what, version)
         self.resume_memory()
         if self.has_session:
@@ -377,7 +359,7 @@ class SGLangEngine:
             if self.has_session:
                 ok(self.engine.end_weight_update(), "end_weight_update")
         self._resume(*self.tags)
-        ok(self.engine.flush_cache(), "flush_cache")
+        ok(self.engine.flush_cache(), "flush_cache")  # its prefix cache holds the old weights' KV
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -403,8 +385,7 @@ def weight_group_ranks(url: str, info: dict) -> int:
 
 
 def route_address(url: str) -> str:
-    """This host's address towards `url` (a UDP connect sends nothing): not gethostname's 127.0.1.1,
-    which no other host reaches."""
+    """This host's address on the route to `url` (a UDP connect sends nothing), not 127.0.1.1."""
     parts = urllib.parse.urlsplit(url)
     family, kind, _, _, addr = socket.getaddrinfo(parts.hostname, parts.port or 80,
                                                   type=socket.SOCK_DGRAM)[0]
@@ -415,7 +396,6 @@ def route_address(url: str) -> str:
 
 class RemoteSGLangEngine:
     """SGLang servers over HTTP: every rank generates; rank 0 alone pushes weights, others wait."""
-
     overlaps = True  # the servers generate while the trainer trains
 
     def __init__(self, urls: list[str], model_path: str, run_dir: str = "runs/remote",
@@ -445,7 +425,6 @@ class RemoteSGLangEngine:
 
     def _request(self, url: str, path: str, payload: dict | None = None, before_retry=lambda: None,
                  retries: int | None = None, timeout: float | None = None):
-        """POST (payload) or GET -> JSON or text. Timeouts, connection errors, 5xx: retried."""
         last, retries = None, HTTP_RETRIES if retries is None else retries
         for attempt in range(retries + 1):
             if attempt:
@@ -483,7 +462,6 @@ class RemoteSGLangEngine:
         _succeeded(out, route, self.version, url)
 
     def _all(self, fn, *args) -> list:
-        """fn(url, *args) on every server concurrently: the results (the first error re-raised)."""
         return [f.result() for f in [self.pool.submit(fn, u, *args) for u in self.urls]]
 
     def wait_healthy(self, timeout: float, report_every: float = 5.0) -> None:
@@ -550,7 +528,6 @@ class RemoteSGLangEngine:
                 self._request(url, "/abort_request", {"rid": payload["rid"]}, retries=0,
                               timeout=ABORT_TIMEOUT_S)  # an unknown rid is a no-op
             payload["rid"] = uuid.uuid4().hex
-
         while True:
             try:
                 return self._request(url, "/generate", payload, abort_and_renew)
@@ -566,16 +543,15 @@ class RemoteSGLangEngine:
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
         self.version, named = version, iter_full_tensors(model)
-        if _rank() != 0:
+        if _rank() == 0:
+            (self._sync_disk if self.weight_sync == "disk" else self._sync_nccl)(named)
+        else:
             for _ in named:  # take part in the gathers only
                 pass
-        else:
-            (self._update_from_disk if self.weight_sync == "disk" else
-             self._update_from_distributed)(named)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # no rank generates before rank 0 has pushed the weights
 
-    def _update_from_disk(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def _sync_disk(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Write <run_dir>/weights_sync/step_<version> (the servers' dtype; renamed into place when
         complete), have the servers load it, delete older syncs. Never in a begin/end session: the
         load post-processes the weights and leaves it unmarked, so end would post-process again."""
@@ -604,8 +580,7 @@ class RemoteSGLangEngine:
             except HTTPError:  # 404
                 self.sessionless.add(url)
 
-    def _update_from_distributed(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Broadcast each bucket over the weight group to the servers receiving it."""
+    def _sync_nccl(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
         self._all(self._session, "begin")
         try:
             if self.group is None:
@@ -643,11 +618,9 @@ class RemoteSGLangEngine:
         timeout = timedelta(seconds=WEIGHT_GROUP_TIMEOUT_S)
         store, rank, world = next(rendezvous(f"tcp://{host}:{port}", 0, world, timeout=timeout))
         store.set_timeout(timeout)
-        params = inspect.signature(c10d._new_process_group_helper).parameters  # pg_options: older
-        opts = {("backend_options" if "backend_options" in params else "pg_options"): None}
         self.group, _ = c10d._new_process_group_helper(
             world, rank, [], c10d.Backend(backend), c10d.PrefixStore(self.group_name, store),
-            group_name=self.group_name, timeout=timeout, **opts)
+            group_name=self.group_name, timeout=timeout)
         c10d._world.pg_group_ranks[self.group] = {i: i for i in range(world)}
         [p.result() for p in posts]
 
@@ -679,7 +652,6 @@ def check_rollout_config(backend: str, urls: list[str], weight_sync: str, determ
 def make_engine(backend: str, urls: list[str], model_path: str, device: torch.device, *,
                 run_dir: str, seed: int, deterministic: bool = False,
                 weight_sync: str = "auto") -> Engine:
-    """HF on this rank's device, the SGLang servers at `urls`, or SGLang in-process on this GPU."""
     if backend == "hf":
         return HFEngine(model_path, device, torch.bfloat16 if device.type == "cuda" else None)
     if urls:
@@ -691,7 +663,6 @@ def make_engine(backend: str, urls: list[str], model_path: str, device: torch.de
 
 # -----------------------------------------------------------------------------
 # the batches in flight (--max-staleness)
-
 _made = lambda batch: batch.result() if isinstance(batch, Future) else batch  # or in flight
 
 
@@ -700,7 +671,6 @@ class Rollouts:
     batches up to s + K and returns s; wait() lets the one in flight finish, so weights change only
     between batches (a run is a function of (seed, K)). An overlapping engine makes them on a
     thread; `share` (a collective) hands a batch to ranks that did not make it. None >= steps."""
-
     def __init__(self, make_batch, staleness: int, overlap: bool, pending: dict[int, list],
                  steps: int | None = None, share=lambda batch: batch):
         self.make_batch, self.staleness, self.steps = make_batch, staleness, steps

@@ -1,11 +1,10 @@
-"""Tasks and rewards: built-in tasks (generated here, never downloaded), JSONL datasets, rewards.
+"""Tasks and rewards: the built-in tasks (generated, never downloaded), JSONL datasets, rewards.
 
 A row is a dict with "prompt" (a string) or "messages" (a chat), plus what the reward reads
-("answer" for the built-in ones). A reward, plugged in with `--reward path/to/file.py:my_reward`,
-is any `my_reward(completion: str, row: dict) -> float | tuple[float, dict[str, float]]` given the
-decoded completion and the WHOLE row: each metric's mean is logged as reward/<name>; a "correct"
-entry (a bool) defines accuracy, else a response is correct when it equals the row's "answer"
-(stripped), so a shaped reward never changes what accuracy means."""
+("answer" for the built-in ones). A reward (`--reward path/to/file.py:fn`) is any `fn(completion:
+str, row: dict) -> float | tuple[float, dict[str, float]]` given the WHOLE row; each metric's mean
+is logged as reward/<name>; its "correct" (a bool) defines accuracy, else equality with the row's
+"answer" (stripped): a shaped reward never changes what accuracy means."""
 
 from __future__ import annotations
 
@@ -27,6 +26,8 @@ from itertools import product
 from pathlib import Path
 
 from cli import UserError, why
+from logs import quiet_libraries, reduce_metrics
+from rollout import SamplingParams, mix_seed
 
 EVAL_SEED = 0xE7A1  # eval samples' seeds: the same noise at every eval, so only the policy moves
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+(?:/\d+)?")  # 1,234 | -3.5 | .5 | 3/4
@@ -34,8 +35,6 @@ _INTEGER = re.compile(r"-?\d+")
 
 # -----------------------------------------------------------------------------
 # built-in rewards
-
-
 def exact_match(completion: str, row: dict) -> float:
     """1 if the stripped completion equals the row's "answer", else 0."""
     return float(completion.strip() == str(row["answer"]).strip())
@@ -109,8 +108,6 @@ REWARDS: dict[str, Callable] = {  # every one reads row["answer"]
 
 # -----------------------------------------------------------------------------
 # built-in tasks: name -> (train rows, held-out rows, default reward)
-
-
 def make_arithmetic_task(seed: int = 0, max_operand: int = 50,
                          heldout_size: int = 256) -> tuple[list, list]:
     """All sums a+b with 0 <= a, b < max_operand as {"prompt": "12+34=", "answer": "46"}, split by
@@ -121,9 +118,8 @@ def make_arithmetic_task(seed: int = 0, max_operand: int = 50,
     return rows[heldout_size:], rows[:heldout_size]
 
 
-# the chain task: one-digit answers, responses of 2 to 18 tokens
+# the chain task's operations; no "*0": it would reset the chain, making every earlier step moot
 CHAIN_OPS = [f"+{d}" for d in range(10)] + [f"*{d}" for d in range(1, 10)]
-# no "*0": it would reset the chain, making every earlier step irrelevant
 CHAIN_MAX_OPS = 8
 CHAIN_WIDTH = 2 * CHAIN_MAX_OPS + 1  # the longest body, a digit and 8 operations
 
@@ -146,12 +142,12 @@ def chain_scratchpad(prompt: str) -> str:
 def make_chain_task(seed: int = 0, heldout_size: int = 256,
                     per_length: int = 2500) -> tuple[list, list]:
     """Chains of k = 1..8 operations (+d or *d, mod 10) on a start digit, split by `seed` alone into
-    (train, heldout), rows like {"prompt": "3+4*2            =", "answer": "4"}: the body padded to
-    17 characters, so a scratchpad's j-th value is a fixed distance after the j-th operand (the
-    tiny model learns no k-dependent offsets). A response may be the digit alone (2 tokens with
-    <eos>) or the scratchpad (2k + 2): `last_number` judges the final number only, so length is
-    the policy's choice. Per k, min(per_length, 10 * 19^k) distinct bodies, heldout_size / 8 held
-    out, interleaved k = 1..8, 1..8, ... (any prefix is balanced); the rest, shuffled, is train."""
+    (train, heldout), rows like {"prompt": "3+4*2            =", "answer": "4"}: bodies padded to
+    CHAIN_WIDTH, so a scratchpad's j-th value is a fixed distance after the j-th operand (no
+    k-dependent offsets to learn). A response is the digit alone (2 tokens with <eos>) or the
+    scratchpad (2k + 2): `last_number` reads the last number only, so length is the policy's
+    choice. Per k, min(per_length, 10 * 19^k) distinct bodies, heldout_size / 8 of them held out,
+    interleaved k = 1..8, 1..8, ... (any prefix is balanced); the rest, shuffled, is train."""
     if heldout_size % CHAIN_MAX_OPS:
         raise ValueError(f"heldout_size must be a multiple of {CHAIN_MAX_OPS} (one share per k)")
     per_k, rng, train, held_by_k = heldout_size // CHAIN_MAX_OPS, random.Random(seed), [], []
@@ -191,8 +187,6 @@ TASKS: dict[str, Task] = {
 
 # -----------------------------------------------------------------------------
 # datasets
-
-
 def load_jsonl(path: str, prompt_key: str = "prompt") -> list[dict]:
     """Rows of {prompt_key: str} or {"messages": [{"role", "content"}, ...]}, other fields kept."""
     try:
@@ -228,8 +222,7 @@ def load_jsonl(path: str, prompt_key: str = "prompt") -> list[dict]:
 
 def load_dataset(dataset: str, eval_dataset: str | None, reward: str, prompt_key: str = "prompt"
                  ) -> tuple[list[dict], list[dict]]:
-    """(train rows, held-out rows) of a built-in task or of JSONL files. A built-in reward gets an
-    "answer" in every row, or the run stops here naming the first row without one."""
+    """(train rows, held-out rows) of a built-in task or of JSONL files."""
     if dataset in TASKS:
         if prompt_key != "prompt":
             raise UserError(f"--prompt-key {prompt_key} is for a JSONL --dataset: the built-in "
@@ -237,12 +230,11 @@ def load_dataset(dataset: str, eval_dataset: str | None, reward: str, prompt_key
         return TASKS[dataset].make()
     train = load_jsonl(dataset, prompt_key)
     held = load_jsonl(eval_dataset, prompt_key) if eval_dataset else []
-    if reward in REWARDS:
-        for path, rows in ((dataset, train), (eval_dataset, held)):
-            missing = next((i for i, row in enumerate(rows, 1) if "answer" not in row), None)
-            if missing is not None:
-                raise UserError(f'{path}: row {missing} has no "answer", which --reward {reward} '
-                                'compares with')
+    for path, rows in ((dataset, train), (eval_dataset, held)):
+        missing = [n for n, row in enumerate(rows, 1) if "answer" not in row]
+        if missing and reward in REWARDS:
+            raise UserError(f'{path}: row {missing[0]} has no "answer", which --reward {reward} '
+                            'compares with')
     return train, held
 
 
@@ -257,29 +249,26 @@ def encode_prompts(rows: list[dict], tokenizer, chat_template: bool, name: str,
                    prompt_key: str = "prompt") -> list[list[int]]:
     """Every row's prompt as token ids: its "messages", or its prompt field (a user turn with
     chat_template). A chat is exactly what the template writes (its BOS if any, as HF's
-    apply_chat_template(tokenize=True)); plain text gets the BOS once, if the model expects one.
-    Or a one-line error: a chat and no template, or characters with no token (all <unk>)."""
+    apply_chat_template(tokenize=True)); plain text gets the BOS once, if the model expects one."""
     if (chat_template or any("messages" in r for r in rows)) and not tokenizer.chat_template:
         what = "--chat-template" if chat_template else 'rows with "messages"'
         raise UserError(f"{name}: {what} need(s) a chat template, and the tokenizer has none; use "
                         f'"{prompt_key}" rows without --chat-template, or a model whose tokenizer '
                         "has one")
     bos, encoded = tokenizer.bos_token_id if adds_bos(tokenizer) else None, []
-    for row in rows:
+    for n, row in enumerate(rows, 1):
         if chat := "messages" in row or chat_template:
             msgs = row.get("messages") or [{"role": "user", "content": row[prompt_key]}]
             text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text if chat else row[prompt_key], add_special_tokens=False)["input_ids"]
-        encoded.append([bos] + ids if bos is not None and not chat and ids[:1] != [bos] else ids)
-    unk = tokenizer.unk_token_id
-    for n, ids in enumerate(encoded, 1):
-        if unk is not None and unk in ids:
-            text = rows[n - 1].get(prompt_key) or str(rows[n - 1].get("messages"))
+        if (unk := tokenizer.unk_token_id) in ids:  # None (no unk token) is in no ids
+            text = row.get(prompt_key) or str(row.get("messages"))
             missing = sorted({c for c in text if unk in tokenizer(c, add_special_tokens=False)
                               ["input_ids"]})
             raise UserError(f"{name}: row {n}'s prompt has characters the tokenizer cannot encode "
                             f"({''.join(missing)!r} would become {tokenizer.unk_token}); the model "
                             "was not trained on them")
+        encoded.append([bos] + ids if bos is not None and not chat and ids[:1] != [bos] else ids)
     return encoded
 
 
@@ -336,8 +325,6 @@ def load_data(model: str, dataset: str, eval_dataset: str | None, reward: str, p
     """The tokenizer, rows, prompts tokenized once (BOS as the model expects), stop tokens, and no
     weights; or a one-line error: no tokenizer, prompts it cannot encode, a sequence too long."""
     from transformers import AutoTokenizer
-
-    from logs import quiet_libraries
     quiet_libraries()  # transformers' progress bars and info lines off (imported from here)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
@@ -360,8 +347,6 @@ def load_data(model: str, dataset: str, eval_dataset: str | None, reward: str, p
 
 # -----------------------------------------------------------------------------
 # reward functions: built-in names or path/to/file.py:function
-
-
 def resolve_reward_name(reward: str, dataset: str) -> str:
     """--reward auto: the built-in task's own reward, exact_match for a JSONL dataset."""
     auto = TASKS[dataset].reward if dataset in TASKS else "exact_match"
@@ -391,8 +376,7 @@ def load_reward(spec: str) -> Callable:
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:
-        raise UserError(f"--reward {spec}: importing {path} failed ({type(e).__name__}: {e})"
-                        ) from None
+        raise UserError(f"--reward {spec}: importing {path} failed ({why(e)})") from None
     if not callable(fn := getattr(module, name, None)):
         raise UserError(f"--reward {spec}: {path} has no function {name!r}")
     return fn
@@ -404,16 +388,13 @@ def evaluate(engine, data: Data, reward_fn: Callable, max_new_tokens: int, tempe
     with k > 0, k samples per prompt at `temperature` give eval/mean@k (unbiased pass@1) and
     eval/pass@j, j = 2, 4, ..., k: 1 - C(k-c, j)/C(k, j) for c of k correct (Chen et al. 2021's
     unbiased estimator), over the prompts whose every answer is judged."""
-    from logs import reduce_metrics
-    from rollout import SamplingParams, mix_seed
-    mine = data.evalset[rank::world]
-
     def judge(todo: list, temperature: float, seeds: list[int]) -> list:  # (row, prompt) pairs
         sampling = SamplingParams(max_new_tokens, temperature, stop_token_ids=data.stop_ids)
         outs = engine.generate([p for _, p in todo], sampling, seeds) if todo else []
         texts = data.tokenizer.batch_decode([o.output_ids for o in outs], skip_special_tokens=True)
         return [s.correct for s in compute_rewards(reward_fn, texts, [r for r, _ in todo], timeout)]
 
+    mine = data.evalset[rank::world]
     verdicts = judge(mine, 0.0, [0] * len(mine))
     sums = Counter(judged=sum(v is not None for v in verdicts), correct=sum(map(bool, verdicts)))
     if k:
@@ -459,7 +440,6 @@ def compute_rewards(reward_fn: Callable, texts: list[str], rows: list[dict],
     """Score every completion on a daemon worker thread; a call that raises, returns junk or takes
     over `timeout` s scores 0 with no verdict and its error. A hung call keeps its thread (threads
     cannot be killed; one in C holding the GIL stalls us): untrusted code wants a process."""
-
     def work(start: int, out: queue.Queue) -> None:  # calls start.. in order, into its own queue
         for i in range(start, len(texts)):
             try:
