@@ -191,8 +191,6 @@ VOLATILE = {k for k, hint in typing.get_type_hints(Config, include_extras=True).
 
 # -----------------------------------------------------------------------------
 # the training loop
-
-
 def main(argv: list[str]) -> None:
     cfg = parse_config(argv)  # flags, TOML, the task's own flags -> resolved and checked
     ranks, device = setup_distributed(cfg.cp_size)  # torchrun's, or a world of one
@@ -256,8 +254,6 @@ def main(argv: list[str]) -> None:
 
 # -----------------------------------------------------------------------------
 # set-up: the config (flags + TOML, resolved once, checked), the ranks, the data
-
-
 def parse_config(argv: list[str]) -> Config:
     """Flags, --config TOML and a built-in task's own flags -> a resolved, checked Config."""
     preset = lambda dataset: tasks.TASKS[dataset].flags if dataset in tasks.TASKS else {}
@@ -323,7 +319,6 @@ def validate_config(cfg: Config, world: int) -> Config:
 class Ranks:
     """This process's place in torchrun's world and the (dp, cp) mesh: ranks [k*cp_size,
     (k+1)*cp_size) are CP group k (dp rank k): one rollout, each micro-batch's tokens split."""
-
     rank: int = 0
     world: int = 1
     dp_rank: int = 0
@@ -384,8 +379,6 @@ def set_lr(optimizer, updates: int, cfg: Config) -> float:
 
 # -----------------------------------------------------------------------------
 # generate and reward: the batches in flight, one step's prompts, group_size samples each
-
-
 @dataclass
 class Sample:
     group: int  # the GRPO group (the prompt's slot in the step): advantages compare within it
@@ -506,8 +499,6 @@ def set_advantages(samples: list[Sample], cfg: Config) -> None:
 
 # -----------------------------------------------------------------------------
 # loss and step: packed micro-batches, log-probs, LossReduction, clip, AdamW
-
-
 def train_on_samples(model, ref_model, optimizer, reduction: loss.LossReduction,
                      samples: list[Sample], cfg: Config, device, ranks: Ranks
                      ) -> tuple[dict, dict]:
@@ -601,8 +592,6 @@ def pack_microbatches(samples: list[Sample], cfg: Config,
 
 # -----------------------------------------------------------------------------
 # the model: FSDP2 wiring, packed attention, log-probs in vocabulary chunks
-
-
 def load_models(cfg: Config, device: torch.device, ranks: Ranks) -> tuple:
     """The policy, a frozen reference copy for the KL penalty (else None), the policy's AdamW."""
     model = load_model(cfg, device, ranks)
@@ -652,8 +641,6 @@ def microbatch_forward(model, mb: MicroBatch, cfg: Config, device: torch.device,
 
 # -----------------------------------------------------------------------------
 # bad steps, checkpoints
-
-
 @dataclass
 class RunState:
     """What a checkpoint restores besides weights, optimizer and RNGs, and the run's bookkeeping."""
