@@ -91,3 +91,20 @@ def test_a_bad_reward_spec_is_one_line_naming_it(tmp_path, spec, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_readme_loop_is_main_s_own_code():
+    """Every line of the README's loop (but its `...` placeholders) is a line of nanoareal.main,
+    in the same order: the excerpt cannot drift from the code it shows."""
+    import inspect
+
+    import nanoareal
+    squash = lambda line: " ".join(line.split())
+    source = [squash(line) for line in inspect.getsource(nanoareal.main).splitlines()]
+    excerpt = README.split("## The loop", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    at = 0
+    for line in map(squash, excerpt.splitlines()):
+        if not line or line.startswith("..."):
+            continue
+        assert line in source[at:], f"README loop line not in main() (or out of order): {line!r}"
+        at = source.index(line, at) + 1
