@@ -30,6 +30,7 @@ from typing import NoReturn
 SEED = re.compile(r"-s\d+$")  # the seed suffix of ablate.py's run directories
 WINDOW = 10  # last steps averaged for the table's training metrics
 SMOOTH = 5  # trailing steps averaged in train.png: per-step training metrics are noisy
+LEGEND_INSIDE = 6  # more variants than this: the legend beside the figure, not over a panel
 TRAIN_KEYS = ("reward", "response_len", "response_len/correct", "response_len/incorrect",
               "truncated_frac")
 # plotted (offpolicy.png) and tabled when some run trains on stale rollouts (--max-staleness)
@@ -147,10 +148,14 @@ def plot(runs: dict[str, list[list[dict]]], keys: list[str], path: Path, title: 
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(keys):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
+    if len(runs) <= LEGEND_INSIDE:
+        axes.flat[0].legend(fontsize=8)
+    else:  # many variants would hide the first panel's curves: the legend goes beside the figure
+        fig.legend(*axes.flat[0].get_legend_handles_labels(), fontsize=8, loc="center left",
+                   bbox_to_anchor=(1.0, 0.5))
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -398,3 +398,22 @@ def test_a_step_with_nothing_to_learn_from_moves_neither_the_weights_nor_adamw(o
     assert all(torch.equal(b, p.detach().full_tensor()) for b, p in zip(before,
                                                                          model.parameters()))
     assert [float(s["step"]) for s in optimizer.state.values()] == steps
+
+
+def test_num_minibatches_steps_once_per_share_and_logs_the_mean_grad_norm(one_rank_group,
+                                                                          monkeypatch):
+    """--num-minibatches 2: two AdamW steps on the step's batch, each on half of its groups; the
+    logged grad_norm is the mean over those steps (it used to be the last one's)."""
+    import loss as L
+
+    cfg = N.Config(model=TINY, warmup_steps=0, num_minibatches=2)
+    model, _, optimizer = N.load_models(cfg, torch.device("cpu"), N.Ranks())
+    norms, clip = [], torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda *a, **k: norms.append(float(n := clip(*a, **k))) or n)
+    samples = [_sample(g, [4 + g, 13, 5], [6 + g, 1], adv=(-1) ** g) for g in range(4)]
+    _, stats = N.train_on_samples(model, None, optimizer, L.build_loss(cfg), samples, cfg,
+                                  torch.device("cpu"), N.Ranks())
+    assert len(norms) == 2 and norms[0] != norms[1]
+    assert stats["grad_norm"] == pytest.approx(sum(norms) / 2, rel=1e-12)
+    assert {float(s["step"]) for s in optimizer.state.values()} == {2.0}
