@@ -211,3 +211,18 @@ def test_the_bench_studies_are_the_old_default_studies():
     cfg = nanoareal.parse_config(["--dataset", "chain"])
     assert (Path(cfg.model).name, cfg.max_new_tokens, cfg.prompts_per_step) == ("tiny-chain", 32,
                                                                                32)
+
+
+def test_every_bench_study_loads_and_nanoareal_takes_each_variant():
+    """Each TOML in bench/studies: its variants (base flags first) parse as nanoareal flags."""
+    spec = importlib.util.spec_from_file_location("ablate", ROOT / "scripts" / "ablate.py")
+    ablate_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablate_mod)
+    studies = sorted((ROOT / "bench" / "studies").glob("*.toml"))
+    assert {p.stem for p in studies} >= {"modes_arithmetic", "modes_chain", "staleness",
+                                         "staleness_minibatches"}
+    for path in studies:
+        args = Namespace(study=str(path), variant=[], seeds=None, out=None, base=[])
+        base, found, seeds, out = ablate_mod.load_study(args)
+        assert found and seeds and out == Path("bench/results") / path.stem, path
+        ablate_mod.check({v: base + f for v, f in found.items()})
