@@ -88,7 +88,7 @@ class Config:
     dataset: str = "arithmetic"
     """A built-in task (arithmetic, chain: each brings its model and flags) or a JSONL file."""
     eval_dataset: str | None = None
-    """A JSONL file of held-out rows (a built-in task has its own held-out split)."""
+    """A JSONL file of held-out rows (a built-in task has its own; --steps 0 uses --dataset)."""
     prompt_key: str = "prompt"
     """The JSONL field holding the prompt text (rows may carry "messages" instead)."""
     chat_template: bool = False
@@ -264,7 +264,8 @@ def parse_config(argv: list[str]) -> Config:
 def resolve_config(cfg: Config) -> Config:
     """The defaults that need the file system: the shipped model from any directory, a
     checkpoint's base model (--model a checkpoint resumes from it), the run directory's name (an
-    evaluation, --steps 0, gets its own: it never writes into the run it evaluates)."""
+    evaluation, --steps 0, gets its own: it never writes into the run it evaluates; of a JSONL
+    --dataset alone, it evaluates that file)."""
     model, resume_from = cfg.model, cfg.resume
     if not Path(model).exists() and (ROOT / model).is_dir():  # assets/... from any directory
         model = str(ROOT / model)
@@ -272,7 +273,10 @@ def resolve_config(cfg: Config) -> Config:
         model, resume_from = json.loads((Path(model) / "meta.json").read_text())["config"][
             "model"], cfg.model
     identity = {k: v for k, v in asdict(cfg).items() if k not in VOLATILE}  # --model as given
-    cfg = replace(cfg, model=model, resume=resume_from)
+    # an evaluation of a JSONL --dataset without --eval-dataset evaluates that file
+    held = cfg.eval_dataset or (cfg.dataset if not cfg.steps and cfg.dataset not in tasks.TASKS
+                                else None)
+    cfg = replace(cfg, model=model, resume=resume_from, eval_dataset=held)
     identity |= {"model": model} if cfg.steps else {}
     return replace(cfg, run_dir=cfg.run_dir or checkpoint.run_dir_name(
         cfg.dataset, cfg.loss_aggregation if cfg.steps else "eval", cfg.seed, identity))

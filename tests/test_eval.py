@@ -141,3 +141,17 @@ def test_samples_are_rate_limited_to_about_a_hundred_steps_of_a_run(tmp_path):
     due = [s for s in range(1, 1001) if logger.samples_due(s)]
     assert len(due) == SAMPLED_STEPS and due[:2] == [10, 20]
     assert torch.tensor(due).diff().unique().tolist() == [10]
+
+
+def test_evaluating_a_jsonl_dataset_alone_evaluates_that_file(tmp_path):
+    """--steps 0 --dataset rows.jsonl (no --eval-dataset) evaluates rows.jsonl: here the built-in
+    arithmetic task's held-out rows, so the accuracy is the built-in eval's at step 0."""
+    _, heldout = tasks.make_arithmetic_task()
+    path = tmp_path / "heldout.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in heldout))
+    assert N.parse_config(["--steps", "0", "--dataset", str(path)]).eval_dataset == str(path)
+    assert N.parse_config(["--steps", "1", "--dataset", str(path)]).eval_dataset is None
+    cli("--steps", "0", "--dataset", str(path), "--run-dir", str(tmp_path / "e"))
+    (row,) = lines(tmp_path / "e" / "metrics.jsonl")
+    shipped = json.loads((ROOT / "assets" / "tiny-arith" / "build_info.json").read_text())
+    assert row == {"step": 0, "eval/accuracy": pytest.approx(shipped["heldout_acc"])}
