@@ -269,6 +269,8 @@ def encode_prompts(rows: list[dict], tokenizer, chat_template: bool, name: str,
                             f"({''.join(missing)!r} would become {tokenizer.unk_token}); the model "
                             "was not trained on them")
         encoded.append([bos] + ids if bos is not None and not chat and ids[:1] != [bos] else ids)
+        if not encoded[-1]:  # nothing to condition on: no engine can start a completion
+            raise UserError(f"{name}: row {n}'s prompt is empty (it encodes to no tokens)")
     return encoded
 
 

@@ -84,6 +84,7 @@ def sandbox(tmp_path_factory) -> Path:
     (box / "messages.jsonl").write_text(json.dumps(
         {"messages": [{"role": "user", "content": "1+1="}], "answer": "2"}) + "\n")
     (box / "letters.jsonl").write_text(json.dumps({"prompt": "what is love", "answer": "2"}) + "\n")
+    (box / "blank.jsonl").write_text(json.dumps({"prompt": "", "answer": "2"}) + "\n")
     (box / "ok.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     (box / "reward.py").write_text("def score(completion, row):\n    return 1.0\n")
     (box / "hf_home").mkdir()  # an empty Hugging Face cache
@@ -114,6 +115,7 @@ MISTAKES = [
     (["--rollout-backend", "sglang"], "needs a GPU", True),
     (["--dataset", "{box}/messages.jsonl"], "chat template", False),
     (["--dataset", "{box}/letters.jsonl"], "cannot encode", False),
+    (["--dataset", "{box}/blank.jsonl"], "row 1's prompt is empty", False),
     (["--dataset", "{box}/missing.jsonl"], "missing.jsonl", False),
     (["--eval-dataset", "{box}/ok.jsonl"], "--eval-dataset", False),
     (["--micro-batch-tokens", "8"], "over --micro-batch-tokens (8)", False),
