@@ -89,11 +89,6 @@ def math_reward(completion: str, row: dict) -> tuple[float, dict]:
     return float(ok), {"correct": ok}
 
 
-def last_integer(text: str) -> str | None:
-    """The last integer in the text ("3 7 4" -> "4"), or None if it has none."""
-    return (_INTEGER.findall(text) or [None])[-1]
-
-
 def last_number(completion: str, row: dict) -> tuple[float, dict]:
     """1 if the completion's last integer equals the row's integer "answer", else 0: whatever comes
     before is free (work shown or not); "scratchpad" is 1 when it holds more than one integer."""

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import tasks
-from tasks import chain_scratchpad, chain_values, last_integer, last_number, make_chain_task
+from tasks import chain_scratchpad, chain_values, last_number, make_chain_task
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "assets" / "tiny-chain"
@@ -94,12 +94,6 @@ def test_last_number_judges_the_final_number_only(completion, correct, scratchpa
     assert last_number(completion, {"answer": 7})[0] == reward  # an integer answer too
     score = tasks.score_one(last_number, completion, {"answer": "7"})
     assert score.correct is correct and score.metrics == {"scratchpad": float(scratchpad)}
-
-
-def test_last_integer():
-    assert last_integer("3 7 4") == "4"
-    assert last_integer("12+34=46") == "46"
-    assert last_integer("no digits") is None
 
 
 # -----------------------------------------------------------------------------
