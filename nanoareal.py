@@ -458,10 +458,8 @@ def generate(engine, encoded: list[list[int]], prompts: list[tuple[int, int]], s
 def score(samples: list[Sample], rows: list[dict], reward_fn, tokenizer) -> None:
     """Reward every completion (.reward, .correct, .metrics, .reward_error); a reward call that
     raises or hangs scores 0 and is counted."""
-    texts = tokenizer.batch_decode([s.completion.output_ids for s in samples],
-                                   skip_special_tokens=True)
-    scores = tasks.compute_rewards(reward_fn, texts, [rows[s.row] for s in samples],
-                                   REWARD_TIMEOUT_S)
+    scores = tasks.score_completions(reward_fn, tokenizer, [s.completion for s in samples],
+                                     [rows[s.row] for s in samples], REWARD_TIMEOUT_S)
     for s, sc in zip(samples, scores):
         s.reward, s.correct, s.metrics, s.reward_error = sc.reward, sc.correct, sc.metrics, sc.error
 

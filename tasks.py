@@ -388,8 +388,8 @@ def evaluate(engine, data: Data, reward_fn: Callable, max_new_tokens: int, tempe
     def judge(todo: list, temperature: float, seeds: list[int]) -> list:  # (row, prompt) pairs
         sampling = SamplingParams(max_new_tokens, temperature, stop_token_ids=data.stop_ids)
         outs = engine.generate([p for _, p in todo], sampling, seeds) if todo else []
-        texts = data.tokenizer.batch_decode([o.output_ids for o in outs], skip_special_tokens=True)
-        return [s.correct for s in compute_rewards(reward_fn, texts, [r for r, _ in todo], timeout)]
+        return [s.correct for s in score_completions(reward_fn, data.tokenizer, outs,
+                                                     [r for r, _ in todo], timeout)]
 
     mine = data.evalset[rank::world]
     verdicts = judge(mine, 0.0, [0] * len(mine))
@@ -430,6 +430,13 @@ def score_one(reward_fn: Callable, completion: str, row: dict) -> Score:
         correct = exact_match(completion, row)
     return Score(reward, None if correct is None else bool(correct),
                  {k: float(v) for k, v in metrics.items()})
+
+
+def score_completions(reward_fn: Callable, tokenizer, completions: list, rows: list[dict],
+                      timeout: float) -> list[Score]:
+    """compute_rewards of completions as a reward reads them: decoded, special tokens dropped."""
+    texts = tokenizer.batch_decode([c.output_ids for c in completions], skip_special_tokens=True)
+    return compute_rewards(reward_fn, texts, rows, timeout)
 
 
 def compute_rewards(reward_fn: Callable, texts: list[str], rows: list[dict],

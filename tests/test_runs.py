@@ -128,23 +128,24 @@ MISTAKES = [
 
 
 def test_every_mistake_is_one_line_exit_code_2_and_touches_nothing_on_disk(sandbox):
-    """Each mistake through the CLI's entry, all in one process (tests/support/cli_cases.py: one
-    import of torch, not 29), and the first two as their own `python nanoareal.py` processes."""
+    """The first two mistakes as their own `python nanoareal.py` processes, the rest through the
+    CLI's entry in one process (tests/support/cli_cases.py: one import of torch, not one each)."""
     before = snapshot(sandbox)
     env = {"HF_HOME": str(sandbox / "hf_home"), "HF_HUB_OFFLINE": "1"}
     cases = [[a.format(box=sandbox) for a in flags] + ([] if "--steps" in flags else
                                                        ["--steps", "1"])
              for flags, _, cpu_only in MISTAKES if CPU_ONLY or not cpu_only]
     driver = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "cli_cases.py")],
-                            input=json.dumps(cases), cwd=sandbox, capture_output=True, text=True,
-                            timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+                            input=json.dumps(cases[2:]), cwd=sandbox, capture_output=True,
+                            text=True, timeout=300,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", **env))
     assert driver.returncode == 0, driver.stderr[-3000:]
     imported, *results = json.loads(driver.stdout.splitlines()[-1])
     assert imported["import"] == ""
-    results = [subprocess.CompletedProcess([], r["code"], r["stdout"], r["stderr"])
-               for r in results]
     with ThreadPoolExecutor(2) as pool:  # the real process: exit status, interpreter, imports
-        results[:2] = pool.map(lambda args: cli(args, sandbox, env, timeout=120), cases[:2])
+        results = [*pool.map(lambda args: cli(args, sandbox, env, timeout=120), cases[:2]),
+                   *(subprocess.CompletedProcess([], r["code"], r["stdout"], r["stderr"])
+                     for r in results)]
     expected = [says for _, says, cpu_only in MISTAKES if CPU_ONLY or not cpu_only]
     for args, says, out in zip(cases, expected, results, strict=True):
         lines = out.stderr.strip().splitlines()
