@@ -245,10 +245,11 @@ def main(argv: list[str]) -> None:
             logger.log(step + 1, metrics)  # metrics.jsonl, wandb, a console line
             if logger.samples_due(step + 1):  # a few groups to samples.jsonl
                 logger.log_samples(step + 1, sample_rows(samples, data.tokenizer))
-            end_step(step + 1, sums, metrics, cfg, model, optimizer, run, rollouts, logger,
-                     data.tokenizer)
+            end_step(step + 1, sums, metrics, cfg, model, optimizer, run, rollouts, logger)
     rollouts.close()
     logger.close(run.last_eval)
+    if cfg.steps > 0:  # also when resumed with nothing left to train: a save killed mid-export
+        checkpoint.export_hf(model, data.tokenizer, cfg.model, Path(cfg.run_dir) / "final")
     engine.shutdown()
 
 
@@ -664,10 +665,9 @@ class RunState:
 
 
 def end_step(step: int, sums: dict, metrics: dict, cfg: Config, model, optimizer, run: RunState,
-             rollouts: rollout.Rollouts, logger: Logger, tokenizer) -> None:
+             rollouts: rollout.Rollouts, logger: Logger) -> None:
     """After logging: stop after MAX_BAD_STEPS non-finite steps in a row (checkpoints hold healthy
-    steps only); save when due (time, --ckpt-every, the end, a signal); after the last step, the
-    final export (safetensors that from_pretrained and SGLang load); stop on a signal."""
+    steps only); save when due (time, --ckpt-every, the end, a signal); stop on a signal."""
     run.bad_steps = run.bad_steps + 1 if metrics["skipped_steps"] else 0
     if run.bad_steps >= MAX_BAD_STEPS:
         last = checkpoint.complete_checkpoints(cfg.run_dir)
@@ -682,8 +682,6 @@ def end_step(step: int, sums: dict, metrics: dict, cfg: Config, model, optimizer
         path = checkpoint.save_checkpoint(cfg.run_dir, step, model, optimizer, meta, ahead)
         logger.line(f"saved {path} in {time.perf_counter() - t0:.2f}s")
         run.last_save = time.monotonic()
-    if step == cfg.steps:
-        checkpoint.export_hf(model, tokenizer, cfg.model, Path(cfg.run_dir) / "final")
     if "signal" in sums:
         logger.close()
         raise checkpoint.Interrupted(cfg.run_dir, step, int(sums["signal"]))

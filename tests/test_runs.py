@@ -199,6 +199,12 @@ def test_the_two_headline_commands_in_a_row_keep_both_runs_and_a_rerun_resumes(t
     assert metrics(aside)[:3] == before and len(metrics(aside)) == 4  # kept whole
     assert [m["step"] for m in metrics(token_mean)] == [0, 1]
 
+    # a run with nothing left to train still writes its export (one killed mid-export lacks it)
+    shutil.rmtree(token_mean / "final")
+    done = cli([*SMALL, "--steps", "1"], tmp_path)
+    assert done.returncode == 0 and "nothing left to train" in done.stdout, done.stderr[-3000:]
+    assert (token_mean / "final" / "model.safetensors").is_file()
+
 
 # -----------------------------------------------------------------------------
 # preemption: SIGINT finishes the step, saves, says how to resume; the rerun equals a run that
