@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cli import UserError
+from cli import UserError, rank
 
 HTTP_TIMEOUT_S = 600.0  # one request to a server; a timed-out /generate is aborted, then re-posted
 HTTP_RETRIES = 3  # retries of a timeout, connection error or 5xx, backing off exponentially
@@ -227,7 +227,6 @@ def _check_logprob_env() -> None:
                            "log-probs, the trainer's are log_softmax(logits / T). Unset it.")
 
 
-_rank = lambda: dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 _DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "float": torch.float32, "float32": torch.float32}
 
@@ -289,8 +288,8 @@ class SGLangEngine:
         self.tags = ["kv_cache", "weights", GPU_MEMORY_TYPE_CUDA_GRAPH]
         # SGLang probes for free ports, binding them later: engines started together collide.
         # In-process it binds nccl_port (its scheduler's store) and port (DP attention's TCP ZMQ).
-        rank = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
-        port = SGLANG_PORT_BASE + SGLANG_PORT_STRIDE * rank
+        local = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
+        port = SGLANG_PORT_BASE + SGLANG_PORT_STRIDE * local
         # an fp32 lm_head (0.5.10 has it): bf16 logits would make pi/pi_behave != 1 at equal weights
         optional = {"port": port, "nccl_port": port + 1, "enable_fp32_lm_head": True}
         fields = getattr(ServerArgs, "__struct_fields__", None) or [  # msgspec from 0.5.20
@@ -418,7 +417,7 @@ class RemoteSGLangEngine:
             raise UserError(f"--sglang-deterministic: the SGLang server {bad[0]} runs without "
                             "deterministic inference; launch it with "
                             "--enable-deterministic-inference")
-        if self.sync_dtype != torch.float32 and not info.get("enable_fp32_lm_head") and not _rank():
+        if self.sync_dtype != torch.float32 and not info.get("enable_fp32_lm_head") and not rank():
             print(f"warning: the SGLang server {self.urls[0]} computes its lm_head in "
                   f"{self.sync_dtype}: pi/pi_behave != 1 at equal weights (launch it with "
                   "--enable-fp32-lm-head)", flush=True)
@@ -479,7 +478,7 @@ class RemoteSGLangEngine:
                     raise UserError(f"--rollout-url {url}: no healthy SGLang server after "
                                     f"{timeout:g}s (GET /health_generate: {last}); is it running "
                                     "and reachable from here?")
-                if time.monotonic() >= next_report and _rank() == 0:
+                if time.monotonic() >= next_report and rank() == 0:
                     print(f"waiting for the SGLang server {url} ({waited:.0f}s of {timeout:g}s; "
                           f"/health_generate: {last})", flush=True)
                     next_report += report_every
@@ -499,8 +498,8 @@ class RemoteSGLangEngine:
                  seeds: list[int]) -> list[Completion]:
         assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
         # a group on one server keeps its prefix cache hot; groups round robin, offset by rank
-        group, rank = {}, _rank()  # prompt -> its group's index
-        url = lambda p: self.urls[(group.setdefault(tuple(p), len(group)) + rank) % len(self.urls)]
+        group, shift = {}, rank()  # prompt -> its group's index
+        url = lambda p: self.urls[(group.setdefault(tuple(p), len(group)) + shift) % len(self.urls)]
         jobs = [self.pool.submit(self._generate_one, url(p), list(p), sampling, s)
                 for p, s in zip(prompt_ids, seeds)]
         return [j.result() for j in jobs]
@@ -543,7 +542,7 @@ class RemoteSGLangEngine:
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
         self.version, named = version, iter_full_tensors(model)
-        if _rank() == 0:
+        if rank() == 0:
             (self._sync_disk if self.weight_sync == "disk" else self._sync_nccl)(named)
         else:
             for _ in named:  # take part in the gathers only
