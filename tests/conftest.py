@@ -4,3 +4,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
+
+# The files that run the CLI end to end, longest first. xdist (--dist loadfile, in collection
+# order with --no-loadscope-reorder) hands a worker the next file when it is done: a long file
+# handed out last would run alone at the end while the other worker idles.
+LONGEST_FIRST = ["test_context_parallel.py", "test_ablation.py", "test_checkpoint.py",
+                 "test_runs.py", "test_bench.py", "test_rollout_sglang.py", "test_nanoareal.py",
+                 "test_staleness.py"]
+
+
+def pytest_collection_modifyitems(items) -> None:
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: files stay whole

@@ -13,6 +13,7 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
+import warm
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "WANDB_MODE": "disabled"}
@@ -29,8 +30,8 @@ policy-loss = "ppo"
 
 
 def script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300, env=ENV)
+    return warm.run([sys.executable, str(ROOT / "scripts" / name), *args], cwd=cwd,
+                    capture_output=True, text=True, timeout=300, env=ENV)
 
 
 def ablate(cwd: Path) -> subprocess.CompletedProcess:

@@ -2,20 +2,19 @@
 asserts a speed."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_bench(script: str, *flags: str) -> str:
-    env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PATH": "/usr/bin:/bin",
-           "HOME": str(Path.home())}
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / script), *flags], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300, env=env)
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    out = warm.run([sys.executable, str(ROOT / "bench" / script), *flags], cwd=ROOT,
+                   capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -64,13 +63,13 @@ def test_the_gpu_check_documents_itself_and_skips_cleanly_without_a_gpu():
     """tests/gpu/check_gpu.py is run by hand on a GPU machine; here its --help, and on a machine
     without CUDA its plain run says it skipped (exit 0) instead of failing."""
     script = str(ROOT / "tests" / "gpu" / "check_gpu.py")
-    helped = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True,
-                            timeout=120)
+    helped = warm.run([sys.executable, script, "--help"], capture_output=True, text=True,
+                      timeout=120)
     assert helped.returncode == 0 and "attention" in helped.stdout and "--quick" in helped.stdout
     import torch
 
     if not torch.cuda.is_available():
-        out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+        out = warm.run([sys.executable, script], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and out.stdout.startswith("skipped: no CUDA device"), out
 
 
@@ -78,9 +77,9 @@ def test_the_gpu_check_runs_its_cpu_smoke_mode_through_the_trainers_functions():
     """The same code as on the GPU, small (one layer, a 1024-token vocabulary), so it cannot rot:
     the attention check against the model's own forward and its negative control, GRPO steps."""
     script = str(ROOT / "tests" / "gpu" / "check_gpu.py")
-    out = subprocess.run([sys.executable, script, "--device", "cpu", "--num-layers", "1",
-                          "--quick"], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = warm.run([sys.executable, script, "--device", "cpu", "--num-layers", "1",
+                    "--quick"], capture_output=True, text=True, timeout=300,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "| sdpa | ok |" in out.stdout and "all checks passed" in out.stdout
     assert "| weight sync (" in out.stdout

@@ -11,12 +11,12 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 import tasks
 from tasks import chain_scratchpad, chain_values, last_number, make_chain_task
@@ -153,9 +153,9 @@ def test_builder_replays_its_first_sft_steps(split):
 
 
 def test_cli_help_names_the_task():
-    proc = subprocess.run([sys.executable, str(ROOT / "nanoareal.py"), "--help"], cwd=ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                          text=True, timeout=120)
+    proc = warm.run([sys.executable, str(ROOT / "nanoareal.py"), "--help"], cwd=ROOT,
+                    env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                    text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert re.search(r"arithmetic,\s+chain", proc.stdout), proc.stdout
 
@@ -165,8 +165,8 @@ def test_two_step_cli_run_logs_lengths_by_correctness(tmp_path):
     cmd = [sys.executable, str(ROOT / "nanoareal.py"), "--dataset", "chain", "--model",
            str(MODEL_DIR), "--steps", "2", "--max-new-tokens", "32", "--prompts-per-step", "8",
            "--eval-every", "2", "--run-dir", str(run_dir)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=240)
+    proc = warm.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                    capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 import checkpoint
 import nanoareal as N
@@ -50,8 +51,10 @@ def start(args: list[str], run_dir: Path, nproc: int = 1,
                f"--master_port={port}",
                *script]
     log = open(f"{run_dir}.log", "w")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = warm.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                      start_new_session=True)
+    proc.run_dir, proc.started = run_dir, time.time()  # kill_9 finds the ranks by their pid files
+    return proc
 
 
 def log_of(run_dir: Path) -> str:
@@ -102,9 +105,11 @@ def descendants(pid: int) -> list[int]:
 
 def kill_9(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun (or python) and every worker: torchrun starts each worker in a session of
-    its own, so the tree is collected first, then everything is killed at once, as a machine
-    failure would."""
-    for pid in [proc.pid, *descendants(proc.pid)]:
+    its own (and a warm worker is its zygote's child), so the tree and the ranks' pid files are
+    collected first, then everything is killed at once, as a machine failure would."""
+    ranks = [int(p.read_text()) for p in Path(proc.run_dir).glob("pid.rank*")
+             if p.stat().st_mtime >= proc.started]  # this run's, not an earlier one's
+    for pid in {proc.pid, *descendants(proc.pid), *ranks}:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

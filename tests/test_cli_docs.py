@@ -5,11 +5,11 @@ outside the repository."""
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -61,8 +61,8 @@ def test_readme_reward_example_runs_through_the_cli_and_logs_its_metrics(tmp_pat
     cmd = [sys.executable, str(ROOT / "nanoareal.py"), "--reward", f"{path}:score", "--steps", "2",
            "--prompts-per-step", "8", "--group-size", "4", "--eval-every", "2", "--run-dir",
            str(run_dir)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=240)
+    proc = warm.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                    capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward" in r]
@@ -85,8 +85,8 @@ def test_a_bad_reward_spec_is_one_line_naming_it(tmp_path, spec, message):
     example.write_text(reward_example())
     cmd = [sys.executable, str(ROOT / "nanoareal.py"), "--reward", spec.format(example=example),
            "--run-dir", str(tmp_path / "run")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=120)
+    proc = warm.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                    capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr

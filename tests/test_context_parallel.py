@@ -15,18 +15,17 @@ import importlib.util
 import json
 import os
 import socket
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
-ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
-                    "PYTHONPATH": str(ROOT)}
+ENV = os.environ | {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
 
 torch.set_num_threads(1)
 
@@ -48,7 +47,7 @@ def _free_port() -> int:
 def torchrun(nproc: int, *args: str, timeout: int = 240) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *args]
-    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    p = warm.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"{' '.join(cmd)} failed:\n{(p.stdout + p.stderr)[-4000:]}"
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 import nanoareal as N
 import tasks
@@ -69,9 +70,9 @@ def test_pass_at_k_and_mean_at_k_are_the_unbiased_estimators(one_rank_group):
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, str(ROOT / "nanoareal.py"), *args], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = warm.run([sys.executable, str(ROOT / "nanoareal.py"), *args], cwd=ROOT,
+                   capture_output=True, text=True, timeout=300,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out
 

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+import warm
 from fsdp_loss_worker import CASES, ZERO_CASE
 
 import loss as L
@@ -38,7 +39,7 @@ def results(tmp_path_factory):
            "127.0.0.1",
            "--master_port", str(free_port()), "tests/support/fsdp_loss_worker.py", str(out)]
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        proc = warm.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     # a hang (mismatched collectives) must fail, not block CI
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"torchrun worker timed out (hang?)\n{e.stdout}\n{e.stderr}")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 import nanoareal as N
 import tasks
@@ -34,7 +35,7 @@ def run_cli(args: list[str], nproc: int = 1, timeout: int = 240,
             port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={port}", str(ROOT / "nanoareal.py"), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = warm.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n"
                                   f"{proc.stderr[-3000:]}")
     return proc

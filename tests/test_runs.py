@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 import checkpoint
 
@@ -38,8 +39,8 @@ def cli(args: list[str], cwd: Path, env: dict | None = None, nproc: int = 1,
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={free_port()}", CLI, *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    return warm.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                    env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
 
 
 def free_port() -> int:
@@ -217,9 +218,9 @@ def test_sigint_mid_run_saves_and_the_rerun_ends_like_an_uninterrupted_run(tmp_p
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, CLI, *args, "--run-dir", str(run_dir)], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = warm.Popen([sys.executable, CLI, *args, "--run-dir", str(run_dir)], cwd=tmp_path,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                      env=dict(os.environ, OMP_NUM_THREADS="1"))
     deadline = time.monotonic() + 120
     while not (run_dir / "metrics.jsonl").exists() or \
             len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3:  # eval 0, steps 1-2

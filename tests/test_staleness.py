@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+import warm
 
 import rollout
 
@@ -42,8 +42,8 @@ def run_cli(tmp_path: Path, name: str, *args: str, nproc: int = 1) -> list[dict]
             port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={port}", *cmd[1:]]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = warm.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith(NOISE)} for r in rows if "reward" in r]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 import tasks
 from cli import UserError
@@ -413,8 +414,8 @@ def test_a_chat_without_a_template_names_the_prompt_key(families):
 
 def run_cli(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    return subprocess.run([sys.executable, str(ROOT / "nanoareal.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
+    return warm.run([sys.executable, str(ROOT / "nanoareal.py"), *args], cwd=ROOT, env=env,
+                    capture_output=True, text=True, timeout=240)
 
 
 @pytest.mark.parametrize("reward", ["gsm8k", "math"])
