@@ -37,10 +37,9 @@ def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.devi
                      kernel=None, cp_group=None) -> dict:
     """Index tensors for segment_attention, built once per micro-batch on the CPU (no GPU sync for
     the sizes). A row (q_start, q_len, ctx_start, ctx_len) of `segments` [R, 4]: q_len tokens attend
-    causally to ctx_len earlier tokens (a shared prompt prefix), then to themselves; a token's slot
-    in that attention row is its position in its sequence. Padded: `grid` ([R, max_len] slots ->
-    token), `out` (token -> its slot); varlen: `k_index`, `cu_q`, `cu_k` (bottom-right causal:
-    queries are the last q_len keys of their row). `cp_group`: the ranks sharing this whole row."""
+    causally to ctx_len earlier tokens (a shared prompt prefix), then to themselves. Padded: `grid`
+    ([R, max_len] slots -> token), `out` (token -> its slot); varlen: `k_index`, `cu_q`, `cu_k`
+    (bottom-right causal). `cp_group`: the ranks sharing this whole row."""
     device = device or segments.device
     q_start, q_len, ctx_start, ctx_len = segments.cpu().unbind(1)
     if int(q_len.sum()) != num_tokens or (q_start != torch.cumsum(q_len, 0) - q_len).any():

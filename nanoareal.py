@@ -178,7 +178,9 @@ class Config:
         # the defaults that depend on other flags, filled once, when the config is made (from the
         # command line or in code). Given values stay: a replace() that changes --policy-loss
         # keeps the clip range already filled in.
-        self.reward = tasks.resolve_reward_name(self.reward, self.dataset)
+        if self.reward == "auto":  # the built-in task's own reward, exact_match for a JSONL file
+            task = tasks.TASKS.get(self.dataset)
+            self.reward = task.reward if task else "exact_match"
         for k, v in loss.resolve_loss_flags(
                 self.policy_loss, self.loss_aggregation, self.eps_low, self.eps_high,
                 self.loss_aggregation_divisor, self.correction, self.correction_threshold,
@@ -265,8 +267,7 @@ def parse_config(argv: list[str]) -> Config:
 def resolve_config(cfg: Config) -> Config:
     """The defaults that need the file system: the shipped model from any directory, a
     checkpoint's base model (--model a checkpoint resumes from it), the run directory's name (an
-    evaluation, --steps 0, gets its own: it never writes into the run it evaluates; of a JSONL
-    --dataset alone, it evaluates that file)."""
+    evaluation, --steps 0, gets its own) and what --steps 0 of a JSONL --dataset alone evaluates."""
     model, resume_from = cfg.model, cfg.resume
     if not Path(model).exists() and (ROOT / model).is_dir():  # assets/... from any directory
         model = str(ROOT / model)
@@ -689,9 +690,8 @@ def end_step(step: int, sums: dict, metrics: dict, cfg: Config, model, optimizer
 
 def resume(cfg: Config, model, optimizer, engine, ranks: Ranks, resuming: bool) -> RunState:
     """Restore --resume's checkpoint, or this run's newest readable one (a broken one set aside),
-    into model, optimizer, RNGs, engine and the batches made ahead, and cut metrics.jsonl and
-    samples.jsonl back to its step (a fresh start drops them). Evaluating (--steps 0) loads the
-    checkpoint asked for, if any, and touches no run's checkpoints or lines."""
+    into model, optimizer, RNGs, engine and batches made ahead; cut metrics.jsonl and samples.jsonl
+    back to its step. Evaluating (--steps 0) touches no run's checkpoints or lines."""
     if cfg.steps == 0:
         path = None if cfg.resume in ("auto", "fresh") else cfg.resume
     else:

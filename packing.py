@@ -28,9 +28,8 @@ def pack_microbatches(samples: list, mode: str, divisor: float | None, budget: i
                       mask_truncated: bool = False, share_prompts: bool = True
                       ) -> list[MicroBatch]:
     """Micro-batches of at most `budget` fed positions, cut greedily in order (a shared prefix costs
-    its first sample only; the caller checked that each sample fits). The mode's weights come from
-    the whole mini-batch's metadata before any split, which makes any split exact (rule 2 of
-    loss.py's contract); with mask_truncated a response cut at the length limit counts nowhere."""
+    its first sample only). The mode's weights come from the whole mini-batch before any split, so
+    any split is exact (loss.py's rule 2); mask_truncated: a cut response counts nowhere."""
     dropped = [mask_truncated and s.completion.finish_reason == "length" for s in samples]
     denom = torch.tensor([0.0 if d else len(s.completion.output_ids)
                           for s, d in zip(samples, dropped)], dtype=torch.float64)

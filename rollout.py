@@ -63,7 +63,8 @@ class Completion:
 
 class Engine(Protocol):
     """One completion per (prompt, seed). Every rank calls update_weights (FSDP2 gathers are
-    collectives); release/resume_memory bracket training (a colocated engine frees the GPU)."""
+    collectives); release/resume_memory bracket training: a colocated engine frees the GPU, the
+    others inherit these no-ops (no KV cache outlives a generate call; servers own their GPUs)."""
     version: int  # the policy version (optimizer steps) of the weights it holds
     overlaps: bool  # can generate on a background thread while the trainer trains
 
@@ -124,7 +125,7 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.T
 
 # -----------------------------------------------------------------------------
 # HF backend: batched generation with a KV cache on plain transformers
-class HFEngine:
+class HFEngine(Engine):
     """Rollouts on a private transformers copy of the policy (CPU default; one GPU works too)."""
     overlaps = True  # a background thread hides generation behind training (NOTES: overlap)
 
@@ -140,9 +141,6 @@ class HFEngine:
         own, self.version = self.model.state_dict(), version
         for name, tensor in iter_full_tensors(model):
             own[name].copy_(tensor)
-
-    def release_memory(self) -> None: ...  # no KV cache outlives a generate call
-    def resume_memory(self) -> None: ...
 
     def shutdown(self) -> None:
         self.model = None
@@ -271,7 +269,7 @@ def _succeeded(result, what: str, step: int | None = None, where: str = "") -> N
         raise RuntimeError(f"SGLang {what} failed{at}: {get('message', '') or '(no message)'}")
 
 
-class SGLangEngine:
+class SGLangEngine(Engine):
     """One in-process `sglang.Engine` (tp=1) on this rank's GPU, shared with the trainer. Make it
     before the trainer allocates: SGLang sizes its KV cache from the GPU memory free at start."""
     overlaps = False  # it must free the GPU memory the trainer trains in
@@ -393,7 +391,7 @@ def route_address(url: str) -> str:
         return s.getsockname()[0]
 
 
-class RemoteSGLangEngine:
+class RemoteSGLangEngine(Engine):
     """SGLang servers over HTTP: every rank generates; rank 0 alone pushes weights, others wait."""
     overlaps = True  # the servers generate while the trainer trains
 
@@ -536,9 +534,6 @@ class RemoteSGLangEngine:
                     raise
                 self.send_seed, payload["rid"] = False, uuid.uuid4().hex
 
-    def release_memory(self) -> None: ...  # the servers own their GPUs
-    def resume_memory(self) -> None: ...
-
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
         self.version, named = version, iter_full_tensors(model)
@@ -666,10 +661,9 @@ _made = lambda batch: batch.result() if isinstance(batch, Future) else batch  # 
 
 
 class Rollouts:
-    """Batch s is sampled by step max(0, s - K)'s weights, K = --max-staleness: take(s) starts all
-    batches up to s + K and returns s; wait() lets the one in flight finish, so weights change only
-    between batches (a run is a function of (seed, K)). An overlapping engine makes them on a
-    thread; `share` (a collective) hands a batch to ranks that did not make it. None >= steps."""
+    """Batch s is sampled by step max(0, s - K)'s weights, K = --max-staleness: take(s) starts the
+    batches up to s + K (< steps) and returns s, on a thread for an overlapping engine; wait() lets
+    the one in flight finish: weights change only between batches. `share` hands a batch out."""
     def __init__(self, make_batch, staleness: int, overlap: bool, pending: dict[int, list],
                  steps: int | None = None, share=lambda batch: batch):
         self.make_batch, self.staleness, self.steps = make_batch, staleness, steps

@@ -116,7 +116,9 @@ def make_arithmetic_task(seed: int = 0, max_operand: int = 50,
 # the chain task's operations; no "*0": it would reset the chain, making every earlier step moot
 CHAIN_OPS = [f"+{d}" for d in range(10)] + [f"*{d}" for d in range(1, 10)]
 CHAIN_MAX_OPS = 8
-CHAIN_WIDTH = 2 * CHAIN_MAX_OPS + 1  # the longest body, a digit and 8 operations
+# every body padded to the longest (a digit, 8 operations): a scratchpad's j-th value is then a
+# fixed distance after the j-th operand, no k-dependent offsets to learn
+CHAIN_WIDTH = 2 * CHAIN_MAX_OPS + 1
 
 
 def chain_values(prompt: str) -> list[int]:
@@ -136,13 +138,10 @@ def chain_scratchpad(prompt: str) -> str:
 
 def make_chain_task(seed: int = 0, heldout_size: int = 256,
                     per_length: int = 2500) -> tuple[list, list]:
-    """Chains of k = 1..8 operations (+d or *d, mod 10) on a start digit, split by `seed` alone into
-    (train, heldout), rows like {"prompt": "3+4*2            =", "answer": "4"}: bodies padded to
-    CHAIN_WIDTH, so a scratchpad's j-th value is a fixed distance after the j-th operand (no
-    k-dependent offsets to learn). A response is the digit alone (2 tokens with <eos>) or the
-    scratchpad (2k + 2): `last_number` reads the last number only, so length is the policy's
-    choice. Per k, min(per_length, 10 * 19^k) distinct bodies, heldout_size / 8 of them held out,
-    interleaved k = 1..8, 1..8, ... (any prefix is balanced); the rest, shuffled, is train."""
+    """Chains of k = 1..8 operations (+d or *d, mod 10) on a start digit, split by `seed` into
+    (train, heldout), rows like {"prompt": "3+4*2            =", "answer": "4"} (bodies padded to
+    CHAIN_WIDTH). Per k, min(per_length, 10 * 19^k) distinct bodies, heldout_size / 8 held out,
+    interleaved k = 1..8, 1..8, ...; the rest, shuffled, is train (docs/studies.md: the task)."""
     if heldout_size % CHAIN_MAX_OPS:
         raise ValueError(f"heldout_size must be a multiple of {CHAIN_MAX_OPS} (one share per k)")
     per_k, rng, train, held_by_k = heldout_size // CHAIN_MAX_OPS, random.Random(seed), [], []
@@ -344,12 +343,6 @@ def load_data(model: str, dataset: str, eval_dataset: str | None, reward: str, p
 
 # -----------------------------------------------------------------------------
 # reward functions: built-in names or path/to/file.py:function
-def resolve_reward_name(reward: str, dataset: str) -> str:
-    """--reward auto: the built-in task's own reward, exact_match for a JSONL dataset."""
-    auto = TASKS[dataset].reward if dataset in TASKS else "exact_match"
-    return auto if reward == "auto" else reward
-
-
 def load_reward(spec: str) -> Callable:
     """A built-in reward by name, or `path/to/file.py:function` loaded from that file."""
     if spec == "math":  # its optional dependency checked now, not at the first call
@@ -382,9 +375,8 @@ def load_reward(spec: str) -> Callable:
 def evaluate(engine, data: Data, reward_fn: Callable, max_new_tokens: int, temperature: float,
              k: int, seed: int, rank: int = 0, world: int = 1, timeout: float = 30.0) -> dict:
     """Held-out metrics (rows split across ranks, one collective): eval/accuracy of greedy answers;
-    with k > 0, k samples per prompt at `temperature` give eval/mean@k (unbiased pass@1) and
-    eval/pass@j, j = 2, 4, ..., k: 1 - C(k-c, j)/C(k, j) for c of k correct (Chen et al. 2021's
-    unbiased estimator), over the prompts whose every answer is judged."""
+    with k > 0, k samples per prompt give eval/mean@k and eval/pass@j, j = 2, 4, ..., k: 1 -
+    C(k-c, j)/C(k, j) for c of k correct (Chen et al. 2021), over prompts with all k judged."""
     def judge(todo: list, temperature: float, seeds: list[int]) -> list:  # (row, prompt) pairs
         sampling = SamplingParams(max_new_tokens, temperature, stop_token_ids=data.stop_ids)
         outs = engine.generate([p for _, p in todo], sampling, seeds) if todo else []
