@@ -22,6 +22,7 @@ import os
 import random
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -113,7 +114,13 @@ def _next_zygote() -> str | None:
         paths = [f"{folder}/{i}.sock" for i in range(ZYGOTES)]
         procs = [_REAL_POPEN([sys.executable, __file__, path], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, env=_base_env, cwd=ROOT) for path in paths]
-        atexit.register(lambda: [p.stdin.close() for p in procs])  # EOF on stdin stops a zygote
+
+        def stop() -> None:  # EOF on its stdin stops a zygote
+            for proc in procs:
+                proc.stdin.close()
+            shutil.rmtree(folder, ignore_errors=True)
+
+        atexit.register(stop)
         if all(p.stdout.readline() == b"ready\n" for p in procs):  # each says so once imported
             _pool.extend(paths)
         else:
