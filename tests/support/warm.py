@@ -133,7 +133,9 @@ class WarmProcess:
 
     def __init__(self, args: list[str], zygote: str, cwd=None, env=None, stdin=None, stdout=None,
                  stderr=None, start_new_session: bool = False, text: bool = False):
-        self.args, self.text, self.returncode, self._pipes = args, text, None, {}
+        self.args, self.text, self.returncode = args, text, None
+        self._pipes: dict[int, object] = {}  # PIPE streams: temporary files, read at the end
+        self._opened: list = []  # files opened for the child (DEVNULL), closed once it has them
         fds = [self._fd(stdin, 0), self._fd(stdout, 1)]
         fds.append(fds[1] if stderr == subprocess.STDOUT else self._fd(stderr, 2))
         request = {"argv": args[1:], "cwd": str(Path(cwd or os.getcwd()).resolve()),
@@ -147,7 +149,6 @@ class WarmProcess:
         self.pid = int(self._conn.recv(64))
 
     def _fd(self, spec, default: int) -> int:
-        self._opened = getattr(self, "_opened", [])
         if spec is None:
             return default
         if spec == subprocess.PIPE:  # a temporary file, read once the process has exited
