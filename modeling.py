@@ -20,6 +20,9 @@ from cli import UserError, why
 
 HALF = (torch.float16, torch.bfloat16)  # the varlen kernels' dtypes; fp32 takes the padded path
 ATTENTION_PATHS = ("auto", "flash_attn", "torch_varlen", "sdpa")
+# padded path: short segments sharing a context (a group's completions and their prompt) share one
+# row of at most this many slots: a CPU's sdpa costs per row, and 8 x 10 slots cost more than 32
+GROUP_ROW_SLOTS = 64
 # model_type prefix -> (the config field that scales its head's logits, whether it divides by it)
 HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", False),
                "hyperclovax": ("logits_scaling", False), "falcon_h1": ("lm_head_multiplier", False)}
@@ -37,9 +40,11 @@ def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.devi
                      kernel=None, cp_group=None) -> dict:
     """Index tensors for segment_attention, built once per micro-batch on the CPU (no GPU sync for
     the sizes). A row (q_start, q_len, ctx_start, ctx_len) of `segments` [R, 4]: q_len tokens attend
-    causally to ctx_len earlier tokens (a shared prompt prefix), then to themselves. Padded: `grid`
-    ([R, max_len] slots -> token), `out` (token -> its slot); varlen: `k_index`, `cu_q`, `cu_k`
-    (bottom-right causal). `cp_group`: the ranks sharing this whole row."""
+    causally to ctx_len earlier tokens (a shared prompt prefix), then to themselves. Varlen:
+    `k_index`, `cu_q`, `cu_k` (bottom-right causal). Padded: rows of slots (`grid`: slot -> token,
+    `out`: token -> its query slot, `pos`: a slot's position in its sequence); `mask` [rows, 1,
+    slots, slots] where a row holds several segments, else None (causal). `cp_group`: the ranks
+    sharing this whole row."""
     device = device or segments.device
     q_start, q_len, ctx_start, ctx_len = segments.cpu().unbind(1)
     if int(q_len.sum()) != num_tokens or (q_start != torch.cumsum(q_len, 0) - q_len).any():
@@ -49,41 +54,73 @@ def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.devi
         raise ValueError("a segment's context must be earlier tokens of the row, got "
                          f"{segments.tolist()}")
     row_len = ctx_len + q_len
-    max_len = int(row_len.max())
-    j = torch.arange(max_len)[None]
+    j = torch.arange(int(row_len.max()))[None]
     src = torch.where(j < ctx_len[:, None], ctx_start[:, None] + j,
                       q_start[:, None] + j - ctx_len[:, None])
-    valid = j < row_len[:, None]
-    seg = torch.repeat_interleave(torch.arange(len(segments)), q_len)
-    # padding slots (after each row's real slots, so the causal mask hides them) read token 0:
-    # any real token works, its outputs are dropped and no real query sees it (so no gradient)
-    index = {"grid": torch.where(valid, src, 0).flatten(),
-             "out": seg * max_len + ctx_len[seg] + torch.arange(num_tokens) - q_start[seg],
-             "k_index": src[valid], "cu_q": F.pad(torch.cumsum(q_len, 0), (1, 0)).int(),
+    index = {"k_index": src[j < row_len[:, None]],
+             "cu_q": F.pad(torch.cumsum(q_len, 0), (1, 0)).int(),
              "cu_k": F.pad(torch.cumsum(row_len, 0), (1, 0)).int()}
-    return {k: v.to(device, non_blocking=True) for k, v in index.items()} | {"rows": len(segments),
-        "max_len": max_len, "max_q": int(q_len.max()), "kernel": kernel, "cp_group": cp_group}
+    # padded: rows of pieces (first token, length, segment, is query); a copied context is keys
+    # only. While rows stay short, a segment whose context starts a context-free segment (its
+    # prompt) joins that segment's row instead of copying it
+    rows, host, short = [], {}, int(row_len.max()) <= GROUP_ROW_SLOTS
+    for i, (qs, ql, cs, cl) in enumerate(segments.cpu().tolist()):
+        r = host.get(cs) if cl and short else None
+        if r is not None and cl <= rows[r][0][1] and sum(p[1] for p in rows[r]) + ql <= \
+                GROUP_ROW_SLOTS:
+            rows[r].append((qs, ql, i, True))
+            continue
+        host.update({} if cl else {qs: len(rows)})
+        rows.append([(cs, cl, i, False)] * (cl > 0) + [(qs, ql, i, True)])
+    size = torch.tensor([sum(p[1] for p in row) for row in rows])
+    start, length, seg, query = (torch.tensor(x) for x in zip(*sum(rows, [])))
+    R, width, n = len(rows), int(size.max()), torch.arange(int(length.sum()))
+    tok = torch.repeat_interleave(start - torch.cumsum(length, 0) + length, length) + n
+    seg, query, row = (torch.repeat_interleave(x, y) for x, y in (
+        (seg, length), (query, length), (torch.arange(R), size)))
+    flat = row * width + n - (torch.cumsum(size, 0) - size)[row]
+    grid, pos = torch.zeros(2, R * width, dtype=torch.long)  # padding slots read token 0
+    grid[flat] = tok
+    pos[flat] = torch.where(query, ctx_len[seg] + tok - q_start[seg], tok - ctx_start[seg])
+    out = torch.empty(num_tokens, dtype=torch.long)
+    out[tok[query]] = flat[query]
+    index |= {"grid": grid, "out": out, "pos": pos.view(R, width)}
+    if R < len(segments):  # rows of several segments: a query sees its context and its own past
+        owner = torch.full((R * width,), -1).index_put_((flat[query],), seg[query])
+        own, key = owner.view(R, width, 1), grid.view(R, 1, width)
+        o, of_token = own.clamp(min=0), torch.repeat_interleave(torch.arange(len(segments)), q_len)
+        real = torch.zeros(R * width, dtype=torch.bool).index_fill_(0, flat, True).view(R, 1, -1)
+        sees = ((of_token[key] == own) & (key <= grid.view(R, width, 1))
+                | (key >= ctx_start[o]) & (key < ctx_start[o] + ctx_len[o])) & real & (own >= 0)
+        index["mask"] = (sees | torch.eye(width, dtype=torch.bool))[:, None]  # others: themselves
+    return {"mask": None} | {k: v.to(device, non_blocking=True) for k, v in index.items()} | {
+        "rows": R, "slots": width, "max_q": int(q_len.max()), "max_k": int(row_len.max()),
+        "kernel": kernel, "cp_group": cp_group}
 
 
 def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropout: float = 0.0,
                       window: int | None = None, softcap: float | None = None):
     """Attention of a packed row by segments: q [H, T, D], k/v [Hkv, T, D] -> [T, H, D]; `window`
     as HF's sliding_window (the last `window` keys, itself included), `softcap` as Gemma 2's. A
-    varlen kernel gathers each segment's keys (context, then itself), else a padded [R, H, max_len,
-    D] batch (cost ~ R * max_len^2, not T^2); index_select sums a shared context's gradients."""
+    varlen kernel gathers each segment's keys (context, then itself), else a padded [rows, H,
+    slots, D] batch (cost ~ rows * slots^2, not T^2); index_select sums a copied context's
+    gradients."""
     scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
     if layout["kernel"] is not None and q.dtype in HALF:
         k, v = (x.transpose(0, 1).index_select(0, layout["k_index"]) for x in (k, v))
         return layout["kernel"](q.transpose(0, 1), k, v, layout, scaling, dropout, window, softcap)
-    rows, length = layout["rows"], layout["max_len"]
-    q, k, v = (x.transpose(0, 1).index_select(0, layout["grid"]).unflatten(0, (rows, length))
-               .transpose(1, 2) for x in (q, k, v))  # [h, T, D] -> [rows, h, max_len, D]
+    rows, width, mask = layout["rows"], layout["slots"], layout["mask"]
+    q, k, v = (x.transpose(0, 1).index_select(0, layout["grid"]).unflatten(0, (rows, width))
+               .transpose(1, 2) for x in (q, k, v))  # [h, T, D] -> [rows, h, slots, D]
     if window is None and softcap is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
-                                             scale=scaling, enable_gqa=True)
-    else:  # the slots of a row are positions, so the window is a band of the causal mask
-        i = torch.arange(length, device=q.device)  # query slot i sees key slot j: 0 <= i-j < window
-        keep = (i[:, None] >= i) & (i[:, None] - i < (length if window is None else window))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             dropout_p=dropout, scale=scaling, enable_gqa=True)
+    else:  # a window is a band of positions: a query at p sees keys at p - window < p' <= p
+        keep = torch.ones(width, width, dtype=torch.bool, device=q.device).tril() \
+            if mask is None else mask
+        if window is not None:
+            pos = layout["pos"]
+            keep = keep & (pos[:, None, :, None] - pos[:, None, None, :] < window)
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
         scores = (q @ k.transpose(-1, -2)) * scaling
         if softcap is not None:
@@ -115,7 +152,7 @@ def _flash_attn_kernel(q, k, v, layout, scaling, dropout, window, softcap):
     """flash-attn 2 (>= 2.6): bottom-right causal; window_size=(w-1, 0) keeps the last w keys."""
     from flash_attn import flash_attn_varlen_func
     return flash_attn_varlen_func(q, k, v, layout["cu_q"], layout["cu_k"], layout["max_q"],
-                                  layout["max_len"], dropout_p=dropout, softmax_scale=scaling,
+                                  layout["max_k"], dropout_p=dropout, softmax_scale=scaling,
                                   causal=True, window_size=(window - 1 if window else -1, 0),
                                   softcap=softcap or 0.0)
 
@@ -127,7 +164,7 @@ def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
         raise NotImplementedError("torch varlen_attn has no softcap or dropout")
     if k.shape[1] != q.shape[1]:  # GQA: repeat the KV heads (older torch has no enable_gqa)
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
-    return varlen_attn(q, k, v, layout["cu_q"], layout["cu_k"], layout["max_q"], layout["max_len"],
+    return varlen_attn(q, k, v, layout["cu_q"], layout["cu_k"], layout["max_q"], layout["max_k"],
                        scale=scaling, window_size=(window - 1 if window else -1, 0))
 
 

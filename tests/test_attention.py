@@ -194,16 +194,20 @@ def test_packing_with_shared_prompts_feeds_each_prompt_once_per_micro_batch():
     assert small[1].segments.tolist() == [[0, 2, 0, 0], [2, 1, 0, 2]]
 
 
-@pytest.mark.parametrize("family, path", [  # torch varlen_attn has no softcap: never for Gemma 2
-    ("llama", "sdpa"), ("llama", "flash_attn"), ("llama", "torch_varlen"), ("gemma2", "sdpa"),
-    ("gemma2", "flash_attn")])
-def test_shared_prompt_logprobs_and_gradients_equal_per_sequence_forwards(family, path,
+@pytest.mark.parametrize("family, path, row_slots", [  # torch varlen_attn has no softcap
+    ("llama", "sdpa", 64), ("llama", "sdpa", 12), ("llama", "sdpa", 1), ("llama", "flash_attn", 64),
+    ("llama", "torch_varlen", 64), ("gemma2", "sdpa", 64), ("gemma2", "sdpa", 12),
+    ("gemma2", "sdpa", 1), ("gemma2", "flash_attn", 64)])
+def test_shared_prompt_logprobs_and_gradients_equal_per_sequence_forwards(family, path, row_slots,
                                                                           monkeypatch,
                                                                           exact_rmsnorm):
     """Every path, with a plain causal mask (Llama) and with a sliding window shorter than the
     sequences and attention and final logit softcaps (Gemma 2), equals the model's own eager
     forward of each sequence alone (sdpa for Llama; Gemma 2 has only eager, whose softmax runs in
-    float32 even for float64 inputs, hence its looser tolerance)."""
+    float32 even for float64 inputs, hence its looser tolerance). The padded path with a group's
+    completions in their prompt's row (64 slots), some of them (12: others copy the prompt into
+    rows of their own) and none (1)."""
+    monkeypatch.setattr(modeling, "GROUP_ROW_SLOTS", row_slots)
     model = tiny_model(family)
     samples = random_samples(0)
     weight = model.get_input_embeddings().weight  # the far end of backward: every layer flows in
@@ -245,6 +249,28 @@ def test_windows_and_softcaps_change_the_result_so_the_test_above_can_fail(monke
     monkeypatch.setattr(modeling, "segment_attention", full)
     monkeypatch.setattr(modeling, "head_transform", lambda config: (1.0, None))
     assert "disagrees" in modeling.check_model(model, GEMMA2["vocab_size"])
+
+
+def test_a_prompt_and_the_completions_sharing_it_fill_one_padded_row():
+    """The packing example above: rows [5 6 | 7 8 | 7] and [4 | 4 3 3 3]; a completion sees its
+    prompt's prefix and itself, never a sibling; positions restart per sequence."""
+    segments = torch.tensor([[0, 2, 0, 0], [2, 2, 0, 2], [4, 1, 0, 2], [5, 1, 0, 0], [6, 4, 5, 1]])
+    layout = modeling.attention_layout(segments, 10)
+    assert (layout["rows"], layout["slots"]) == (2, 5)
+    assert layout["grid"].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert layout["pos"].tolist() == [[0, 1, 2, 3, 2], [0, 1, 2, 3, 4]]
+    assert layout["mask"][0, 0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0],
+                                                   [1, 1, 1, 0, 0], [1, 1, 1, 1, 0],
+                                                   [1, 1, 0, 0, 1]]
+    # rows of 5 slots: a third completion copies the prefix into a row of its own
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(modeling, "GROUP_ROW_SLOTS", 5)
+        layout = modeling.attention_layout(torch.cat([segments[:3], torch.tensor([[5, 2, 0, 2]])]),
+                                           7)
+    assert layout["rows"] == 2 and layout["grid"].view(2, 5)[1, :4].tolist() == [0, 1, 5, 6]
+    assert layout["out"][5] == 5 + 2  # token 5's query slot: after its copied prefix
+    single = modeling.attention_layout(torch.tensor([[0, 3, 0, 0], [3, 2, 0, 0]]), 5)
+    assert single["mask"] is None and single["rows"] == 2  # one sequence a row: plain causal
 
 
 def test_attention_layout_rejects_segments_that_do_not_tile_the_row():
