@@ -7,7 +7,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import itertools
 import json
+import mmap
+import multiprocessing
 import os
 import shutil
 import signal
@@ -15,6 +18,7 @@ import socket
 import tempfile
 import threading
 import time
+import traceback
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -66,7 +70,7 @@ class Engine(Protocol):
     collectives); release/resume_memory bracket training: a colocated engine frees the GPU, the
     others inherit these no-ops (no KV cache outlives a generate call; servers own their GPUs)."""
     version: int  # the policy version (optimizer steps) of the weights it holds
-    overlaps: bool  # can generate on a background thread while the trainer trains
+    overlaps: str  # how it generates while the trainer trains: "process", "thread" or "" (not)
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
                  seeds: list[int]) -> list[Completion]: ...
@@ -79,7 +83,18 @@ class Engine(Protocol):
 def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) of each parameter and buffer: FSDP2 all-gathers, every rank iterates."""
     for name, t in model.state_dict().items():
-        yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+        if hasattr(t, "full_tensor"):  # a DTensor; a mesh of one holds it whole (no gather)
+            t = t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()
+        yield name, t.detach()
+
+
+def shared_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of CPU tensors in one anonymous MAP_SHARED mapping: a process forked afterwards sees
+    every later write. Not /dev/shm (torch's share_memory_), which containers cap at 64 MB."""
+    sizes = [-(-t.nbytes // 64) * 64 for t in tensors]  # 64-byte aligned, as a SIMD load wants
+    buffer, offsets = mmap.mmap(-1, max(sum(sizes), 1)), itertools.accumulate([0, *sizes])
+    return [torch.frombuffer(buffer, dtype=t.dtype, count=t.numel(), offset=at).view(t.shape)
+            .copy_(t) if t.numel() else t.clone() for t, at in zip(tensors, offsets)]
 
 
 # -----------------------------------------------------------------------------
@@ -126,21 +141,38 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.T
 # -----------------------------------------------------------------------------
 # HF backend: batched generation with a KV cache on plain transformers
 class HFEngine(Engine):
-    """Rollouts on a private transformers copy of the policy (CPU default; one GPU works too)."""
-    overlaps = True  # a background thread hides generation behind training (NOTES: overlap)
+    """Rollouts on a private transformers copy of the policy (CPU default; one GPU works too). On
+    a CPU its weights and version live in shared memory: a forked rollout process generates while
+    the trainer trains (a thread would share the trainer's GIL: 11% slower training); on a GPU a
+    thread does (CUDA does not survive a fork)."""
 
     def __init__(self, model_path: str, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, batch_size: int = 512):
         from transformers import AutoModelForCausalLM
-        self.device, self.batch_size, self.version = torch.device(device), batch_size, 0
+        self.device, self.batch_size = torch.device(device), batch_size
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32)
         self.model = self.model.to(self.device).eval().requires_grad_(False)  # no autograd graph
+        self.overlaps, self._version = "thread", torch.zeros((), dtype=torch.int64)
+        if self.device.type == "cpu":
+            self.overlaps = "process"
+            old = {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}
+            *copies, self._version = shared_copies([*old.values(), self._version])
+            new = dict(zip(old, copies))
+            for p in self.model.parameters():  # .data keeps the Parameter: tied weights stay tied
+                p.data = new[id(p)]
+            for m in self.model.modules():
+                m._buffers.update({k: new[id(b)] for k, b in m._buffers.items() if b is not None})
+
+    @property
+    def version(self) -> int:
+        return int(self._version)
 
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
-        own, self.version = self.model.state_dict(), version
+        own = self.model.state_dict()
         for name, tensor in iter_full_tensors(model):
             own[name].copy_(tensor)
+        self._version.fill_(version)
 
     def shutdown(self) -> None:
         self.model = None
@@ -272,7 +304,7 @@ def _succeeded(result, what: str, step: int | None = None, where: str = "") -> N
 class SGLangEngine(Engine):
     """One in-process `sglang.Engine` (tp=1) on this rank's GPU, shared with the trainer. Make it
     before the trainer allocates: SGLang sizes its KV cache from the GPU memory free at start."""
-    overlaps = False  # it must free the GPU memory the trainer trains in
+    overlaps = ""  # it must free the GPU memory the trainer trains in
 
     def __init__(self, model_path: str, gpu_id: int = 0, seed: int = 0,
                  device: torch.device | str = "cuda", deterministic: bool = False,
@@ -393,7 +425,7 @@ def route_address(url: str) -> str:
 
 class RemoteSGLangEngine(Engine):
     """SGLang servers over HTTP: every rank generates; rank 0 alone pushes weights, others wait."""
-    overlaps = True  # the servers generate while the trainer trains
+    overlaps = "thread"  # the servers generate while the trainer trains
 
     def __init__(self, urls: list[str], model_path: str, run_dir: str = "runs/remote",
                  weight_sync: str = "disk", deterministic: bool = False, nccl_addr: str = "",
@@ -657,37 +689,93 @@ def make_engine(backend: str, urls: list[str], model_path: str, device: torch.de
 
 # -----------------------------------------------------------------------------
 # the batches in flight (--max-staleness)
-_made = lambda batch: batch.result() if isinstance(batch, Future) else batch  # or in flight
+IN_CHILD = "in the rollout process"  # a batch requested from the forked child, not yet received
 
 
 class Rollouts:
     """Batch s is sampled by step max(0, s - K)'s weights, K = --max-staleness: take(s) starts the
-    batches up to s + K (< steps) and returns s, on a thread for an overlapping engine; wait() lets
-    the one in flight finish: weights change only between batches. `share` hands a batch out."""
-    def __init__(self, make_batch, staleness: int, overlap: bool, pending: dict[int, list],
+    batches up to s + K (< steps) and returns s; wait() lets those in flight finish: weights
+    change only between batches. `overlap` (the engine's): "process", a forked child that
+    inherits the engine (weights in shared memory), data and reward; "thread"; "" inline. A child
+    that dies (a signal to the whole job) is replaced by the trainer making its batches by the
+    same weights: the same batches. `share` hands a batch out."""
+    def __init__(self, make_batch, staleness: int, overlap: str, pending: dict[int, list],
                  steps: int | None = None, share=lambda batch: batch):
         self.make_batch, self.staleness, self.steps = make_batch, staleness, steps
         self.share, self.batches = share, dict(pending)
-        self.pool = ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(
-            torch.get_num_threads(),)) if overlap and staleness > 0 else None
+        self.overlap, self.pool, self.conn = overlap if staleness > 0 else "", None, None
+        if self.overlap == "thread":
+            self.pool = ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(
+                torch.get_num_threads(),))
+        elif self.overlap == "process":
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # else a warning per fork
+            fork = multiprocessing.get_context("fork")
+            self.conn, child = fork.Pipe()
+            fork.Process(target=_serve_batches, daemon=True, args=(
+                make_batch, child, self.conn, torch.get_num_threads())).start()
+            child.close()
 
     def describe(self) -> str:
-        how = "overlapped with training" if self.pool else "not overlapped (colocated engine)"
-        return f"rollouts {self.staleness} step(s) ahead, {how}" if self.staleness else \
-            "synchronous rollouts"
+        how = {"process": "overlapped with training (a rollout process)", "thread": "overlapped "
+               "with training (a rollout thread)", "": "not overlapped (colocated engine)"}
+        return f"rollouts {self.staleness} step(s) ahead, {how[self.overlap]}" \
+            if self.staleness else "synchronous rollouts"
 
     def take(self, step: int) -> list:
         for s in range(step, step + self.staleness + 1):
             if s not in self.batches and (s == step or self.steps is None or s < self.steps):
-                self.batches[s] = (self.pool.submit(self.make_batch, s) if self.pool
-                                   else self.make_batch(s))
-        return self.share(_made(self.batches.pop(step)))
+                self.batches[s] = self._start(s)
+        return self.share(self._made(step, self.batches.pop(step)))
 
     def wait(self) -> dict[int, list]:
         """Every batch in flight finished; returns the batches made ahead (for a checkpoint)."""
-        self.batches = {s: _made(b) for s, b in self.batches.items()}
+        self.batches = {s: self._made(s, b) for s, b in self.batches.items()}
         return self.batches
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(cancel_futures=True)
+        if self.conn is not None:
+            self.conn.close()  # the child's recv() ends: it exits
+
+    def _start(self, step: int):
+        if self.pool is not None:
+            return self.pool.submit(self.make_batch, step)
+        if self.conn is not None:
+            with suppress(OSError):  # a dead child: _made makes the batch here
+                self.conn.send(step)
+            return IN_CHILD
+        return self.make_batch(step)
+
+    def _made(self, step: int, batch):
+        if isinstance(batch, Future):
+            return batch.result()
+        if batch is not IN_CHILD:
+            return batch
+        try:  # batches come back in the order they were asked for: this one is the oldest
+            if self.conn is not None:
+                s, batch, error = self.conn.recv()
+                if error:
+                    raise RuntimeError(f"the rollout process failed on step {s}:\n{error}")
+                return batch
+        except (EOFError, OSError):  # the child is gone: from now on batches are made here
+            self.conn = None
+        return self.make_batch(step)
+
+
+def _serve_batches(make_batch, conn, trainer_end, threads: int) -> None:
+    """The rollout process: make_batch(step) for each step asked, until the trainer hangs up (or
+    dies: with its end of the pipe closed here, recv() then ends)."""
+    trainer_end.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: it saves, then closes
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a job's end: the trainer makes what it needs
+    torch.set_num_threads(threads)
+    while True:
+        try:
+            step = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send((step, make_batch(step), None))
+        except Exception:
+            conn.send((step, None, traceback.format_exc()))

@@ -677,7 +677,7 @@ def test_the_three_engines_implement_the_engine_protocol_with_identical_signatur
                                    run_dir=str(tmp_path), seed=0)
                for backend, urls in (("hf", []), ("sglang", []), ("sglang", [server.url]))]
     assert [type(e) for e in engines] == [HFEngine, SGLangEngine, RemoteSGLangEngine]
-    assert [e.overlaps for e in engines] == [True, False, True]
+    assert [e.overlaps for e in engines] == ["process", "", "thread"]
     assert [e.version for e in engines] == [0, 0, 0]
 
 

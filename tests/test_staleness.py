@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 import warm
 
 import rollout
@@ -95,20 +99,137 @@ def test_the_batch_ahead_is_generated_while_the_step_trains():
             assert trained.wait(10), "batch 1 was generated before step 0 could train"
         return [step]
 
-    rollouts = rollout.Rollouts(make_batch, 1, True, {})
+    rollouts = rollout.Rollouts(make_batch, 1, "thread", {})
     assert rollouts.take(0) == [0]
     assert started.wait(10)  # batch 1 runs meanwhile, sampled by the weights of step 0
     trained.set()
     assert rollouts.wait() == {1: [1]} and rollouts.take(1) == [1]
     rollouts.close()
-    assert "overlapped with training" in rollout.Rollouts(make_batch, 1, True, {}).describe()
+    assert "overlapped with training" in rollout.Rollouts(make_batch, 1, "thread", {}).describe()
 
 
 def test_an_engine_that_cannot_overlap_keeps_the_semantics_and_says_so():
     """Colocated SGLang shares the GPU with the trainer: batches up to s + K are generated inline,
     by the same weights they would have had."""
     made = []
-    rollouts = rollout.Rollouts(lambda s: made.append(s) or [s], 2, False, {0: [0]})
+    rollouts = rollout.Rollouts(lambda s: made.append(s) or [s], 2, "", {0: [0]})
     assert rollouts.take(0) == [0] and made == [1, 2]  # batch 0 came from a checkpoint
     assert rollouts.take(1) == [1] and made == [1, 2, 3]
     assert "not overlapped" in rollouts.describe()
+
+
+# -----------------------------------------------------------------------------
+# the rollout process (the hf engine on a CPU): a forked child that shares the engine's weights
+
+
+def test_the_batch_ahead_is_made_by_another_process_while_the_step_trains(tmp_path):
+    """Batch 1 waits for a file the parent writes once it has 'trained' step 0; it reports the pid
+    that made it: not the trainer's."""
+    def make_batch(step: int) -> list[int]:
+        if step == 1:
+            (tmp_path / "started").touch()
+            for _ in range(1000):
+                if (tmp_path / "trained").exists():
+                    break
+                time.sleep(0.01)
+            else:
+                raise AssertionError("batch 1 was made before step 0 could train")
+        return [step, os.getpid()]
+
+    rollouts = rollout.Rollouts(make_batch, 1, "process", {})
+    assert "(a rollout process)" in rollouts.describe()
+    assert rollouts.take(0)[0] == 0
+    for _ in range(1000):
+        if (tmp_path / "started").exists():
+            break
+        time.sleep(0.01)
+    (tmp_path / "trained").touch()
+    (step, pid), = rollouts.wait().values()
+    assert step == 1 and pid != os.getpid()
+    assert rollouts.take(1) == [1, pid]
+    rollouts.close()
+
+
+def test_the_rollout_process_sees_each_weight_update_and_makes_what_the_trainer_would(tmp_path):
+    """An engine (tied embeddings: they must stay tied in shared memory) forked once; weights
+    written by update_weights afterwards reach the child, with their version: its batches equal
+    the same engine generating in the trainer's own process."""
+    from sglang_standin import save_tiny_llama
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    engine, local = rollout.HFEngine(path), rollout.HFEngine(path)
+    assert engine.overlaps == "process"
+    assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
+    sampling = rollout.SamplingParams(6, 1.0, stop_token_ids=[1])
+    prompts, seeds = [[3, 13, 4, 14], [5, 13, 6, 14]] * 4, list(range(8))
+
+    def make(e, step):
+        return [e.version, [c.output_ids for c in e.generate(prompts, sampling, seeds)]]
+
+    rollouts = rollout.Rollouts(lambda s: make(engine, s), 1, "process", {})
+    first = rollouts.take(0)
+    assert first == make(local, 0)
+    rollouts.wait()
+    torch.manual_seed(1)
+    trained = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p))
+    for e in (engine, local):
+        e.update_weights(trained, 1)
+    assert rollouts.take(1) == first  # made ahead, before the update
+    got = rollouts.take(2)
+    assert got == make(local, 2) and got[0] == 1 and got != first
+    rollouts.close()
+
+
+def test_a_rollout_process_that_dies_or_fails_is_replaced_or_reported(tmp_path):
+    """A child killed (SIGTERM to the whole job) leaves the trainer making the batches, the same
+    ones; an error in make_batch comes back as an error with the child's traceback; a child whose
+    trainer is gone (kill -9) exits on its own."""
+    def make_batch(step: int) -> list[int]:
+        if step == 2:
+            (tmp_path / "pid").write_text(str(os.getpid()))
+            time.sleep(30)  # killed meanwhile
+        if step == 7:
+            raise ValueError("a broken reward")
+        return [step]
+
+    rollouts = rollout.Rollouts(make_batch, 2, "process", {})
+    assert rollouts.take(0) == [0]
+    for _ in range(1000):
+        if (tmp_path / "pid").exists():
+            break
+        time.sleep(0.01)
+    os.kill(int((tmp_path / "pid").read_text()), signal.SIGTERM)
+    (tmp_path / "pid").unlink()  # the trainer's own make_batch(2) sleeps too: shorten it
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(time, "sleep", lambda s: None)
+        assert [rollouts.take(s) for s in range(1, 5)] == [[1], [2], [3], [4]]
+    rollouts.close()
+    rollouts = rollout.Rollouts(make_batch, 1, "process", {5: [5]})
+    assert rollouts.take(5) == [5] and rollouts.take(6) == [6]
+    with pytest.raises(RuntimeError, match="(?s)rollout process failed on step 7.*a broken reward"):
+        rollouts.take(7)
+    rollouts.close()
+    orphan = subprocess.run([sys.executable, "-c", ORPHAN], capture_output=True, text=True,
+                            cwd=ROOT, timeout=60)
+    child = int(orphan.stdout.split()[-1])
+    for _ in range(500):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError(f"the rollout process {child} outlived its trainer")
+
+
+ORPHAN = """
+import os, signal, time, rollout
+rollouts = rollout.Rollouts(lambda s: [os.getpid()], 1, "process", {})
+rollouts.take(0)
+print(rollouts.wait()[1][0], flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""

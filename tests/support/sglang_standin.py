@@ -327,8 +327,8 @@ def save_tiny_llama(out, dtype=torch.float32, **config) -> str:
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=None,
-                      eos_token_id=1, pad_token_id=0, **config)
+                      max_position_embeddings=64, bos_token_id=None, eos_token_id=1,
+                      pad_token_id=0, **{"tie_word_embeddings": False} | config)
     LlamaForCausalLM(cfg).to(dtype).save_pretrained(out)
     return str(out)
 
