@@ -606,9 +606,9 @@ def load_models(cfg: Config, device: torch.device, ranks: Ranks) -> tuple:
     """The policy, a frozen reference copy for the KL penalty (else None), the policy's AdamW."""
     model = load_model(cfg, device, ranks)
     ref_model = load_model(cfg, device, ranks, trainable=False) if cfg.kl_coef > 0 else None
-    # foreach: one kernel per op for all parameters (a GPU's default; 3x faster on CPU DTensors)
+    # fused: AdamW's whole update in one kernel (CPU DTensors: 33 ms a step looped, 8 foreach, 5)
     return model, ref_model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=ADAM_BETAS,
-                                               weight_decay=WEIGHT_DECAY, foreach=True)
+                                               weight_decay=WEIGHT_DECAY, fused=True)
 
 
 def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool = True):

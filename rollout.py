@@ -695,10 +695,10 @@ IN_CHILD = "in the rollout process"  # a batch requested from the forked child, 
 class Rollouts:
     """Batch s is sampled by step max(0, s - K)'s weights, K = --max-staleness: take(s) starts the
     batches up to s + K (< steps) and returns s; wait() lets those in flight finish: weights
-    change only between batches. `overlap` (the engine's): "process", a forked child that
-    inherits the engine (weights in shared memory), data and reward; "thread"; "" inline. A child
-    that dies (a signal to the whole job) is replaced by the trainer making its batches by the
-    same weights: the same batches. `share` hands a batch out."""
+    change only between batches. `overlap` (the engine's): "process", a forked child (one torch
+    thread) that inherits the engine (weights in shared memory), data and reward; "thread"; ""
+    inline. A child that dies (a signal to the whole job) is replaced by the trainer making its
+    batches by the same weights: the same batches. `share` hands a batch out."""
     def __init__(self, make_batch, staleness: int, overlap: str, pending: dict[int, list],
                  steps: int | None = None, share=lambda batch: batch):
         self.make_batch, self.staleness, self.steps = make_batch, staleness, steps
@@ -711,8 +711,8 @@ class Rollouts:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # else a warning per fork
             fork = multiprocessing.get_context("fork")
             self.conn, child = fork.Pipe()
-            fork.Process(target=_serve_batches, daemon=True, args=(
-                make_batch, child, self.conn, torch.get_num_threads())).start()
+            fork.Process(target=_serve_batches, args=(make_batch, child, self.conn),
+                         daemon=True).start()
             child.close()
 
     def describe(self) -> str:
@@ -763,13 +763,13 @@ class Rollouts:
         return self.make_batch(step)
 
 
-def _serve_batches(make_batch, conn, trainer_end, threads: int) -> None:
+def _serve_batches(make_batch, conn, trainer_end) -> None:
     """The rollout process: make_batch(step) for each step asked, until the trainer hangs up (or
     dies: with its end of the pipe closed here, recv() then ends)."""
     trainer_end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: it saves, then closes
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a job's end: the trainer makes what it needs
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)  # GNU OpenMP hangs a fork whose parent ran threads if it runs more
     while True:
         try:
             step = conn.recv()

@@ -55,8 +55,9 @@ def test_bench_vs_trl_prints_its_table():
 
 def test_bench_staleness_prints_its_table():
     out = run_bench("bench_staleness.py", "--steps", "1", "--warmup", "1", "--prompts-per-step",
-                    "8", "--skip-trl")
-    assert "| nanoareal K=1 (1 + rollout thread) |" in out and "K=1 vs K=0:" in out, out
+                    "8", "--rounds", "2", "--skip-trl")
+    assert "| nanoareal K=1 (1 thread + a 1-thread rollout process) |" in out, out
+    assert "K=1 vs K=0:" in out and "by round" in out, out
 
 
 def test_the_gpu_check_documents_itself_and_skips_cleanly_without_a_gpu():

@@ -167,8 +167,16 @@ def test_the_rollout_process_sees_each_weight_update_and_makes_what_the_trainer_
     def make(e, step):
         return [e.version, [c.output_ids for c in e.generate(prompts, sampling, seeds)]]
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a trainer that ran OpenMP threads before the fork: no hang after
+    torch.randn(256, 256) @ torch.randn(256, 256)
     rollouts = rollout.Rollouts(lambda s: make(engine, s), 1, "process", {})
-    first = rollouts.take(0)
+    torch.set_num_threads(threads)
+    taken: list = []
+    waiter = threading.Thread(target=lambda: taken.append(rollouts.take(0)), daemon=True)
+    waiter.start(), waiter.join(60)
+    assert taken, "the rollout process hangs (OpenMP threads after a fork)"
+    first = taken[0]
     assert first == make(local, 0)
     rollouts.wait()
     torch.manual_seed(1)
