@@ -8,10 +8,10 @@ nanoareal runs as the real CLI, one process per K and round, OMP_NUM_THREADS=1: 
 engine generates (and scores) the next batch in a forked rollout process while the trainer
 trains, so the two cores each run one torch thread. The runs alternate K = 0, 1, 1, 0, ... (a
 machine that drifts slower or faster favours neither) and the steps of all rounds are pooled.
-TRL runs alone, once with 1 torch thread and once with 2 (the same cores, used its way; on small
-machines 2 threads can be slower), and its faster run counts. Times are the median of time/step
-in metrics.jsonl (nanoareal) and of the interval between TRL's optimizer steps; both exclude
-start-up, evaluation and checkpoints.
+TRL runs alone in every round too, with 1 torch thread and with 2 (the same cores, used its way;
+on small machines 2 threads can be slower), and its faster setting counts. Times are the median
+of time/step in metrics.jsonl (nanoareal) and of the interval between TRL's optimizer steps; both
+exclude start-up, evaluation and checkpoints.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def medians(rows: list[dict]) -> dict[str, float]:
             for key in ("step", "rollout", "train", "sync")}
 
 
-def trl_step_time(args, threads: int) -> float:
+def trl_step_times(args, threads: int) -> list[float]:
     """TRL's GRPOTrainer on the same task and model (bench_vs_trl's set-up), alone."""
     import torch
     from transformers import TrainerCallback
@@ -72,7 +72,7 @@ def trl_step_time(args, threads: int) -> float:
     trainer.add_callback(Clock())
     torch.set_num_threads(threads)
     trainer.train()
-    return statistics.median(times[args.warmup:])
+    return times[args.warmup:]
 
 
 def main():
@@ -85,12 +85,15 @@ def main():
     p.add_argument("--skip-trl", action="store_true")
     args = p.parse_args()
     runs: dict[int, list[list[dict]]] = {0: [], 1: []}
-    for r in range(args.rounds):
+    trl_runs: dict[int, list[float]] = {} if args.skip_trl else {1: [], 2: []}
+    for r in range(args.rounds):  # nanoareal's runs and TRL's in every round: drift hits both
         for k in (0, 1) if r % 2 == 0 else (1, 0):
             runs[k].append(nanoareal_steps(k, args))
+        for n in sorted(trl_runs, reverse=r % 2 == 1):
+            trl_runs[n] += trl_step_times(args, n)
     k0, k1 = (medians(sum(runs[k], [])) for k in (0, 1))
     by_round = [medians(b)["step"] / medians(a)["step"] for a, b in zip(runs[0], runs[1])]
-    trl = {} if args.skip_trl else {n: trl_step_time(args, n) for n in (1, 2)}
+    trl = {n: statistics.median(t) for n, t in trl_runs.items()}
     print(f"\n## Rollouts one step ahead: {args.prompts_per_step} prompts x 8 samples, default "
           f"task, 2 cores, median of {args.rounds} x {args.steps} steps per K (each run after "
           f"{args.warmup} warm-up)\n")
