@@ -153,7 +153,7 @@ class HFEngine(Engine):
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32)
         self.model = self.model.to(self.device).eval().requires_grad_(False)  # no autograd graph
         self.overlaps, self._version = "thread", torch.zeros((), dtype=torch.int64)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and "fork" in multiprocessing.get_all_start_methods():
             self.overlaps = "process"
             old = {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}
             *copies, self._version = shared_copies([*old.values(), self._version])
