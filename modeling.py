@@ -42,11 +42,11 @@ def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.devi
     the sizes). A row (q_start, q_len, ctx_start, ctx_len) of `segments` [R, 4]: q_len tokens attend
     causally to ctx_len earlier tokens (a shared prompt prefix), then to themselves. Varlen:
     `k_index`, `cu_q`, `cu_k` (bottom-right causal). Padded: rows of slots (`grid`: slot -> token,
-    `out`: token -> its query slot, `pos`: a slot's position in its sequence); `mask` [rows, 1,
-    slots, slots] where a row holds several segments, else None (causal). `cp_group`: the ranks
-    sharing this whole row."""
+    `out`: token -> its query slot, `pos`: a slot's position in its sequence), `mask` [rows, 1,
+    slots, slots] if a row holds several segments (else causal). `cp_group`: who shares the row."""
     device = device or segments.device
-    q_start, q_len, ctx_start, ctx_len = segments.cpu().unbind(1)
+    segments = segments.cpu()
+    q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
     if int(q_len.sum()) != num_tokens or (q_start != torch.cumsum(q_len, 0) - q_len).any():
         raise ValueError(f"segments must cover the {num_tokens} tokens of the row in order, got "
                          f"{segments.tolist()}")
@@ -57,22 +57,22 @@ def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.devi
     j = torch.arange(int(row_len.max()))[None]
     src = torch.where(j < ctx_len[:, None], ctx_start[:, None] + j,
                       q_start[:, None] + j - ctx_len[:, None])
-    index = {"k_index": src[j < row_len[:, None]],
-             "cu_q": F.pad(torch.cumsum(q_len, 0), (1, 0)).int(),
-             "cu_k": F.pad(torch.cumsum(row_len, 0), (1, 0)).int()}
+    index = {"k_index": src[j < row_len[:, None]], "cu_q": F.pad(q_len.cumsum(0), (1, 0)).int(),
+             "cu_k": F.pad(row_len.cumsum(0), (1, 0)).int()}
     # padded: rows of pieces (first token, length, segment, is query); a copied context is keys
     # only. While rows stay short, a segment whose context starts a context-free segment (its
     # prompt) joins that segment's row instead of copying it
-    rows, host, short = [], {}, int(row_len.max()) <= GROUP_ROW_SLOTS
-    for i, (qs, ql, cs, cl) in enumerate(segments.cpu().tolist()):
+    rows, size, host, short = [], [], {}, int(row_len.max()) <= GROUP_ROW_SLOTS
+    for i, (qs, ql, cs, cl) in enumerate(segments.tolist()):
         r = host.get(cs) if cl and short else None
-        if r is not None and cl <= rows[r][0][1] and sum(p[1] for p in rows[r]) + ql <= \
-                GROUP_ROW_SLOTS:
+        if r is not None and cl <= rows[r][0][1] and size[r] + ql <= GROUP_ROW_SLOTS:
             rows[r].append((qs, ql, i, True))
+            size[r] += ql
             continue
         host.update({} if cl else {qs: len(rows)})
         rows.append([(cs, cl, i, False)] * (cl > 0) + [(qs, ql, i, True)])
-    size = torch.tensor([sum(p[1] for p in row) for row in rows])
+        size.append(cl + ql)
+    size = torch.tensor(size)
     start, length, seg, query = (torch.tensor(x) for x in zip(*sum(rows, [])))
     R, width, n = len(rows), int(size.max()), torch.arange(int(length.sum()))
     tok = torch.repeat_interleave(start - torch.cumsum(length, 0) + length, length) + n

@@ -143,7 +143,7 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.T
 class HFEngine(Engine):
     """Rollouts on a private transformers copy of the policy (CPU default; one GPU works too). On
     a CPU its weights and version live in shared memory: a forked rollout process generates while
-    the trainer trains (a thread would share the trainer's GIL: 11% slower training); on a GPU a
+    the trainer trains (a thread would share the trainer's GIL: 3-12% slower training); on a GPU a
     thread does (CUDA does not survive a fork)."""
 
     def __init__(self, model_path: str, device: torch.device | str = "cpu",

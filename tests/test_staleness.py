@@ -128,7 +128,7 @@ def test_the_batch_ahead_is_made_by_another_process_while_the_step_trains(tmp_pa
     def make_batch(step: int) -> list[int]:
         if step == 1:
             (tmp_path / "started").touch()
-            for _ in range(1000):
+            for _ in range(6000):
                 if (tmp_path / "trained").exists():
                     break
                 time.sleep(0.01)
@@ -139,7 +139,7 @@ def test_the_batch_ahead_is_made_by_another_process_while_the_step_trains(tmp_pa
     rollouts = rollout.Rollouts(make_batch, 1, "process", {})
     assert "(a rollout process)" in rollouts.describe()
     assert rollouts.take(0)[0] == 0
-    for _ in range(1000):
+    for _ in range(6000):
         if (tmp_path / "started").exists():
             break
         time.sleep(0.01)
@@ -206,7 +206,7 @@ def test_a_rollout_process_that_dies_or_fails_is_replaced_or_reported(tmp_path):
 
     rollouts = rollout.Rollouts(make_batch, 2, "process", {})
     assert rollouts.take(0) == [0]
-    for _ in range(1000):
+    for _ in range(6000):
         if (tmp_path / "pid").exists():
             break
         time.sleep(0.01)
@@ -224,7 +224,7 @@ def test_a_rollout_process_that_dies_or_fails_is_replaced_or_reported(tmp_path):
     orphan = subprocess.run([sys.executable, "-c", ORPHAN], capture_output=True, text=True,
                             cwd=ROOT, timeout=60)
     child = int(orphan.stdout.split()[-1])
-    for _ in range(500):
+    for _ in range(3000):
         try:
             os.kill(child, 0)
         except ProcessLookupError:
