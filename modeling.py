@@ -44,8 +44,9 @@ def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.devi
     `k_index`, `cu_q`, `cu_k` (bottom-right causal). Padded: rows of slots (`grid`: slot -> token,
     `out`: token -> its query slot, `pos`: a slot's position in its sequence), `mask` [rows, 1,
     slots, slots] if a row holds several segments (else causal). `cp_group`: who shares the row."""
+    if segments.device.type != "cpu":  # packing makes them on the host: a copy would sync
+        raise ValueError(f"segments must be a CPU tensor, got one on {segments.device}")
     device = device or segments.device
-    segments = segments.cpu()
     q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
     if int(q_len.sum()) != num_tokens or (q_start != torch.cumsum(q_len, 0) - q_len).any():
         raise ValueError(f"segments must cover the {num_tokens} tokens of the row in order, got "
@@ -286,13 +287,50 @@ def check_model_source(name: str) -> None:
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, heads_divisor: int,
-                   attention: str, half: bool, check: bool = True):
-    """(model, which attention runs): an HF causal LM on `device` in `dtype`, dropout off (its
-    log-probs must be the sampler's), attending packed rows with the fastest kernel that can
-    (`half`: bf16 compute), checked against its own forward (`check`); else a UserError."""
-    from transformers import AttentionInterface, AutoModelForCausalLM
+                   attention: str, half: bool, check: bool = True, shard=lambda model: None):
+    """(model, which attention runs): an HF causal LM in `dtype`, dropout off (its log-probs must
+    be the sampler's), attending packed rows with the fastest kernel that can (`half`: bf16
+    compute), checked against its own forward (`check`), else a UserError on every rank. No rank
+    holds a whole copy on `device`: each builds the model on the meta device and `shard`s it
+    (FSDP2), then takes its shards of the weights rank 0 read on the host, tensor by tensor."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+    AttentionInterface.register("packed", packed_attention)
+    full, error = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            full = _load_checked(path, dtype, heads_divisor, check)
+        except UserError as e:
+            error = [str(e)]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UserError(error[0])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    model.config.use_cache = False
+    model.set_attn_implementation("packed")
+    shard(model)
+    model.to_empty(device=device).eval()  # tied weights stay tied; dropout off
+    set_model_state_dict(model, {} if full is None else full.state_dict(), options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True))
+    mine = {} if full is None else dict(full.named_buffers())
+    for name, buffer in model.named_buffers():  # some are in no state dict (RoPE's inv_freq)
+        dist.broadcast(buffer.copy_(mine[name]) if mine else buffer, src=0)
+    text = model.config.get_text_config()
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        kind, model.attention_kernel, reason = choose_attention(
+            attention, device, half, bool(getattr(text, "attn_logit_softcapping", None)))
+    except ValueError as e:
+        raise UserError(f"config error: {e}") from None
+    return model, f"attention: {kind}{f' ({reason})' if reason else ''}"
+
+
+def _load_checked(path: str, dtype: torch.dtype, heads_divisor: int, check: bool):
+    """Rank 0's whole model, on the host; a UserError if it cannot run here."""
+    from transformers import AutoModelForCausalLM
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     except (OSError, ValueError) as e:  # no weights, an unknown architecture, ...
         raise UserError(f"--model {path}: cannot load a causal LM ({why(e)})") from None
     text = model.config.get_text_config()
@@ -300,16 +338,10 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, heads_di
         raise UserError(f"config error: --cp-size {heads_divisor} must divide the model's "
                         f"{text.num_attention_heads} attention heads")
     model.config.use_cache = False
-    AttentionInterface.register("packed", packed_attention)
     model.set_attn_implementation("packed")
     if check and (problem := check_model(model, text.vocab_size)):
         raise UserError(f"--model {path} ({text.model_type}) is not supported: {problem}")
-    try:
-        kind, model.attention_kernel, reason = choose_attention(
-            attention, device, half, bool(getattr(text, "attn_logit_softcapping", None)))
-    except ValueError as e:
-        raise UserError(f"config error: {e}") from None
-    return model, f"attention: {kind}{f' ({reason})' if reason else ''}"
+    return model
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -319,6 +351,87 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
     return (blocks or list(max(lists, key=len, default=[])))[::-1]
+
+
+def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermediate: int,
+                kv_dim: int, vocab: int, world: int, tokens: int, checkpointing: bool, *,
+                tied: bool = False, master_bytes: int = 4, frozen_bytes: int | None = None,
+                compute_bytes: int = 2, engine_generating: float = 0.0,
+                engine_training: float = 0.0, grads_unsharded: bool = False,
+                chunk: int = 1024) -> dict[str, float]:
+    """Peak bytes per rank of one training step of a decoder LM sharded by FSDP2 over `world`
+    ranks, by part, and "total". `params` all parameters, `trainable` those with gradients and
+    AdamW state (fp32: `master_bytes`), the rest frozen in `frozen_bytes` (LoRA's base); `tokens`
+    a micro-batch's positions on this rank (--micro-batch-tokens / --cp-size). Activations saved
+    per token and layer: the two RMSNorms' fp32 inputs and outputs, q, k, v, attention output,
+    o_proj input, the MLP's gate, SiLU, up and product; checkpointed, only each layer's input,
+    plus one layer recomputed. "gathered": FSDP2's unsharded params and grads (two layers, the
+    root). `grads_unsharded`: gradients accumulate unsharded until the optimizer step. The engine
+    holds `engine_generating` while it generates (the trainer's weights and AdamW stay) and
+    `engine_training` while the trainer trains; "total" is the larger of the two phases."""
+    frozen_bytes = master_bytes if frozen_bytes is None else frozen_bytes
+    root = vocab * hidden * (1 if tied else 2)
+    per_token_layer = 8 * hidden + compute_bytes * (5 * hidden + 2 * kv_dim + 4 * intermediate)
+    layer = tokens * per_token_layer
+    saved = layers * tokens * hidden * compute_bytes if checkpointing else layers * layer
+    plan = {"weights": (trainable * master_bytes + (params - trainable) * frozen_bytes) / world,
+            "grads": trainable * master_bytes * (1 / world + grads_unsharded),
+            "adamw": 2 * trainable * master_bytes / world,
+            "activations": saved + layer * (2 if checkpointing else 1),
+            "head": 4 * 4 * min(chunk, tokens) * vocab,  # fp32 logits, softmax, their grads
+            "gathered": 2 * compute_bytes * (2 * (params - root) / layers + root)}
+    plan["engine"] = max(engine_generating, engine_training)
+    resident = plan["weights"] + plan["adamw"]
+    plan["total"] = max(resident + engine_generating,
+                        sum(plan.values()) - plan["engine"] + engine_training)
+    return plan
+
+
+def checkpoint_layers(model: torch.nn.Module) -> None:
+    """Activation checkpointing: each decoder layer keeps only its inputs for backward and runs
+    its forward again there. Non-reentrant, inside FSDP2's hooks (they gather the layer's weights
+    for the rerun too); a CP all-to-all inside reruns on every rank alike. Exact: no dropout."""
+    for layer in decoder_layers(model):
+        layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward,
+                                          use_reentrant=False)
+
+
+def startup_memory(model, world: int, tokens: int, checkpointing: bool, mixed: bool,
+                   gpu: tuple[int, int] | None = None, engine_releases: bool = False,
+                   frozen_copies: int = 0) -> tuple[str, bool]:
+    """(the plan's line, whether gradients may accumulate unsharded until the optimizer step:
+    where that fits) for `model` (its config, parameter counts, trainable ones). `gpu`: (free,
+    total) bytes before the weights loaded (None: a CPU, print only), the rest the engine's, all
+    of it while it generates and none while we train if it `engine_releases` its memory. A
+    UserError when even reduce-scattering every micro-batch exceeds the GPU."""
+    text, params = model.config.get_text_config(), list(model.parameters())
+    capacity, engine = (gpu[1], gpu[1] - gpu[0]) if gpu else (None, 0.0)
+    heads, hidden = text.num_attention_heads, text.hidden_size
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    n = sum(p.numel() for p in params)
+    shape = (n * (1 + frozen_copies), sum(p.numel() for p in params if p.requires_grad),
+             text.num_hidden_layers, hidden, getattr(text, "intermediate_size", None) or 4 * hidden,
+             (getattr(text, "num_key_value_heads", None) or heads) * head_dim, text.vocab_size,
+             world, tokens)
+    master = params[0].element_size()
+    kw = {"tied": bool(getattr(text, "tie_word_embeddings", False)), "master_bytes": master,
+          "compute_bytes": 2 if mixed else master, "engine_generating": engine,
+          "engine_training": 0.0 if engine_releases else engine}
+    deferred, synced, raw = (memory_plan(*shape, ck, grads_unsharded=g, **kw)
+                             for ck, g in ((checkpointing, True), (checkpointing, False),
+                                           (False, False)))
+    defer = capacity is None or deferred["total"] <= capacity
+    plan = deferred if defer else synced  # one line, in GiB (MiB when small)
+    unit, scale = ("GiB", 2**30) if plan["total"] >= 2**30 or capacity else ("MiB", 2**20)
+    f = lambda b: f"{b / scale:.1f}"
+    line = " + ".join(f"{k} {f(v)}" for k, v in plan.items() if k != "total" and v) + (
+        f" ({f(raw['activations'])} without checkpointing)" if checkpointing else "") + \
+        f" = {f(plan['total'])}" + (f" of {f(capacity)}" if capacity else "") + f" {unit}"
+    if plan["total"] > (capacity or math.inf):
+        raise UserError(f"config error: this will not fit: {line}; lower --micro-batch-tokens "
+                        "(activations), raise --cp-size, or use more GPUs (weights, grads and "
+                        "AdamW are sharded over ranks)")
+    return f"memory per rank (plan): {line}", defer
 
 
 def head_transform(config) -> tuple[float, float | None]:
@@ -334,10 +447,11 @@ def head_transform(config) -> tuple[float, float | None]:
 
 def policy_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0,
                     chunk: int = 1024, segments: torch.Tensor | None = None,
-                    layout: dict | None = None):
+                    layout: dict | None = None, entropy_grad: bool = True):
     """log pi(target_t | prefix) and the entropy at every position of a packed row -> ([T], [T]).
     `segments` (default: a sequence per run of positions from 0) or, under CP, the row's `layout`.
-    fp32 logits of a 150k vocabulary exist `chunk` tokens at a time (recomputed in backward)."""
+    fp32 logits of a 150k vocabulary exist `chunk` tokens at a time (recomputed in backward).
+    Without `entropy_grad` the entropy is a metric: no graph, not recomputed in backward."""
     if layout is None:
         segments = segments_from_positions(position_ids.cpu()) if segments is None else segments
         layout = attention_layout(segments, input_ids.shape[-1], input_ids.device,
@@ -347,13 +461,14 @@ def policy_logprobs(model, input_ids, position_ids, targets, temperature: float 
     head, (scale, softcap) = model.get_output_embeddings(), head_transform(model.config)
     out = [torch.utils.checkpoint.checkpoint(chunk_logprobs, hidden[i : i + chunk], head.weight,
                                              getattr(head, "bias", None), targets[i : i + chunk],
-                                             temperature, scale, softcap, use_reentrant=False)
+                                             temperature, scale, softcap, entropy_grad,
+                                             use_reentrant=False)
            for i in range(0, hidden.shape[0], chunk)]
     return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
 
 
 def chunk_logprobs(hidden, weight, bias, targets, temperature: float = 1.0, scale: float = 1.0,
-                   softcap: float | None = None):
+                   softcap: float | None = None, entropy_grad: bool = True):
     """Log-probs of `targets` and entropies [n] from hidden states [n, d] and the head, in fp32 at
     least: bf16 logits would err by ~0.06 at a logit of 20, more than the ratio clip tolerates."""
     logits = HeadLogits.apply(hidden, weight, bias)
@@ -363,8 +478,10 @@ def chunk_logprobs(hidden, weight, bias, targets, temperature: float = 1.0, scal
         logits = softcap * torch.tanh(logits / softcap)
     logits = logits / temperature
     logz = torch.logsumexp(logits, -1)
-    return (logits.gather(-1, targets[:, None]).squeeze(-1) - logz,  # log-probs
-            logz - (torch.softmax(logits, -1) * logits).sum(-1))  # entropies
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
+    # the entropy last: backward's rerun of this chunk stops once logz's inputs are back
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return logprobs, logz - (torch.softmax(logits, -1) * logits).sum(-1)
 
 
 @functools.cache

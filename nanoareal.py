@@ -61,6 +61,7 @@ REWARD_TIMEOUT_S = 30.0  # a reward call that takes longer scores 0 and is count
 DIST_TIMEOUT_S = 1800.0  # a collective waits this long for a peer: a dead rank never hangs a run
 MAX_BAD_STEPS = 3  # stop after this many steps in a row with a non-finite gradient norm
 CKPT_MINUTES = 10.0  # save a checkpoint when this long has passed since the last one
+CHECKPOINT_LAYERS = None  # rerun decoder layers in backward (exact, ~10x less memory): None: GPU
 
 # -----------------------------------------------------------------------------
 # config: one flat set of flags, `--help` its documentation. A Volatile flag changes how a run is
@@ -203,7 +204,7 @@ def main(argv: list[str]) -> None:
     engine = rollout.make_engine(cfg.rollout_backend, cfg.rollout_url, cfg.model, device,
                                  run_dir=cfg.run_dir, seed=cfg.seed, weight_sync=cfg.weight_sync,
                                  deterministic=cfg.sglang_deterministic)
-    model, ref_model, optimizer = load_models(cfg, device, ranks)
+    model, ref_model, optimizer = load_models(cfg, device, ranks, engine)
     reduction = loss.build_loss(cfg, dist.group.WORLD, cp_factor=ranks.cp_size)
     run = resume(cfg, model, optimizer, engine, ranks, resuming)  # step, updates, batches ahead
     logger = Logger(cfg.run_dir, cfg.steps, run.step, cfg.wandb_project, asdict(cfg))
@@ -565,7 +566,8 @@ def train_minibatch(model, optimizer, reduction: loss.LossReduction, mbs: list[M
     # counters stay on the device until the end: a float() per micro-batch would sync the GPU
     acc = torch.zeros(4, dtype=torch.float64, device=device)
     iw_max = torch.zeros((), dtype=torch.float64, device=device)
-    for mb in mbs if learn else []:
+    for i, mb in enumerate(mbs if learn else []):  # FSDP2: one reduce-scatter, after the last
+        model.set_requires_gradient_sync(i == len(mbs) - 1 or not model.defer_grad_sync)
         logprobs, entropy = microbatch_forward(model, mb, cfg, device, ranks, grad=True)
         batch = replace(mb.to(device), logprobs=logprobs, entropy=entropy)
         reduction(batch).backward()
@@ -603,31 +605,43 @@ def pack_microbatches(samples: list[Sample], cfg: Config,
 
 # -----------------------------------------------------------------------------
 # the model: FSDP2 wiring, packed attention, log-probs in vocabulary chunks
-def load_models(cfg: Config, device: torch.device, ranks: Ranks) -> tuple:
-    """The policy, a frozen reference copy for the KL penalty (else None), the policy's AdamW."""
+def load_models(cfg: Config, device: torch.device, ranks: Ranks, engine=None) -> tuple:
+    """The policy, a frozen copy for the KL penalty (else None), its AdamW; the memory plan."""
+    gpu = torch.cuda.mem_get_info(device) if device.type == "cuda" else None  # (free, total)
     model = load_model(cfg, device, ranks)
     ref_model = load_model(cfg, device, ranks, trainable=False) if cfg.kl_coef > 0 else None
+    line, model.defer_grad_sync = modeling.startup_memory(  # a colocated engine frees the GPU
+        model, ranks.world, -(-cfg.micro_batch_tokens // ranks.cp_size), model.checkpointed,
+        model.mixed, gpu, engine is not None and engine.overlaps == "", ref_model is not None)
+    print0(line)
     # fused: AdamW's whole update in one kernel (CPU DTensors: 33 ms a step looped, 8 foreach, 5)
     return model, ref_model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=ADAM_BETAS,
                                                weight_decay=WEIGHT_DECAY, fused=True)
 
 
 def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool = True):
-    """An HF causal LM sharded with FSDP2 over every rank: one unit per decoder layer + the root.
-    Master weights and optimizer state stay fp32 (fp64 with --dtype float64); bf16 is compute."""
+    """An HF causal LM sharded with FSDP2 over every rank as it loads: one unit per (checkpointed)
+    decoder layer + the root. Master weights and AdamW stay fp32 (fp64: --dtype float64)."""
     mixed = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
+    mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                            reduce_dtype=torch.float32)} if mixed else {}
+    checkpointed = trainable and (device.type == "cuda" if CHECKPOINT_LAYERS is None
+                                  else CHECKPOINT_LAYERS)
+
+    def shard(model):
+        mesh = init_device_mesh(device.type, (ranks.world,))
+        for block in modeling.decoder_layers(model):
+            fully_shard(block, mesh=mesh, **mp)
+        fully_shard(model, mesh=mesh, **mp)
+        if checkpointed:
+            modeling.checkpoint_layers(model)
     model, attention = modeling.load_causal_lm(
         cfg.model, torch.float64 if cfg.dtype == "float64" else torch.float32, device,
-        ranks.cp_size, ATTENTION, mixed, check=trainable)
+        ranks.cp_size, ATTENTION, mixed, check=trainable, shard=shard)
+    model.mixed, model.checkpointed, model.defer_grad_sync = mixed, checkpointed, False
     if trainable:
         compute = "bf16 (fp32 master weights)" if mixed else str(model.dtype).removeprefix("torch.")
         print0(f"{attention}; compute: {compute}")
-    mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                            reduce_dtype=torch.float32)} if mixed else {}
-    mesh = init_device_mesh(device.type, (ranks.world,))
-    for block in modeling.decoder_layers(model):
-        fully_shard(block, mesh=mesh, **mp)
-    fully_shard(model, mesh=mesh, **mp)
     model.policy_logprobs = types.MethodType(modeling.policy_logprobs, model)
     fsdp_method(model, "policy_logprobs")  # the root's parameters are gathered for it
     loss.fsdp_sum_gradients(model)  # LossReduction divides by the *global* normalizer: sum ranks
@@ -639,15 +653,16 @@ def microbatch_forward(model, mb: MicroBatch, cfg: Config, device: torch.device,
                        grad: bool = False):
     """(log-probs, entropy) [T] of a packed micro-batch's positions at --temperature."""
     ids, pos, targets, segments = mb.input_ids, mb.position_ids, mb.targets, mb.segments
+    kw = {"temperature": cfg.temperature, "entropy_grad": cfg.entropy_coef != 0}  # else a metric
     with torch.set_grad_enabled(grad):
         if ranks.cp_size == 1:
             return model.policy_logprobs(ids[None].to(device), pos[None].to(device),
-                                         targets.to(device), cfg.temperature, segments=segments)
+                                         targets.to(device), segments=segments, **kw)
         # Ulysses: this rank's contiguous 1/N of the row goes through the model; the log-probs of
         # the whole row are gathered on every CP rank
         inputs, layout = modeling.ulysses_chunk(ids, pos, targets, segments, ranks.cp_group,
                                                 device, getattr(model, "attention_kernel", None))
-        logprobs, entropy = model.policy_logprobs(*inputs, cfg.temperature, layout=layout)
+        logprobs, entropy = model.policy_logprobs(*inputs, layout=layout, **kw)
         return modeling.gather_row(logprobs, entropy, ranks.cp_group, len(ids))
 
 

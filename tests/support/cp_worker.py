@@ -1,11 +1,12 @@
 """torchrun worker for tests/test_context_parallel.py (also runs as plain `python`, a world of one).
 
 For every --cp size and every model directory it runs nanoareal's own code path:
-setup_distributed (the (dp, cp) mesh), load_model, microbatch_forward, pack_microbatches (this
+setup_distributed (the (dp, cp) mesh), load_models, microbatch_forward, pack_microbatches (this
 data-parallel rank's groups only), train_minibatch, LossReduction. Rank 0 saves, with torch.save
 to --out: the logits and log-probs of one fixed packed row, and per aggregation mode (all four
 for the first model, token_mean for the others) the full gradient of every parameter (taken where
-the optimizer would step) and the reported loss terms.
+the optimizer would step), the reported loss terms and FSDP2's reduce-scatters in the step.
+--checkpoint-layers: activation checkpointing of the decoder layers.
 """
 
 import argparse
@@ -90,8 +91,24 @@ def row_logits(model, model_dir: str, dtype, ranks):
         return torch.cat(parts)[:T]
 
 
+class CountReduceScatters:
+    """Counts FSDP2's gradient reduce-scatters (torch 2.13 calls dist.reduce_scatter_single)."""
+
+    def __enter__(self):
+        self.count, self.real = 0, dist.reduce_scatter_single
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self.real(*args, **kwargs)
+        dist.reduce_scatter_single = counted
+        return self
+
+    def __exit__(self, *exc):
+        dist.reduce_scatter_single = self.real
+
+
 def run(cfg0, device, ranks, model_dir: str, dtype, modes: list[str]) -> dict:
-    model = na.load_model(cfg0, device, ranks)
+    model = na.load_models(cfg0, device, ranks)[0]
     vocab = model.config.vocab_size
     pos = torch.tensor(ROW_POS[0])
     row = L.MicroBatch(input_ids=torch.tensor(ROW_IDS[0]), position_ids=pos,
@@ -112,9 +129,10 @@ def run(cfg0, device, ranks, model_dir: str, dtype, modes: list[str]) -> dict:
         reduction = L.build_loss(cfg, group=dist.group.WORLD if ranks.world > 1 else None,
                                  cp_factor=ranks.cp_size)
         capture = GradCapture(model)
-        na.train_minibatch(model, capture, reduction, mbs, cfg, device, ranks)
+        with CountReduceScatters() as rs:
+            na.train_minibatch(model, capture, reduction, mbs, cfg, device, ranks)
         result["modes"][mode] = {"grads": capture.grads, "reported": reduction.reported(),
-                                 "num_microbatches": len(mbs)}
+                                 "num_microbatches": len(mbs), "reduce_scatters": rs.count}
     return result
 
 
@@ -124,7 +142,9 @@ def main(argv=None):
     ap.add_argument("--cp", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--checkpoint-layers", action="store_true")
     args = ap.parse_args(argv)
+    na.CHECKPOINT_LAYERS = args.checkpoint_layers
     dtype = getattr(torch, args.dtype)
     cfg0 = na.parse_config(["--micro-batch-tokens", "16", "--entropy-coef", "0.01", "--grad-clip",
                             "1e9", "--max-new-tokens", "6", "--cp-size", str(args.cp),
