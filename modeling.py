@@ -297,12 +297,12 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, heads_di
     from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
     AttentionInterface.register("packed", packed_attention)
     full, error = None, [None]
-    if dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:  # (a config error: no group needed)
         try:
             full = _load_checked(path, dtype, heads_divisor, check)
         except UserError as e:
             error = [str(e)]
-    if dist.get_world_size() > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(error, src=0)
     if error[0]:
         raise UserError(error[0])

@@ -5,12 +5,13 @@ r"""Peak memory of one training step on a CPU against the start-up plan (`modeli
 
 Each (micro-batch, checkpointing) runs in a fresh process on one thread, through nanoareal's own
 path: `setup_distributed` (a world of one, its malloc settings), `load_models` (FSDP2, fp32,
-AdamW) with `CHECKPOINT_LAYERS` set, one packed micro-batch (groups of 8 samples sharing a
-32-token prompt, 120-token completions) and `train_minibatch` (forward, backward, AdamW's first
-step, which allocates its state). Measured: the peak resident set during the step (VmHWM, reset
-through /proc/self/clear_refs just before it) minus the resident set before the model loaded
-(Python, torch, transformers). Predicted: `modeling.startup_memory`'s plan for the same model,
-positions and checkpointing. Linux only; a random-init model, saved once to a temporary folder.
+AdamW) with `CHECKPOINT_LAYERS` set, two packed micro-batches of at most `--tokens` positions
+(groups of 8 samples sharing a 32-token prompt, 120-token completions; gradients accumulate
+unsharded between them, as the trainer does) and `train_minibatch` twice (forward, backward, AdamW
+step). Measured: the peak resident set during the second step (AdamW's state then exists; VmHWM,
+reset through /proc/self/clear_refs just before it) minus the resident set before the model
+loaded (Python, torch, transformers). Predicted: `modeling.startup_memory`'s plan for the same
+model, positions and checkpointing. Linux only; a random-init model saved to a temporary folder.
 """
 
 from __future__ import annotations
@@ -50,11 +51,13 @@ def child(model: str, tokens: int, checkpointing: bool) -> dict:
     samples = [N.Sample(group, prompt, Completion(ids(120), [-1.0] * 120, "length"), 0.0,
                         (-1.0) ** k) for group, prompt in enumerate(ids(32) for _ in range(64))
                for k in range(8)]
-    mb = N.pack_microbatches(samples, cfg)[0]
-    positions = len(mb.input_ids)
-    plan, _ = modeling.startup_memory(model_, 1, positions, checkpointing, 4)
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    N.train_minibatch(model_, optimizer, L.build_loss(cfg), [mb], cfg, device, ranks)
+    mbs = N.pack_microbatches(samples, cfg)[:2]
+    positions = max(len(mb.input_ids) for mb in mbs)
+    plan, defer = modeling.startup_memory(model_, 1, positions, checkpointing, False)
+    assert model_.defer_grad_sync and defer  # gradients accumulate unsharded, as planned
+    for _ in range(2):  # the second: AdamW's state exists, as in every step after the first
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        N.train_minibatch(model_, optimizer, L.build_loss(cfg), mbs, cfg, device, ranks)
     predicted = float(re.search(r"= ([\d.]+)", plan)[1]) * (2**30 if "GiB" in plan else 2**20)
     return {"positions": positions, "measured": rss("VmHWM") - base, "predicted": predicted,
             "plan": plan}
