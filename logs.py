@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -123,11 +124,14 @@ def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> 
 def sample_rows(samples: list, tokenizer) -> list[dict]:
     """The first SAMPLE_GROUPS groups of a step's samples, readable: for samples.jsonl and wandb."""
     groups = sorted({s.group for s in samples})[:SAMPLE_GROUPS]
+    turns = lambda c: {} if c.policy_mask is None else {"turns": [  # an episode's: [who, text]
+        ["policy" if who else "env", tokenizer.decode([t for t, _ in run])]
+        for who, run in itertools.groupby(zip(c.output_ids, c.policy_mask), lambda x: x[1])]}
     return [{"group": s.group, "prompt": tokenizer.decode(s.prompt_ids),
              "completion": tokenizer.decode(s.completion.output_ids), "reward": s.reward,
              "advantage": s.advantage, "correct": s.correct,
              "finish_reason": s.completion.finish_reason,
-             "length": len(s.completion.output_ids), "version": s.version}
+             "length": len(s.completion.output_ids), "version": s.version} | turns(s.completion)
             for s in samples if s.group in groups]
 
 

@@ -5,6 +5,7 @@ weight sync -> log), then the pieces in the order the loop uses them.
 
     python nanoareal.py                                   # the built-in arithmetic task, on a CPU
     python nanoareal.py --dataset chain --reward my_reward.py:score   # another task, your reward
+    python nanoareal.py --env my_env.py:Calculator  # the policy calls your tool between its turns
     torchrun --nproc_per_node 4 nanoareal.py --cp-size 2  # 2 data-parallel x 2 context-parallel
     python nanoareal.py --max-staleness 2 --correction mask       # rollouts 2 steps ahead
     python nanoareal.py --config configs/qwen2.5-0.5b-gsm8k.toml  # one GPU, SGLang colocated
@@ -14,7 +15,7 @@ Plumbing lives in flat files that never import this one: loss.py (aggregation mo
 corrections, the LossReduction contract: gradients independent of micro-batching and world size),
 rollout.py (engines, the batches in flight), tasks.py (tasks, data, rewards), packing.py,
 modeling.py (packed attention, Ulysses, log-probs), checkpoint.py, logs.py, cli.py. Left out on
-purpose: a critic (GRPO needs none), multi-turn tool use, tensor/pipeline parallel in the trainer.
+purpose: a critic (GRPO needs none), tensor/pipeline parallel in the trainer.
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ class Config:
     """Wrap each prompt in the tokenizer's chat template as a user turn."""
     reward: str = "auto"
     """auto (the task's own), exact_match, gsm8k, last_number, math, or path/to/file.py:function."""
+    env: str | None = None
+    """path/to/file.py:Class: an environment answering the policy's tool calls (multi-turn)."""
+    max_turns: int = 4
+    """With --env: most policy turns in an episode (a tool call past them ends it: "length")."""
 
     # rollout
     prompts_per_step: int = 64
@@ -291,10 +296,10 @@ def validate_config(cfg: Config, world: int) -> Config:
     """Every check of the flags, before anything heavy loads: a mistake is one line naming the
     flag (a UserError). Checks only; returns cfg."""
     checks = [
-        (min(cfg.prompts_per_step, cfg.max_new_tokens, cfg.micro_batch_tokens) >= 1
+        (min(cfg.prompts_per_step, cfg.max_new_tokens, cfg.micro_batch_tokens, cfg.max_turns) >= 1
          and min(cfg.steps, cfg.eval_every, cfg.eval_k, cfg.warmup_steps, cfg.ckpt_every,
                  cfg.max_staleness) >= 0,
-         "--prompts-per-step, --max-new-tokens and --micro-batch-tokens must be >= 1; --steps, "
+         "--prompts-per-step, --max-new-tokens, --micro-batch-tokens, --max-turns >= 1; --steps, "
          "--eval-every, --eval-k, --warmup-steps, --ckpt-every and --max-staleness >= 0"),
         (cfg.group_size >= 2, f"--group-size {cfg.group_size}: a sample alone in its group has no "
          "baseline (every advantage would be 0); use --group-size >= 2"),
@@ -371,6 +376,7 @@ def prepare_run(cfg: Config) -> tuple[tasks.Data, object, bool]:
     torch.manual_seed(cfg.seed)
     data = tasks.load_data(cfg.model, cfg.dataset, cfg.eval_dataset, cfg.reward, cfg.prompt_key,
                            cfg.chat_template, cfg.max_new_tokens, cfg.micro_batch_tokens)
+    data.tools = tasks.load_env(cfg.env, data.tokenizer, cfg.chat_template, cfg.max_turns)
     return data, reward_fn, resuming
 
 
@@ -443,7 +449,7 @@ def rollout_batch(engine, data: tasks.Data, reward_fn, step: int, cfg: Config,
     prompts = prompts_for_step(len(data.rows), cfg.prompts_per_step, step, cfg.seed)
     start = time.perf_counter()
     samples = generate(engine, data.prompts, list(enumerate(prompts))[ranks.dp_rank::ranks.dp_size],
-                       step, cfg, data.stop_ids)
+                       step, cfg, data.stop_ids, data.tools, data.rows)
     gen_s = time.perf_counter() - start
     score(samples, data.rows, reward_fn, data.tokenizer)
     for s in samples:
@@ -452,7 +458,7 @@ def rollout_batch(engine, data: tasks.Data, reward_fn, step: int, cfg: Config,
 
 
 def generate(engine, encoded: list[list[int]], prompts: list[tuple[int, int]], step: int,
-             cfg: Config, stop_ids: list[int]) -> list[Sample]:
+             cfg: Config, stop_ids: list[int], tools=None, rows=None) -> list[Sample]:
     """group_size completions of each (slot, row) prompt (one the engine aborted is dropped); the
     slot is the group, and seeds are (seed, step, slot, k): not the rank's, batch's or world's."""
     sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, stop_token_ids=stop_ids)
@@ -460,7 +466,8 @@ def generate(engine, encoded: list[list[int]], prompts: list[tuple[int, int]], s
     seeds = [mix_seed(cfg.seed, step, slot, k) for slot, _ in prompts
              for k in range(cfg.group_size)]
     version = engine.version
-    completions = engine.generate([encoded[row] for _, row in slots], sampling, seeds)
+    completions = rollout.run_episodes(engine, [encoded[r] for _, r in slots], sampling, seeds,
+                                       tools, [rows[r] for _, r in slots] if tools else None)
     return [Sample(slot, encoded[row], c, row=row, version=version)
             for (slot, row), c in zip(slots, completions) if c.finish_reason != "abort"]
 
@@ -489,8 +496,9 @@ def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:
         if s.correct is not None:  # response lengths split by correctness: who grows longer
             kind = "correct" if s.correct else "incorrect"
             sums.update({"judged": 1, "correct": s.correct, kind: 1, f"len_{kind}": n})
-        for k, v in s.metrics.items():  # the reward's own metrics: a mean over who reports them
-            sums.update({f"reward/{k}": v, f"reward/{k}#n": 1})
+        for k, v in [*((f"reward/{k}", v) for k, v in s.metrics.items()),
+                     *s.completion.episode.items()]:  # the reward's and env's: means per reporter
+            sums.update({k: v, f"{k}#n": 1})
     sums["zero_var_groups"] = len({s.group for s in samples if s.zero_variance})
     error = next((s.reward_error for s in samples if s.reward_error), None)
     return dict(sums) | ({"reward_error_message": error} if error else {}) | (

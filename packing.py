@@ -7,7 +7,7 @@ With shared prompts a micro-batch feeds each prompt prefix (the prompt minus its
 and each sample only its tail, at positions p-1.., attending to that copy. Exact: under causal
 attention the prefix's hidden states depend on the prefix alone, and backward sums every sample's
 gradient into the one copy. A sample is anything with .group, .prompt_ids, .advantage and
-.completion (.output_ids, .logprobs, .finish_reason).
+.completion (.output_ids, .logprobs, .finish_reason, .policy_mask: only the policy's tokens train).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ def pack_microbatches(samples: list, mode: str, divisor: float | None, budget: i
     its first sample only). The mode's weights come from the whole mini-batch before any split, so
     any split is exact (loss.py's rule 2); mask_truncated: a cut response counts nowhere."""
     dropped = [mask_truncated and s.completion.finish_reason == "length" for s in samples]
-    denom = torch.tensor([0.0 if d else len(s.completion.output_ids)
-                          for s, d in zip(samples, dropped)], dtype=torch.float64)
+    masks = [[0.0 if d else float(x) for x in s.completion.policy_mask or [1] * len(
+        s.completion.output_ids)] for s, d in zip(samples, dropped)]  # env tokens are context
+    denom = torch.tensor([sum(m) for m in masks], dtype=torch.float64)
     weights, norm_weights = (w.tolist() for w in loss.response_weights(
         mode, denom, torch.tensor([s.group for s in samples], dtype=torch.long), divisor))
     mbs, cols, first = [], defaultdict(list), 0
@@ -52,7 +53,7 @@ def pack_microbatches(samples: list, mode: str, divisor: float | None, budget: i
         n, fed_prompt = p + r - 1 - head, p - 1 - head
         if n:
             feed(cols, full, head, p + r - 1, ctx, [-1] * fed_prompt + [i - first] * r,
-                 loss_mask=[0.0] * fed_prompt + [0.0 if dropped[i] else 1.0] * r,
+                 loss_mask=[0.0] * fed_prompt + masks[i],
                  behave_logprobs=[0.0] * fed_prompt + s.completion.logprobs,
                  advantages=[s.advantage] * n, loss_weight=[weights[i]] * n,
                  norm_weight=[norm_weights[i]] * n)

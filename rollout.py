@@ -23,7 +23,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from datetime import timedelta
@@ -46,6 +46,7 @@ SYNC_BUCKET_MB = 512  # weights per update_weights_from_tensor / _from_distribut
 WEIGHT_GROUP_TIMEOUT_S = 600.0  # the NCCL weight group: its rendezvous and every broadcast
 SGLANG_MEM_FRACTION = 0.5  # in-process engine: its share of the GPU (weights + KV cache)
 SGLANG_PORT_BASE, SGLANG_PORT_STRIDE = 20000, 10  # in-process engine ports: base + stride x rank
+ENV_TIMEOUT_S = 30.0  # an --env step that takes longer ends its episode and is counted
 _MASK32 = 0xFFFFFFFF
 
 
@@ -61,19 +62,23 @@ class SamplingParams:  # its fields are SGLang's sampling_params names
 @dataclasses.dataclass
 class Completion:
     output_ids: list[int]
-    logprobs: list[float]  # behaviour log-prob of each output token
+    logprobs: list[float]  # behaviour log-prob of each output token (0 for an env's)
     finish_reason: str  # "stop" (ends in a stop token, included), "length" or "abort"
+    policy_mask: list[int] | None = None  # an episode's: 1 sampled by the policy, 0 env text
+    episode: dict = dataclasses.field(default_factory=dict)  # env/turns, tool_calls, errors...
 
 
 class Engine(Protocol):
-    """One completion per (prompt, seed). Every rank calls update_weights (FSDP2 gathers are
-    collectives); release/resume_memory bracket training: a colocated engine frees the GPU, the
-    others inherit these no-ops (no KV cache outlives a generate call; servers own their GPUs)."""
+    """One completion per (prompt, seed); requests of one of `groups` (keys) share a prefix (an
+    episode's group's prompt): a server engine keeps them on one server. Every rank calls
+    update_weights (FSDP2 gathers are collectives); release/resume_memory bracket training: a
+    colocated engine frees the GPU, the others inherit these no-ops (no KV cache outlives a
+    generate call; servers own their GPUs)."""
     version: int  # the policy version (optimizer steps) of the weights it holds
     overlaps: str  # how it generates while the trainer trains: "process", "thread" or "" (not)
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
-                 seeds: list[int]) -> list[Completion]: ...
+                 seeds: list[int], groups: list | None = None) -> list[Completion]: ...
     def update_weights(self, model: nn.Module, version: int) -> None: ...
     def release_memory(self) -> None: ...
     def resume_memory(self) -> None: ...
@@ -178,7 +183,7 @@ class HFEngine(Engine):
         self.model = None
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
-                 seeds: list[int]) -> list[Completion]:
+                 seeds: list[int], groups: list | None = None) -> list[Completion]:
         assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
         order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))  # less padding
         out: dict[int, Completion] = {}
@@ -227,6 +232,100 @@ class HFEngine(Engine):
         ends = [next((j + 1 for j, t in enumerate(r) if t in stops), len(r)) for r in rows]
         return [Completion(r[:n], lps[:n], "stop" if set(r[n - 1 : n]) & stops else "length")
                 for r, lps, n in zip(rows, logps.tolist(), ends)]
+
+
+# -----------------------------------------------------------------------------
+# episodes: a user's environment (--env) answers the policy's tool calls between its turns
+@dataclasses.dataclass(frozen=True)
+class Tools:
+    """An --env bound to the tokenizer: make(row) is an episode's env, whose step(turn text)
+    returns the text to append or None (the episode is over); stop_ids end a turn calling it."""
+    make: Callable
+    stop_ids: list[int]
+    encode: Callable[[str], list[int]]  # a reply -> ids (a tool turn of the chat template)
+    decode: Callable[[list[int]], str]
+    max_turns: int
+
+
+def run_episodes(engine: Engine, prompts: list[list[int]], sampling: SamplingParams,
+                 seeds: list[int], tools: Tools | None = None, rows: list[dict] | None = None
+                 ) -> list[Completion]:
+    """engine.generate, or with tools episodes: each round one generate call continues every live
+    episode from exactly its ids so far (turn j > 0 seeded mix_seed(seed, j) >> 1); a turn ending
+    in a tool stop goes to its env and the reply's ids are appended (policy_mask 0). max_new_tokens
+    bounds the whole episode: a turn or reply cut there, or a call past max_turns, ends it with
+    "length". An env that raises, hangs or replies junk ends it as it stands, counted."""
+    if tools is None:
+        return engine.generate(prompts, sampling, seeds)
+    calls = dataclasses.replace(sampling, stop_token_ids=sorted({*sampling.stop_token_ids,
+                                                                 *tools.stop_ids}))
+    eps = [Completion([], [], "stop", [], dict.fromkeys(("env/turns", "env/tool_calls",
+                                                          "env/errors", "env/seconds"), 0))
+           for _ in prompts]
+    envs, live = [None] * len(prompts), list(range(len(prompts)))
+    for turn in range(tools.max_turns):
+        room = [sampling.max_new_tokens - len(eps[i].output_ids) for i in live]
+        outs = engine.generate([prompts[i] + eps[i].output_ids for i in live],
+                               dataclasses.replace(calls, max_new_tokens=max(room)),
+                               [mix_seed(seeds[i], turn) >> 1 if turn else seeds[i]  # 31 bits:
+                                for i in live],  # SGLang's sampling_seed
+                               [tuple(prompts[i]) for i in live])  # a group on one server
+        going, live = live, []
+        for i, n, out in zip(going, room, outs):
+            e, ids = eps[i], out.output_ids[:n]
+            _append(e, ids, out.logprobs[:n], 1)
+            e.episode["env/turns"] += 1
+            calls_tool = len(out.output_ids) <= n and out.finish_reason == "stop" and \
+                ids[-1] in tools.stop_ids
+            e.finish_reason = "length" if len(out.output_ids) > n or (
+                calls_tool and turn + 1 == tools.max_turns) else out.finish_reason
+            if not calls_tool or e.finish_reason == "length":
+                continue  # over: an end of sequence, the length, an abort
+            envs[i], reply = env_step(tools, envs[i], rows[i], tools.decode(ids), e.episode)
+            if reply is not None and len(e.output_ids) + len(reply) >= sampling.max_new_tokens:
+                e.finish_reason = "length"  # no room left for the policy's next turn
+            elif reply is not None:
+                _append(e, reply, [0.0] * len(reply), 0)
+                live.append(i)
+        if not live:
+            break
+    return eps
+
+
+def _append(e: Completion, ids: list[int], logprobs: list[float], policy: int) -> None:
+    e.output_ids, e.logprobs = e.output_ids + ids, e.logprobs + logprobs
+    e.policy_mask = e.policy_mask + [policy] * len(ids)
+
+
+_SAID: list = []  # an env's first failure is said once per process
+
+
+def env_step(tools: Tools, env, row: dict, text: str, counts: dict) -> tuple[object, list | None]:
+    """(env, the reply's ids or None: the episode is over) of env.step(text) on a daemon thread (a
+    hung call keeps it), the env made by tools.make(row) first. A call that raises, takes over
+    ENV_TIMEOUT_S or replies neither a string nor None ends the episode, counted, said once."""
+    out, start = [], time.perf_counter()
+
+    def call() -> None:
+        try:
+            made = tools.make(row) if env is None else env
+            reply = made.step(text)
+            if not isinstance(reply, (str, type(None))):
+                raise TypeError(f"step returned a {type(reply).__name__}, not a str or None")
+            out.append((made, None if reply is None else tools.encode(reply), None))
+        except Exception as e:
+            out.append((env, None, f"{type(e).__name__}: {e}"))
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(ENV_TIMEOUT_S)
+    env, reply, error = out[0] if out else (env, None, f"a call took over {ENV_TIMEOUT_S:g}s")
+    counts["env/seconds"] += time.perf_counter() - start
+    counts["env/tool_calls"] += 1
+    counts["env/errors"] += error is not None
+    if error is not None and not _SAID:
+        _SAID.append(print(f"warning: an --env step failed ({error}); its episode ends there, "
+                           "scored as it stands (counted in env/errors; said once)", flush=True))
+    return env, reply
 
 
 # -----------------------------------------------------------------------------
@@ -343,7 +442,7 @@ class SGLangEngine(Engine):
         self.has_session = hasattr(self.engine, "begin_weight_update")  # SGLang >= 0.5.21
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
-                 seeds: list[int]) -> list[Completion]:
+                 seeds: list[int], groups: list | None = None) -> list[Completion]:
         assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
         if not prompt_ids:
             return []
@@ -525,13 +624,14 @@ class RemoteSGLangEngine(Engine):
         return info if isinstance(info, dict) else {}
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
-                 seeds: list[int]) -> list[Completion]:
+                 seeds: list[int], groups: list | None = None) -> list[Completion]:
         assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
         # a group on one server keeps its prefix cache hot; groups round robin, offset by rank
-        group, shift = {}, rank()  # prompt -> its group's index
-        url = lambda p: self.urls[(group.setdefault(tuple(p), len(group)) + shift) % len(self.urls)]
-        jobs = [self.pool.submit(self._generate_one, url(p), list(p), sampling, s)
-                for p, s in zip(prompt_ids, seeds)]
+        group, shift = {}, rank()  # prompt (or given group) -> its group's index
+        url = lambda k: self.urls[(group.setdefault(k, len(group)) + shift) % len(self.urls)]
+        keys = groups or [tuple(p) for p in prompt_ids]
+        jobs = [self.pool.submit(self._generate_one, url(k), list(p), sampling, s)
+                for p, s, k in zip(prompt_ids, seeds, keys)]
         return [j.result() for j in jobs]
 
     def _generate_one(self, url: str, prompt: list[int], sampling: SamplingParams,

@@ -26,8 +26,8 @@ from itertools import product
 from pathlib import Path
 
 from cli import UserError, why
-from logs import quiet_libraries, reduce_metrics
-from rollout import SamplingParams, mix_seed
+from logs import print0, quiet_libraries, reduce_metrics
+from rollout import SamplingParams, Tools, mix_seed, run_episodes
 
 EVAL_SEED = 0xE7A1  # eval samples' seeds: the same noise at every eval, so only the policy moves
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+(?:/\d+)?")  # 1,234 | -3.5 | .5 | 3/4
@@ -314,6 +314,7 @@ class Data:
     prompts: list[list[int]]  # each train row's prompt ids
     evalset: list[tuple[dict, list[int]]]  # held-out (row, prompt ids)
     stop_ids: list[int]  # every token that ends a response, for every engine
+    tools: Tools | None = None  # the --env, if any
 
 
 def load_data(model: str, dataset: str, eval_dataset: str | None, reward: str, prompt_key: str,
@@ -354,22 +355,60 @@ def load_reward(spec: str) -> Callable:
         logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" etc.
     if spec in REWARDS:
         return REWARDS[spec]
+    return load_plugin("--reward", spec, f"not a built-in reward ({', '.join(REWARDS)}) nor ")
+
+
+def load_plugin(flag: str, spec: str, builtins: str = "") -> Callable:
+    """`path/to/file.py:name`, a function or class, loaded from that file."""
     path, sep, name = spec.rpartition(":")
     if not sep or not path.endswith(".py") or not name:
-        raise UserError(f"--reward {spec}: not a built-in reward ({', '.join(REWARDS)}) nor "
-                        "path/to/file.py:function")
+        raise UserError(f"{flag} {spec}: {builtins}path/to/file.py:name")
     if not Path(path).is_file():
-        raise UserError(f"--reward {spec}: no such file {path}")
-    module_name = f"nanoareal_reward_{abs(hash(str(Path(path).resolve())))}"
+        raise UserError(f"{flag} {spec}: no such file {path}")
+    module_name = f"nanoareal_plugin_{abs(hash(str(Path(path).resolve())))}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = sys.modules[module_name] = importlib.util.module_from_spec(module_spec)  # picklable
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:
-        raise UserError(f"--reward {spec}: importing {path} failed ({why(e)})") from None
+        raise UserError(f"{flag} {spec}: importing {path} failed ({why(e)})") from None
     if not callable(fn := getattr(module, name, None)):
-        raise UserError(f"--reward {spec}: {path} has no function {name!r}")
+        raise UserError(f"{flag} {spec}: {path} has no function {name!r}")
     return fn
+
+
+def load_env(spec: str | None, tokenizer, chat: bool, max_turns: int) -> Tools | None:
+    """--env path/to/file.py:Name: Name(row) is an episode's env, step(turn text) -> the text to
+    append or None; Name.stop its tool-call stops, token ids or one-token strings. A reply is raw
+    text, or with --chat-template the template's tool turn where it extends the turns before."""
+    if not spec:
+        return None
+    make = load_plugin("--env", spec)
+    ids = [s if isinstance(s, int) else tokenizer.convert_tokens_to_ids(s)
+           for s in getattr(make, "stop", None) or []]
+    if not ids or {None, tokenizer.unk_token_id} & set(ids):
+        raise UserError(f"--env {spec}: its .stop must list the tool-call stops (token ids or "
+                        "strings of one token each)")
+    pre, post = wrap = (tool_turn(tokenizer) if chat else None) or ("", "")
+    print0(f"--env {spec}: replies as " + ("the chat template's tool turn" if any(wrap) else
+           "raw text" + " (the template has no tool turn extending the turns before)" * chat))
+    return Tools(make, ids, lambda text: tokenizer(pre + text + post, add_special_tokens=False)[
+        "input_ids"], tokenizer.decode, max_turns)
+
+
+def tool_turn(tokenizer) -> tuple[str, str] | None:
+    """The text the chat template writes before and after a tool's reply to an assistant turn, up
+    to the next assistant turn, if it renders one that leaves the turns before unchanged."""
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "XQZ7"}]
+    try:
+        before = tokenizer.apply_chat_template(turns, tokenize=False)
+        after = tokenizer.apply_chat_template(turns + [{"role": "tool", "content": "ZQX9"}],
+                                              add_generation_prompt=True, tokenize=False)
+    except Exception:  # a template without a tool role may refuse one
+        return None
+    head = before[: before.find("XQZ7") + 4]
+    pre, found, post = after[len(head):].partition("ZQX9")
+    return (pre, post) if "XQZ7" in head and after.startswith(head) and found else None
 
 
 def evaluate(engine, data: Data, reward_fn: Callable, max_new_tokens: int, temperature: float,
@@ -379,7 +418,8 @@ def evaluate(engine, data: Data, reward_fn: Callable, max_new_tokens: int, tempe
     C(k-c, j)/C(k, j) for c of k correct (Chen et al. 2021), over prompts with all k judged."""
     def judge(todo: list, temperature: float, seeds: list[int]) -> list:  # (row, prompt) pairs
         sampling = SamplingParams(max_new_tokens, temperature, stop_token_ids=data.stop_ids)
-        outs = engine.generate([p for _, p in todo], sampling, seeds) if todo else []
+        outs = run_episodes(engine, [p for _, p in todo], sampling, seeds, data.tools,
+                            [r for r, _ in todo]) if todo else []
         return [s.correct for s in score_completions(reward_fn, data.tokenizer, outs,
                                                      [r for r, _ in todo], timeout)]
 

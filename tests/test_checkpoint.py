@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--prompts-per-step", "8", "--group-size", "4", "--eval-every", "2",
         "--steps", "4",
         "--ckpt-every", "2"]
-NOISE = ("time/", "gen_tokens_per_s", "train_tokens_per_s")  # wall-clock: differs between runs
+NOISE = ("time/", "gen_tokens_per_s", "train_tokens_per_s", "env/seconds")  # wall-clock
 
 
 # -----------------------------------------------------------------------------

@@ -14,8 +14,10 @@ import socket
 import subprocess
 import sys
 
+import fsdp_loss_worker as W
 import pytest
 import torch
+import torch.distributed as dist
 import warm
 from fsdp_loss_worker import CASES, ZERO_CASE
 
@@ -98,3 +100,44 @@ def test_m2po_mask_across_ranks_equals_single_process_mask(results):
     single = L.m2po_mask(m["prox"], m["behave"], m["loss_mask"], threshold=0.03)
     assert torch.equal(m["new"], single)
     assert 0 < (m["loss_mask"] - m["new"]).sum() < m["loss_mask"].sum()  # the threshold did bite
+
+
+@pytest.mark.parametrize("mode", list(L.MODES))
+def test_episodes_two_ranks_train_on_the_policys_tokens_only_equal_padded_reference(results, mode):
+    """Multi-turn episodes (interior environment spans, pi_behave junk there) packed by packing.py
+    from each Completion's policy_mask, micro-batches cutting through groups, on 2 ranks: the
+    whole step's gradient and reported values equal the padded reference whose masks hold the
+    environment's tokens out of every numerator and denominator."""
+    r = results["cases"][f"episodes_{mode}"]
+    assert_grads_match(r["grads"], r["ref_grads"])
+    for term, value in r["ref_reported"].items():
+        assert r["reported"][term] == pytest.approx(value, rel=1e-5, abs=1e-7), term
+    per_mb = r["samples_per_microbatch"]
+    assert sum(n for counts in per_mb for n in counts if n > 0) == 15
+    assert max(len(c) for c in per_mb) > 2  # several micro-batches per rank: groups are cut
+
+
+@pytest.mark.parametrize("mode", list(L.MODES))
+def test_episodes_one_rank_train_on_the_policys_tokens_only_equal_padded_reference(mode):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=W.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            tie_word_embeddings=False, attn_implementation="sdpa")).float()
+        episodes = W.make_episodes()
+        W.add_policy_logprobs(model, episodes)
+        assert any(0.0 in s["m"][: s["m"].index(1.0, s["m"].index(0.0))] for s in episodes
+                   if 0.0 in s["m"] and 1.0 in s["m"][s["m"].index(0.0):])  # interior spans
+        case = W.SURROGATE_OF_MODE[mode]
+        with W.surrogate_params(case["policy_loss"], case.get("params", {})):
+            got = W.run_episode_case(model, episodes, mode)
+            ref_grads, ref_reported = W.reference(model, episodes, mode, case)
+    finally:
+        dist.destroy_process_group()
+    assert_grads_match(got["grads"], ref_grads)
+    for term, value in ref_reported.items():
+        assert got["reported"][term] == pytest.approx(value, rel=1e-5, abs=1e-7), term

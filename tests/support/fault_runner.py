@@ -45,12 +45,12 @@ def touch(name: str) -> None:
     (RUN_DIR / name).write_text(str(os.getpid()))
 
 
-def generate(engine, encoded, prompts, step, cfg, stop_ids):
+def generate(engine, encoded, prompts, step, cfg, stop_ids, *episodes):
     STEP[0] = step
     if FAULTS.get("pause_in_step") == step and RANK in FAULTS.get("pause_ranks", [RANK]):
         touch(f"in_step_{step}.rank{RANK}")
         time.sleep(600)
-    out = _generate(engine, encoded, prompts, step, cfg, stop_ids)
+    out = _generate(engine, encoded, prompts, step, cfg, stop_ids, *episodes)
     if FAULTS.get("nan_from_step", math.inf) <= step:
         N.group_advantages = lambda rewards, *a, **k: torch_nan(len(rewards))
     return out

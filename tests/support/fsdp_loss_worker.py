@@ -267,6 +267,68 @@ def run_case(models: dict, seqs, rank0_count: int, mode: str, layout: str, scali
             "reported_all_reduces": report_calls.count, "microbatches": counts}
 
 
+def make_episodes(seed: int = 3) -> list[dict]:
+    """Episodes for make_sequences' groups: policy turns and environment spans alternate, so every
+    response has interior masked spans (m = d = 0 there; pi_behave exists for sampled tokens only,
+    so it is junk on the environment's); some end in an environment span."""
+    rng = random.Random(seed)
+    seqs = []
+    for group, size in enumerate([3, 1, 2, 4, 2, 3]):
+        prompt = [rng.randint(1, VOCAB - 1) for _ in range(rng.randint(2, 4))]
+        for _ in range(size):
+            mask = []
+            for turn in range(rng.randint(1, 3)):
+                mask += [1.0] * rng.randint(1, 3) + [0.0] * rng.randint(0 if turn else 1, 3)
+            seqs.append({"group": group, "prompt": prompt, "m": mask, "d": mask,
+                         "response": [rng.randint(1, VOCAB - 1) for _ in mask],
+                         "advantage": rng.gauss(0.0, 1.0)})
+    return seqs
+
+
+def run_episode_case(model, seqs: list[dict], mode: str, budget: int = 22) -> dict:
+    """packing.py's micro-batches of this rank's groups (ranks split at a group; the budget cuts
+    through groups), each episode's policy_mask carried by its Completion, through build_loss."""
+    from types import SimpleNamespace
+
+    import packing
+    from rollout import Completion
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cut = next(i for i, s in enumerate(seqs) if s["group"] == 3) if world > 1 else len(seqs)
+    first = 0 if rank == 0 else cut
+    samples = [SimpleNamespace(group=s["group"], prompt_ids=s["prompt"], advantage=s["advantage"],
+                               completion=Completion(s["response"], torch.where(
+                                   torch.tensor(s["m"]) > 0, s["behave"], -7.0).tolist(), "stop",
+                                   [int(x) for x in s["m"]]))
+               for s in (seqs[:cut] if rank == 0 else seqs[cut:])]
+    mbs = packing.even_out(packing.pack_microbatches(samples, mode, DIVISOR, budget,
+                                                     share_prompts=False), dist.group.WORLD)
+    cfg = SURROGATE_OF_MODE[mode]
+    red = build(mode, DIVISOR, dist.group.WORLD, entropy_coef=ENTROPY_COEF, kl_coef=KL_COEF,
+                **{k: v for k, v in cfg.items() if k != "params"})
+    batches = []
+    for mb in mbs:
+        b = {k: getattr(mb, k) for k in ("input_ids", "position_ids", "targets", *TOKEN_KEYS)
+             if getattr(mb, k) is not None}
+        for key, src in (("prox_logprobs", "prox"), ("ref_logprobs", "ref")):
+            b[key] = torch.zeros(len(mb.targets))
+            for j in range(int(mb.seq_ids.max()) + 1):  # seq_ids: the sample's index in the mb
+                b[key][mb.seq_ids == j] = seqs[first + j][src].float()
+        first += int(mb.seq_ids.max()) + 1  # a padding micro-batch's is -1
+        batches.append(b)
+    model.zero_grad(set_to_none=True)
+    red.begin_step(batches)
+    for b in batches:
+        logp, entropy = forward(model, b)
+        red(loss_inputs(b, logp, entropy)).backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = torch.zeros_like(p) if p.grad is None else p.grad
+        grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g.clone()).detach()
+    counts = [None] * world
+    dist.all_gather_object(counts, [int(mb.seq_ids.max()) + 1 for mb in mbs])
+    return {"grads": grads, "reported": red.reported(), "samples_per_microbatch": counts}
+
+
 def m2po_case() -> dict:
     """Each rank holds a different number of tokens; the mask must be the one of the concatenation.
     """
@@ -327,6 +389,15 @@ def main(out_path: str) -> None:
                                            "uneven_microbatches",
                                            "divide_factor_1")
     results["m2po"] = m2po_case()
+    episodes = make_episodes()
+    add_policy_logprobs(base, episodes)
+    for mode in L.MODES:
+        case = SURROGATE_OF_MODE[mode]
+        with surrogate_params(case["policy_loss"], case.get("params", {})):
+            result = run_episode_case(models["divide_factor_1"], episodes, mode)
+            if rank == 0:
+                result["ref_grads"], result["ref_reported"] = reference(base, episodes, mode, case)
+        results["cases"][f"episodes_{mode}"] = result
     if rank == 0:
         torch.save(results, out_path)
     dist.barrier()

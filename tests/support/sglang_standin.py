@@ -4,7 +4,8 @@ tiny model it serves in tests (`save_tiny_llama`).
 Requests, responses and their order follow SGLang's own source (entrypoints/http_server.py,
 managers/io_struct.py, managers/schedule_batch.py, model_executor weight updaters), per version:
 
-    POST /generate {"input_ids", "sampling_params", "return_logprob", "rid"} (or lists of them)
+    POST /generate {"input_ids", "sampling_params", "return_logprob", "rid"} (or lists of them;
+      "cached_tokens" counts the longest prefix of input_ids served before: its prefix cache)
       -> {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
           "completion_tokens", "cached_tokens", "output_token_logprobs": [[logprob, id, null]]}}.
       It stops on the request's stop_token_ids and the model's eos ids (config.json,
@@ -85,6 +86,8 @@ class StandinSGLangServer:
         self.lock = threading.Lock()  # one forward (or weight load) at a time, like one GPU
         self.calls: list[str] = []
         self.generate_bodies: list[dict] = []
+        self.cache: list[list[int]] = []  # the sequences served (its radix cache, never evicted)
+        self.cached: dict[str, int] = {}  # rid -> the cached_tokens it was sent
         self.finishes: dict[str, dict] = {}  # rid -> the finish_reason sent
         self.aborted: list[str] = []
         self.in_flight = self.peak_in_flight = 0  # /generate requests being served at once
@@ -152,9 +155,14 @@ class StandinSGLangServer:
             finish = {"type": "abort", "message": "Abort in waiting queue", "status_code": None,
                       "err_type": None}
         self.finishes[rid] = finish
+        with self.lock:  # cached_tokens: the longest prefix of input_ids served before, as SGLang's
+            cached = max((next((j for j, (a, b) in enumerate(zip(input_ids, seq)) if a != b),
+                                min(len(input_ids), len(seq))) for seq in self.cache), default=0)
+            self.cache.append(input_ids + ids)
+            self.cached[rid] = min(cached, len(input_ids) - 1)  # one token is always computed
         return {"text": self.tokenizer.decode(ids), "output_ids": ids,
                 "meta_info": {"id": rid, "finish_reason": finish, "prompt_tokens": len(input_ids),
-                              "completion_tokens": len(ids), "cached_tokens": 0,
+                              "completion_tokens": len(ids), "cached_tokens": self.cached[rid],
                               "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)],
                               "e2e_latency": time.monotonic() - t0}}
 
