@@ -55,7 +55,8 @@ def parse(cls: type[T], argv: list[str], preset=lambda dataset: {}) -> T:
 
 
 def as_flags(cls: type, values: dict, where: str) -> list[str]:
-    """{"max_new_tokens": 32, "adv_std": False} -> ["--max-new-tokens", "32", "--no-adv-std"]."""
+    """{"max_new_tokens": 32, "mask_truncated": True} -> ["--max-new-tokens", "32",
+    "--mask-truncated"]."""
     hints, flags = typing.get_type_hints(cls), []
     for key, value in values.items():
         if (name := key.replace("-", "_")) not in hints or name == "config":

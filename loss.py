@@ -47,7 +47,6 @@ from torch import Tensor
 ADV_EPS = 1e-6  # added to a group's reward std before dividing: a tiny spread cannot explode
 LOG_RATIO_BOUND = 20.0  # |log-ratio| clamp before any exp(): exp(20) ~ 5e8 overflows nothing
 K3_CAP = 10.0  # k3's value explodes where pi_ref >> pi; cap it like verl's low_var_kl
-KL_ESTIMATOR = "k3"  # the KL penalty's estimator (KL_ESTIMATORS): forward-KL gradient, as GRPO
 CAPPED = "policy/behave_capped_frac"  # the share of d tokens a correction capped or masked
 Stats = dict[str, tuple[Tensor, Tensor]]  # name -> (total, count): a global fraction
 TokenLoss = tuple[Tensor, dict[str, Tensor]]  # a surrogate's (loss [T], {name: indicator [T]})
@@ -139,21 +138,41 @@ def aggregate(token_loss: Tensor, loss_mask: Tensor, *, mode: str, group_ids: Te
 
 
 # -----------------------------------------------------------------------------
-# advantages (--adv-estimator): a sample's reward against its GRPO group's
+# advantages (--adv-estimator): a sample's reward against its GRPO group's; the std it is divided
+# by (--adv-std): fn(rewards, group_ids, group, copies) -> each sample's std, None for no division
 ADVANTAGES = ("grpo", "rloo")
 
 
+def group_std(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
+    """Each sample's group's unbiased reward std (GRPO)."""
+    n, total = _group_sums(torch.ones_like(rewards), group_ids), _group_sums(rewards, group_ids)
+    return (_group_sums((rewards - total / n) ** 2, group_ids) / (n - 1).clamp(min=1)).sqrt()
+
+
+def batch_std(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
+    """The unbiased reward std of the whole step's batch, every rank of `group` (each sample held
+    by `copies` ranks: a CP group's), as TRL's scale_rewards="batch"."""
+    n, s, ss = (all_reduce_vector(torch.stack([rewards.new_tensor(float(len(rewards))),
+                                               rewards.sum(), (rewards**2).sum()]), group) / copies)
+    return rewards.new_full(rewards.shape, float(((ss - s * s / n) / (n - 1).clamp(min=1))
+                                                .clamp(min=0).sqrt()) if n > 0 else 0.0)
+
+
+ADV_STDS: dict[str, Callable | None] = {"group": group_std, "batch": batch_std, "none": None}
+
+
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo",
-                     use_std: bool = True, eps: float = ADV_EPS) -> torch.Tensor:
+                     std: str = "group", eps: float = ADV_EPS, group=None,
+                     copies: int = 1) -> torch.Tensor:
     """Per-sample advantages from rewards and group ids (any sizes, any order; a group of one gets
-    0): A_i = (R_i - baseline_i) / (std_g R + eps), divided by the (unbiased) std only with
-    use_std and grpo; rloo's baseline is the mean of the group's other samples, never divided."""
+    0): grpo A_i = (R_i - mean_g R) / (std_i + eps), std_i from ADV_STDS[std] (none: no division);
+    rloo's baseline is the mean of the group's other samples, never divided."""
     rewards = rewards.double()
     n, total = _group_sums(torch.ones_like(rewards), group_ids), _group_sums(rewards, group_ids)
-    mean = total / n
-    std = (_group_sums((rewards - mean) ** 2, group_ids) / (n - 1).clamp(min=1)).sqrt()
+    std_fn = _choice("adv-std", std, ADV_STDS)
     if estimator == "grpo":
-        adv = (rewards - mean) / (std + eps) if use_std else rewards - mean
+        adv = rewards - total / n
+        adv = adv / (std_fn(rewards, group_ids, group, copies) + eps) if std_fn else adv
     elif estimator == "rloo":
         adv = rewards - (total - rewards) / (n - 1).clamp(min=1)
     else:
@@ -413,6 +432,8 @@ CORRECTIONS: dict[str, Correction] = {
     "mask": Correction(2.0, token_mode="mask"),  # AReaL's decoupled PPO: tokens over the cap out
     # M2PO: the plain ratio to pi_behave (no clip), the tokens of extreme second moment masked
     "m2po": Correction(0.04, clip_to_behaviour=True, global_mask=m2po_mask, clip=False)}
+# --correction auto under staleness, by updates per batch (one, several): docs/studies.md's holders
+AUTO_CORRECTION = {False: "behave", True: "truncate"}
 
 
 def apply_global_mask(mbs: list[MicroBatch], correction: str, threshold: float,
@@ -428,43 +449,49 @@ def apply_global_mask(mbs: list[MicroBatch], correction: str, threshold: float,
 
 
 # -----------------------------------------------------------------------------
-# KL penalty to a reference policy. With L = log pi - log pi_ref on tokens sampled from pi, each
-# estimator's *value* estimates KL(pi || ref) (Schulman 2020); as a loss only its gradient counts:
-#   k1 = L             gradient E_pi[grad log pi] = 0: pure noise, so not offered;
+# KL penalty to a reference policy (--kl-estimator). With L = log pi - log pi_ref on tokens sampled
+# from pi, each estimator's *value* estimates KL(pi || ref) (Schulman 2020); as a loss only its
+# gradient counts:
+#   k1 = L             gradient E_pi[grad log pi] = 0: noise alone (verl puts it in the reward);
 #   k2 = L^2 / 2       gradient E_pi[L grad log pi] = grad KL(pi || ref)   (reverse KL);
 #   k3 = e^-L - 1 + L  gradient E_pi[(1 - pi_ref/pi) grad log pi] = grad KL(ref || pi) (forward).
 KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
-    "k2": lambda L: 0.5 * L**2, "k3": lambda L: (torch.exp(-L) - 1.0 + L).clamp(max=K3_CAP)}
+    "k1": lambda L: L, "k2": lambda L: 0.5 * L**2,
+    "k3": lambda L: (torch.exp(-L) - 1.0 + L).clamp(max=K3_CAP)}
 
 
-def kl_penalty(logp: Tensor, ref: Tensor, estimator: str | None = None) -> Tensor:
-    """Per-token KL penalty of log-probs against the reference's (default: KL_ESTIMATOR)."""
-    return _choice("kl-estimator", estimator or KL_ESTIMATOR, KL_ESTIMATORS)(log_ratio(logp, ref))
+def kl_penalty(logp: Tensor, ref: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token KL penalty of log-probs against the reference's, by KL_ESTIMATORS[estimator]."""
+    return _choice("kl-estimator", estimator, KL_ESTIMATORS)(log_ratio(logp, ref))
 
 
 # -----------------------------------------------------------------------------
 # the trainer's loss: defaults that depend on other flags, checks, build_loss
 def resolve_loss_flags(policy_loss: str, loss_aggregation: str, eps_low: float | None,
                        eps_high: float | None, divisor: float | None, correction: str,
-                       threshold: float | None, max_new_tokens: int) -> dict:
+                       threshold: float | None, max_new_tokens: int, max_staleness: int = 0,
+                       updates_per_batch: int = 1) -> dict:
     """Defaults that depend on other flags: the surrogate's mode (auto) and clip range, constant's
-    divisor (the longest response), the correction's threshold."""
+    divisor (the longest response), the correction (auto) and its threshold."""
     s = _choice("policy-loss", policy_loss, SURROGATES)
     mode = s.aggregation if loss_aggregation == "auto" else loss_aggregation
+    if correction == "auto":  # what docs/studies.md measured holding under staleness
+        correction = "none" if max_staleness == 0 else AUTO_CORRECTION[updates_per_batch > 1]
     pick = lambda given, default: default if given is None else given
     return {"loss_aggregation": mode, "loss_aggregation_divisor": pick(
                 divisor, float(max_new_tokens) if mode == "constant" else None),
             "eps_low": pick(eps_low, s.params.get("eps_low")),
-            "eps_high": pick(eps_high, s.params.get("eps_high")),
+            "eps_high": pick(eps_high, s.params.get("eps_high")), "correction": correction,
             "correction_threshold": pick(threshold, _choice("correction", correction,
                                                             CORRECTIONS).threshold)}
 
 
-def needs_proximal_forward(correction: str, num_minibatches: int) -> bool:
-    """With one mini-batch the training forward's log-probs, detached, are pi_prox, unless a
-    correction masks the mini-batch from pi_prox first: else pi_prox needs a forward of its own."""
+def needs_proximal_forward(correction: str, updates_per_batch: int) -> bool:
+    """With one update per batch (one mini-batch, one pass) the training forward's log-probs,
+    detached, are pi_prox, unless a correction masks the mini-batch from pi_prox first: else
+    pi_prox (the weights before the batch's first update) needs a forward of its own, once."""
     corr = CORRECTIONS[correction]
-    return corr.global_mask is not None or (num_minibatches > 1 and not corr.clip_to_behaviour)
+    return corr.global_mask is not None or (updates_per_batch > 1 and not corr.clip_to_behaviour)
 
 
 def surrogate_params(policy_loss: str, eps_low: float | None, eps_high: float | None) -> dict:
@@ -536,7 +563,7 @@ def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
 
     def kl(mb: MicroBatch) -> Tensor:  # pi_ref outside d is arbitrary: ratio 1 there, exp() finite
         ref = torch.where(mb.denom_mask > 0, mb.ref_logprobs, mb.logprobs.detach())
-        return masked_sum(kl_penalty(mb.logprobs, ref), mb.loss_mask, name="kl")
+        return masked_sum(kl_penalty(mb.logprobs, ref, cfg.kl_estimator), mb.loss_mask, name="kl")
 
     # normalizers in float64: summed over many micro-batches and ranks
     norm = lambda mb: (mb.denom_mask.double() * mb.norm_weight.double()).sum()

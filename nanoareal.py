@@ -98,7 +98,8 @@ class Config:
     chat_template: bool = False
     """Wrap each prompt in the tokenizer's chat template as a user turn."""
     reward: str = "auto"
-    """auto (the task's own), exact_match, gsm8k, last_number, math, or path/to/file.py:function."""
+    """auto (the task's own), exact_match, gsm8k, last_number, math, format, length, or
+    path/to/file.py:function; several summed with weights: "exact_match,0.1*format"."""
     env: str | None = None
     """path/to/file.py:Class: an environment answering the policy's tool calls (multi-turn)."""
     max_turns: int = 4
@@ -113,6 +114,10 @@ class Config:
     """Longest completion in tokens; one cut there ends with finish reason "length"."""
     temperature: float = 1.0
     """Sampling temperature of rollouts and eval samples; the trainer's log-probs use it too."""
+    top_p: float = 1.0
+    """Sample from the likeliest tokens holding p; all log-probs stay log_softmax(logits / T)."""
+    top_k: int = -1
+    """Sample from the k likeliest tokens (-1: all); log-probs stay untruncated, as SGLang's."""
     max_staleness: int = 0
     """K: the batch of step s is sampled by the weights of step s-K, generated while s-K trains."""
     rollout_backend: Literal["hf", "sglang"] = "hf"
@@ -127,12 +132,14 @@ class Config:
     # advantages
     adv_estimator: Literal[loss.ADVANTAGES] = "grpo"  # type: ignore[valid-type]
     """Baseline of a sample's reward: grpo, its group's mean; rloo, the mean of the others."""
-    adv_std: bool = True
-    """Divide grpo advantages by the group's reward std (--no-adv-std: Dr. GRPO)."""
+    adv_std: Literal[tuple(loss.ADV_STDS)] = "group"  # type: ignore[valid-type]
+    """Divide grpo advantages by the group's reward std, the whole batch's, or none (Dr. GRPO)."""
     filter_zero_variance: bool = False
     """Drop groups whose rewards are all equal (DAPO's dynamic-sampling filter, no resampling)."""
     mask_truncated: bool = False
     """Leave responses cut by --max-new-tokens out of the loss and its denominators (DAPO)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: the last N tokens up to --max-new-tokens cost 0 to 1 reward."""
 
     # loss (formulas in loss.py and docs/losses.md)
     policy_loss: Literal[tuple(loss.SURROGATES)] = "ppo"  # type: ignore[valid-type]
@@ -145,14 +152,17 @@ class Config:
     """The ratio is clipped below at 1 - eps_low; default the surrogate's (0.2, gspo 3e-4)."""
     eps_high: float | None = None
     """The ratio is clipped above at 1 + eps_high; default the surrogate's (0.2, gspo 4e-4)."""
-    correction: Literal[tuple(loss.CORRECTIONS)] = "none"  # type: ignore[valid-type]
-    """Off-policy correction for pi_behave != pi_prox: none, behave, truncate, mask or m2po."""
+    correction: Literal[("auto", *loss.CORRECTIONS)] = "auto"  # type: ignore[valid-type]
+    """Off-policy correction: none, behave, truncate, mask, m2po; auto is none at K = 0, else the
+    one docs/studies.md shows holding (behave; truncate with several updates per batch)."""
     correction_threshold: float | None = None
     """The cap on pi_prox/pi_behave of truncate/mask (default 2), M2PO's threshold (0.04)."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus (the token mean of the policy's entropy, subtracted)."""
     kl_coef: float = 0.0
-    """Weight of a k3 KL penalty to the initial policy (loads a frozen reference copy)."""
+    """Weight of a KL penalty to the initial policy (loads a frozen reference copy)."""
+    kl_estimator: Literal[tuple(loss.KL_ESTIMATORS)] = "k3"  # type: ignore[valid-type]
+    """The KL penalty's estimator: k1 (zero mean gradient), k2 (reverse KL's), k3 (forward KL's)."""
 
     # optimization
     lr: float = 1e-4
@@ -165,6 +175,8 @@ class Config:
     """Clip the global gradient norm to this before each optimizer step; 0 turns it off."""
     num_minibatches: int = 1
     """Optimizer steps per rollout batch, each on a share of its groups."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch (TRL num_iterations), the clip centred on its pi_prox."""
     micro_batch_tokens: int = 4096
     """Token budget of a packed micro-batch: bigger means fewer passes and more memory."""
 
@@ -192,7 +204,8 @@ class Config:
         for k, v in loss.resolve_loss_flags(
                 self.policy_loss, self.loss_aggregation, self.eps_low, self.eps_high,
                 self.loss_aggregation_divisor, self.correction, self.correction_threshold,
-                self.max_new_tokens).items():
+                self.max_new_tokens, self.max_staleness,
+                self.num_minibatches * self.ppo_epochs).items():
             setattr(self, k, v)
 
 
@@ -229,7 +242,7 @@ def main(argv: list[str]) -> None:
             # ALGO LOGIC. the batch for this step, sampled and scored by the policy of step
             # max(0, step - K); the engine starts on the batch for step + K meanwhile
             samples = rollouts.take(step)
-            set_advantages(samples, cfg)  # GRPO / RLOO within each group
+            set_advantages(samples, cfg, ranks)  # GRPO / RLOO within each group
             sums = rollout_sums(samples, ranks)
             if cfg.filter_zero_variance:  # no signal: only normalizer mass
                 samples = [s for s in samples if not s.zero_variance]
@@ -309,6 +322,9 @@ def validate_config(cfg: Config, world: int) -> Config:
         (cfg.grad_clip >= 0, f"--grad-clip {cfg.grad_clip}: must be > 0, or 0 for no clipping"),
         (1 <= cfg.num_minibatches <= cfg.prompts_per_step,
          "--num-minibatches must be in [1, --prompts-per-step]"),
+        (cfg.ppo_epochs >= 1 and 0 <= cfg.overlong_buffer <= cfg.max_new_tokens and 0 < cfg.top_p
+         <= 1 and (cfg.top_k >= 1 or cfg.top_k == -1), "--ppo-epochs must be >= 1, --overlong-"
+         "buffer in [0, --max-new-tokens], --top-p in (0, 1] and --top-k -1 or >= 1"),
         (cfg.cp_size >= 1 and world % cfg.cp_size == 0,
          f"--cp-size {cfg.cp_size} must divide the number of ranks ({world})"),
         (not cfg.eval_dataset or cfg.dataset not in tasks.TASKS, f"--eval-dataset is for a JSONL "
@@ -413,6 +429,7 @@ class Sample:
     metrics: dict = field(default_factory=dict)  # the reward's own
     reward_error: str | None = None
     gen_s: float = 0.0  # seconds its batch took to generate
+    seed: int = 0  # (seed, step, slot, k) mixed: its sampling noise and its reward's random state
 
 
 def cp_broadcast(obj, ranks: Ranks):
@@ -451,7 +468,7 @@ def rollout_batch(engine, data: tasks.Data, reward_fn, step: int, cfg: Config,
     samples = generate(engine, data.prompts, list(enumerate(prompts))[ranks.dp_rank::ranks.dp_size],
                        step, cfg, data.stop_ids, data.tools, data.rows)
     gen_s = time.perf_counter() - start
-    score(samples, data.rows, reward_fn, data.tokenizer)
+    score(samples, data.rows, reward_fn, data.tokenizer, cfg)
     for s in samples:
         s.gen_s = gen_s
     return samples
@@ -461,22 +478,24 @@ def generate(engine, encoded: list[list[int]], prompts: list[tuple[int, int]], s
              cfg: Config, stop_ids: list[int], tools=None, rows=None) -> list[Sample]:
     """group_size completions of each (slot, row) prompt (one the engine aborted is dropped); the
     slot is the group, and seeds are (seed, step, slot, k): not the rank's, batch's or world's."""
-    sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, stop_token_ids=stop_ids)
+    sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, stop_ids)
     slots = [(slot, row) for slot, row in prompts for _ in range(cfg.group_size)]
     seeds = [mix_seed(cfg.seed, step, slot, k) for slot, _ in prompts
              for k in range(cfg.group_size)]
     version = engine.version
     completions = rollout.run_episodes(engine, [encoded[r] for _, r in slots], sampling, seeds,
                                        tools, [rows[r] for _, r in slots] if tools else None)
-    return [Sample(slot, encoded[row], c, row=row, version=version)
-            for (slot, row), c in zip(slots, completions) if c.finish_reason != "abort"]
+    return [Sample(slot, encoded[row], c, row=row, version=version, seed=seed) for (slot, row), c,
+            seed in zip(slots, completions, seeds) if c.finish_reason != "abort"]
 
 
-def score(samples: list[Sample], rows: list[dict], reward_fn, tokenizer) -> None:
-    """Reward every completion (.reward, .correct, .metrics, .reward_error); a reward call that
-    raises or hangs scores 0 and is counted."""
+def score(samples: list[Sample], rows: list[dict], reward_fn, tokenizer, cfg: Config) -> None:
+    """Reward every completion (.reward, .correct, .metrics, .reward_error; random seeded by its
+    seed, DAPO's overlong penalty added); a call that raises or hangs scores 0 and is counted."""
     scores = tasks.score_completions(reward_fn, tokenizer, [s.completion for s in samples],
-                                     [rows[s.row] for s in samples], REWARD_TIMEOUT_S)
+                                     [rows[s.row] for s in samples], REWARD_TIMEOUT_S,
+                                     [s.seed for s in samples], cfg.overlong_buffer,
+                                     cfg.max_new_tokens)
     for s, sc in zip(samples, scores):
         s.reward, s.correct, s.metrics, s.reward_error = sc.reward, sc.correct, sc.metrics, sc.error
 
@@ -505,11 +524,11 @@ def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:
         {"gen_s": samples[0].gen_s} if samples else {})
 
 
-def set_advantages(samples: list[Sample], cfg: Config) -> None:
+def set_advantages(samples: list[Sample], cfg: Config, ranks: Ranks = Ranks()) -> None:
     """Each sample's .advantage, and .zero_variance: its group's rewards are all equal."""
     adv = group_advantages(torch.tensor([s.reward for s in samples], dtype=torch.float32),
                            torch.tensor([s.group for s in samples], dtype=torch.long),
-                           cfg.adv_estimator, cfg.adv_std)
+                           cfg.adv_estimator, cfg.adv_std, copies=ranks.cp_size)
     distinct: dict[int, set[float]] = defaultdict(set)  # each group's distinct rewards
     for s in samples:
         distinct[s.group].add(s.reward)
@@ -522,9 +541,9 @@ def set_advantages(samples: list[Sample], cfg: Config) -> None:
 def train_on_samples(model, ref_model, optimizer, reduction: loss.LossReduction,
                      samples: list[Sample], cfg: Config, device, ranks: Ranks
                      ) -> tuple[dict, dict]:
-    """One rollout batch -> --num-minibatches optimizer steps, each on a share of the groups.
-    Returns this rank's counters (reduce_metrics sums them over ranks) and the step's stats: grad
-    norm and loss terms (the mini-batches' means), skipped steps, whether any update happened."""
+    """One rollout batch -> --ppo-epochs x --num-minibatches optimizer steps, each on a share of
+    the groups. Returns this rank's counters (the first pass's; reduce_metrics sums them over ranks)
+    and the step's stats: grad norm and loss terms (means), skipped steps, whether any update."""
     groups = sorted({s.group for s in samples})
     shares = [set(groups[i :: cfg.num_minibatches]) for i in range(cfg.num_minibatches)]
     packed = []
@@ -537,15 +556,16 @@ def train_on_samples(model, ref_model, optimizer, reduction: loss.LossReduction,
     sums = Counter({"trained_tokens": sum(len(s.prompt_ids) + len(s.completion.output_ids)
                                           for s in samples),
                     "positions": sum(len(mb.input_ids) for mbs in packed for mb in mbs)})
-    stats, iw_max = Counter(), 0.0
-    for mbs in packed:
+    stats, iw_max, updates = Counter(), 0.0, packed * cfg.ppo_epochs  # pass after pass
+    for i, mbs in enumerate(updates):
         counters, mb_iw_max, out = train_minibatch(model, optimizer, reduction, mbs, cfg, device,
                                                    ranks)
-        sums.update(counters)
-        iw_max = max(iw_max, mb_iw_max)
-        stats.update({k: v / len(packed) for k, v in out.items() if k != "updated"})
+        if i < len(packed):  # later passes see the same tokens again
+            sums.update(counters)
+            iw_max = max(iw_max, mb_iw_max)
+        stats.update({k: v / len(updates) for k, v in out.items() if k != "updated"})
         stats["updated"] = max(stats["updated"], out["updated"])
-    stats["skipped_steps"] *= len(packed)  # a count, not a mean
+    stats["skipped_steps"] *= len(updates)  # a count, not a mean
     sums = dict(sums) if ranks.cp_rank == 0 else {}  # a CP group counts its tokens once
     return sums | {"importance_weight_max": iw_max}, dict(stats)
 
@@ -555,7 +575,7 @@ def frozen_logprobs(model, ref_model, mbs: list[MicroBatch], cfg: Config, device
     """Each micro-batch with pi_prox's log-probs when they need a forward of their own (else the
     training forward's serve) and the reference policy's (KL penalty)."""
     policies = {"prox_logprobs": model} if loss.needs_proximal_forward(
-        cfg.correction, cfg.num_minibatches) else {}
+        cfg.correction, cfg.num_minibatches * cfg.ppo_epochs) else {}
     policies |= {"ref_logprobs": ref_model} if ref_model is not None else {}
     with torch.no_grad():
         return [replace(mb, **{k: microbatch_forward(p, mb, cfg, device, ranks)[0].float().cpu()

@@ -127,13 +127,12 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.T
     if sampling.temperature == 0:
         return pick(logits, logits.argmax(-1))
     scaled = truncated = logits / sampling.temperature
-    if sampling.top_k > 0:
-        kth = torch.topk(scaled, min(sampling.top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
-        truncated = truncated.masked_fill(scaled < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(truncated, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = (probs.cumsum(-1) - probs) >= sampling.top_p  # keeps the token crossing p
+    if sampling.top_k > 0 or sampling.top_p < 1.0:  # SGLang's rule, both on the full softmax
+        # ("joint"): token j of the sorted ones is kept iff j < k and p_0 + ... + p_{j-1} <= p
+        probs, order = torch.sort(torch.softmax(scaled, -1), dim=-1, descending=True, stable=True)
+        drop = (probs.cumsum(-1) - probs > sampling.top_p) if sampling.top_p < 1.0 else \
+            torch.zeros_like(probs, dtype=torch.bool)
+        drop[:, max(sampling.top_k, 0) or probs.shape[-1]:] = True
         truncated = truncated.masked_fill(drop.scatter(-1, order, drop), float("-inf"))  # unsorted
     seeds = seeds.to(device=logits.device, dtype=torch.int64)
     key = _fmix32(seeds ^ ((position * 0x9E3779B1 + 0x7F4A7C15) & _MASK32))

@@ -4,7 +4,9 @@ A row is a dict with "prompt" (a string) or "messages" (a chat), plus what the r
 ("answer" for the built-in ones). A reward (`--reward path/to/file.py:fn`) is any `fn(completion:
 str, row: dict) -> float | tuple[float, dict[str, float]]` given the WHOLE row; each metric's mean
 is logged as reward/<name>; its "correct" (a bool) defines accuracy, else equality with the row's
-"answer" (stripped): a shaped reward never changes what accuracy means."""
+"answer" (stripped): a shaped reward never changes what accuracy means. `--reward
+"exact_match,0.1*format"` sums weighted rewards, each term logged as reward/<name>. A reward that
+draws random numbers gets `random` and numpy seeded by its sample's (seed, step, slot, k)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from rollout import SamplingParams, Tools, mix_seed, run_episodes
 EVAL_SEED = 0xE7A1  # eval samples' seeds: the same noise at every eval, so only the policy moves
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+(?:/\d+)?")  # 1,234 | -3.5 | .5 | 3/4
 _INTEGER = re.compile(r"-?\d+")
+OVERLONG_FACTOR = 1.0  # DAPO's (and verl's default) penalty at --max-new-tokens, in reward units
 
 # -----------------------------------------------------------------------------
 # built-in rewards
@@ -97,8 +100,26 @@ def last_number(completion: str, row: dict) -> tuple[float, dict]:
     return float(ok), {"correct": ok, "scratchpad": float(len(found) > 1)}
 
 
-REWARDS: dict[str, Callable] = {  # every one reads row["answer"]
-    "exact_match": exact_match, "gsm8k": gsm8k, "last_number": last_number, "math": math_reward}
+def answer_format(completion: str, row: dict) -> float:
+    """1 if an answer can be read off the completion: a '####' or \\boxed{} mark, or a number at
+    its end; else 0 (a shaping term: weigh it next to an accuracy reward)."""
+    return float(answer_span(completion) is not None or bool(re.search(r"\d\s*$", completion)))
+
+
+def length(completion: str, row: dict) -> float:
+    """The completion's length in characters (a shaping term: weigh it negative for brevity)."""
+    return float(len(completion))
+
+
+def soft_overlong_penalty(n_tokens: int, max_tokens: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment of an n-token response: 0 up to max - buffer tokens, then
+    linearly down to -OVERLONG_FACTOR at max: -F min(1, max(0, n - (max - buffer)) / buffer)."""
+    return -OVERLONG_FACTOR * min(1.0, max(0, n_tokens - (max_tokens - buffer)) / buffer)
+
+
+REWARDS: dict[str, Callable] = {  # the first four read row["answer"]
+    "exact_match": exact_match, "gsm8k": gsm8k, "last_number": last_number, "math": math_reward,
+    "format": answer_format, "length": length}
 
 
 # -----------------------------------------------------------------------------
@@ -355,6 +376,14 @@ def load_reward(spec: str) -> Callable:
         logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" etc.
     if spec in REWARDS:
         return REWARDS[spec]
+    if "," in spec or "*" in spec:  # weighted terms: "exact_match,0.1*format,-0.01*length"
+        terms = [t.strip().rpartition("*") for t in spec.split(",")]
+        try:
+            weights = [float(w) if star else 1.0 for w, star, _ in terms]
+        except ValueError:
+            raise UserError(f"--reward {spec}: weights are numbers (0.1*format)") from None
+        return weighted_reward([(w, name.rpartition(":")[2], load_reward(name))
+                                for w, (_, _, name) in zip(weights, terms)])
     return load_plugin("--reward", spec, f"not a built-in reward ({', '.join(REWARDS)}) nor ")
 
 
@@ -411,6 +440,18 @@ def tool_turn(tokenizer) -> tuple[str, str] | None:
     return (pre, post) if "XQZ7" in head and after.startswith(head) and found else None
 
 
+def weighted_reward(terms: list[tuple[float, str, Callable]]) -> Callable:
+    """sum_k w_k r_k of (w_k, name, reward) terms, each term's value (unweighted) and metrics
+    logged, reward/<name>; "correct" is the first term's (as if it were the reward alone)."""
+    def reward(completion: str, row: dict) -> tuple[float, dict]:
+        scores = [score_one(fn, completion, row) for _, _, fn in terms]
+        metrics = {k: v for sc in scores for k, v in sc.metrics.items()}
+        metrics |= {name: sc.reward for (_, name, _), sc in zip(terms, scores)}
+        return sum(w * sc.reward for (w, _, _), sc in zip(terms, scores)), metrics | (
+            {"correct": scores[0].correct} if scores[0].correct is not None else {})
+    return reward
+
+
 def evaluate(engine, data: Data, reward_fn: Callable, max_new_tokens: int, temperature: float,
              k: int, seed: int, rank: int = 0, world: int = 1, timeout: float = 30.0) -> dict:
     """Held-out metrics (rows split across ranks, one collective): eval/accuracy of greedy answers;
@@ -421,7 +462,7 @@ def evaluate(engine, data: Data, reward_fn: Callable, max_new_tokens: int, tempe
         outs = run_episodes(engine, [p for _, p in todo], sampling, seeds, data.tools,
                             [r for r, _ in todo]) if todo else []
         return [s.correct for s in score_completions(reward_fn, data.tokenizer, outs,
-                                                     [r for r, _ in todo], timeout)]
+                                                     [r for r, _ in todo], timeout, seeds)]
 
     mine = data.evalset[rank::world]
     verdicts = judge(mine, 0.0, [0] * len(mine))
@@ -465,19 +506,30 @@ def score_one(reward_fn: Callable, completion: str, row: dict) -> Score:
 
 
 def score_completions(reward_fn: Callable, tokenizer, completions: list, rows: list[dict],
-                      timeout: float) -> list[Score]:
-    """compute_rewards of completions as a reward reads them: decoded, special tokens dropped."""
+                      timeout: float, seeds: list[int] | None = None, overlong_buffer: int = 0,
+                      max_tokens: int = 0) -> list[Score]:
+    """compute_rewards of completions as a reward reads them (decoded, special tokens dropped),
+    plus soft_overlong_penalty with an overlong_buffer, logged as reward/overlong."""
     texts = tokenizer.batch_decode([c.output_ids for c in completions], skip_special_tokens=True)
-    return compute_rewards(reward_fn, texts, rows, timeout)
+    scores = compute_rewards(reward_fn, texts, rows, timeout, seeds)
+    for sc, c in zip(scores, completions) if overlong_buffer else ():
+        sc.metrics["overlong"] = soft_overlong_penalty(len(c.output_ids), max_tokens,
+                                                       overlong_buffer)
+        sc.reward += sc.metrics["overlong"]
+    return scores
 
 
-def compute_rewards(reward_fn: Callable, texts: list[str], rows: list[dict],
-                    timeout: float) -> list[Score]:
-    """Score every completion on a daemon worker thread; a call that raises, returns junk or takes
-    over `timeout` s scores 0 with no verdict and its error. A hung call keeps its thread (threads
-    cannot be killed; one in C holding the GIL stalls us): untrusted code wants a process."""
+def compute_rewards(reward_fn: Callable, texts: list[str], rows: list[dict], timeout: float,
+                    seeds: list[int] | None = None) -> list[Score]:
+    """Score every completion on a daemon worker thread, `random` (and numpy, if imported) seeded
+    by its seed first; a call that raises, returns junk or takes over `timeout` s scores 0 with no
+    verdict and its error. A hung call keeps its thread (threads cannot be killed; one in C
+    holding the GIL stalls us): untrusted code wants a process."""
     def work(start: int, out: queue.Queue) -> None:  # calls start.. in order, into its own queue
         for i in range(start, len(texts)):
+            for rng in (random, getattr(sys.modules.get("numpy"), "random", None)):
+                if seeds is not None and rng is not None:  # numpy: if a reward imported it
+                    rng.seed(seeds[i])
             try:
                 out.put(score_one(reward_fn, texts[i], rows[i]))
             except Exception as e:

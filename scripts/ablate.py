@@ -9,10 +9,10 @@ each; then scripts/compare.py plots them and writes the table.
 
 A study file (TOML) holds `seeds = [0, 1]`, optionally `out = "runs/x"`, a `[base]` table of flags
 and one `[variants.NAME]` table per variant, its keys written as in a --config file (`lr = 3e-5`,
-`adv-std = false`); a variant or the base may also be one string of flags (`gspo = "--policy-loss
-gspo"` under `[variants]`). --variant, --seeds, --out and the flags after `--` add to the file or
-override it. Run NAME-sS is `python nanoareal.py <base> <variant> --seed S --run-dir OUT/NAME-sS`,
-with OMP_NUM_THREADS = cores / --jobs, its output appended to OUT/NAME-sS/log.txt; the flags of
+`mask-truncated = true`); a variant or the base may also be one string of flags (`gspo = "--policy-
+loss gspo"` under `[variants]`). --variant, --seeds, --out and the flags after `--` add to the file
+or override it. Run NAME-sS is `python nanoareal.py <base> <variant> --seed S --run-dir OUT/NAME-
+sS`, with OMP_NUM_THREADS = cores / --jobs, its output appended to OUT/NAME-sS/log.txt; the flags of
 each variant with a run to start go through nanoareal's own parser first. A rerun skips the runs
 that the same command finished (last step in metrics.jsonl, final/ written) and restarts the others:
 nanoareal resumes them from their newest checkpoint. A failed run does not stop the others (exit
@@ -53,7 +53,7 @@ def fail(message: str) -> NoReturn:
 
 
 def as_flags(value, where: str) -> list[str]:
-    """A table of flags as in a --config file ({"lr": 3e-5, "adv-std": False}), or a string of
+    """A table of flags as in a --config file ({"lr": 3e-5, "mask-truncated": True}), or a string of
     them, -> nanoareal.py's argv."""
     if isinstance(value, str):
         return shlex.split(value)

@@ -180,6 +180,42 @@ def test_with_rollouts_two_steps_ahead_a_kill_and_a_rerun_end_like_the_uninterru
     assert_same_run(ref, run_dir)
 
 
+NOISY_REWARD = """import random
+import numpy as np
+def noisy(completion, row):
+    draw = random.random() + float(np.random.rand())
+    return draw, {"correct": completion.strip() == row["answer"]}
+"""
+
+
+def test_a_reward_drawing_random_numbers_gives_identical_runs_resumes_and_two_ranks(tmp_path):
+    """A reward that calls random.random() and numpy (weighted with a format term): two runs of
+    one command, a run killed mid-step and resumed, and 2 ranks all log the same rewards: its
+    random state is seeded per sample by (seed, step, slot, k) (unseeded, each warm run's own
+    reseeded random would differ from step 1 on)."""
+    (tmp_path / "noisy.py").write_text(NOISY_REWARD)
+    args = [*FAST, "--reward", f"{tmp_path}/noisy.py:noisy,0.5*format"]
+    ref, again, run_dir, two = (tmp_path / n for n in ("ref", "again", "run", "two"))
+    run(args, ref)
+    run(args, again)
+    assert_same_run(ref, again)
+    proc = start(args, run_dir, faults={"pause_in_step": 2})
+    wait_for(run_dir / "in_step_2.rank0", proc, run_dir)
+    kill_9(proc)
+    run(args, run_dir)
+    assert "resumed from" in log_of(run_dir)
+    assert_same_run(ref, run_dir)
+    rows = [r for r in metrics(ref) if "reward" in r]
+    for r in rows:  # each term logged apart, their weighted sum the reward
+        assert r["reward"] == pytest.approx(r["reward/noisy"] + 0.5 * r["reward/format"])
+        assert 0.5 < r["reward/noisy"] < 1.5
+    run(args, two, nproc=2)
+    for a, b in zip(rows, [r for r in metrics(two) if "reward" in r], strict=True):
+        assert {k: b[k] for k in ("reward", "reward/noisy", "reward/format", "accuracy")} == \
+            pytest.approx({k: a[k] for k in ("reward", "reward/noisy", "reward/format",
+                                              "accuracy")}, rel=1e-6)
+
+
 @pytest.fixture(scope="module")
 def two_rank_chain(tmp_path_factory):
     """Two ranks: an uninterrupted run, and a run that (a) loses rank 1 mid-step, (b) resumes and is

@@ -340,11 +340,10 @@ def test_split_through_groups_equals_full_batch_gradient_and_reported(mode, surr
 
 
 @pytest.mark.parametrize("kl_estimator", L.KL_ESTIMATORS)
-def test_multi_term_policy_entropy_kl_on_linear_model_split_invariant(kl_estimator, monkeypatch):
-    """Policy + entropy (a token mean, negative coef) + KL (a token mean): gradients of a tiny
-    linear model and every reported term equal the full-batch objective for micro-batch splits
-    through groups."""
-    monkeypatch.setattr(L, "KL_ESTIMATOR", kl_estimator)  # a constant a forker edits
+def test_multi_term_policy_entropy_kl_on_linear_model_split_invariant(kl_estimator):
+    """Policy + entropy (a token mean, negative coef) + KL (a token mean, --kl-estimator):
+    gradients of a tiny linear model and every reported term equal the full-batch objective for
+    micro-batch splits through groups."""
     mode, seed, vocab = "prompt_mean", 5, 6
     responses = ragged_batch(seed, n_groups=8)
     groups = torch.tensor([r["group"] for r in responses])
@@ -387,7 +386,7 @@ def test_multi_term_policy_entropy_kl_on_linear_model_split_invariant(kl_estimat
     for cuts in ([], budget_cuts(mb, responses, rng), anywhere_cuts(mb, rng)):
         parts = split(mb, cuts)
         red = build(mode=mode, policy_loss="ppo", eps_low=0.2, eps_high=0.2, entropy_coef=0.01,
-                    kl_coef=0.1)
+                    kl_coef=0.1, kl_estimator=kl_estimator)
         assert [t.name for t in red.terms] == ["policy", "entropy", "kl"]
         for p in params:
             p.grad = None
@@ -706,12 +705,12 @@ def test_kl_estimators_match_formulas_with_bounded_log_ratios():
     assert L.kl_penalty(logp, ref, "k2").tolist() == pytest.approx([0.5 * x * x for x in lr])
     k3 = [min(math.exp(-x) - 1 + x, 10.0) for x in lr]  # k3's value is capped at 10 (verl's bound)
     assert L.kl_penalty(logp, ref, "k3").tolist() == pytest.approx(k3)
-    for unknown in ("k1", "k5"):  # k1 as a loss has zero expected gradient: not offered
-        with pytest.raises(ValueError, match="--kl-estimator"):
-            L.kl_penalty(logp, ref, unknown)
+    assert L.kl_penalty(logp, ref, "k1").tolist() == pytest.approx(lr)
+    with pytest.raises(ValueError, match="--kl-estimator"):
+        L.kl_penalty(logp, ref, "k5")
 
 
-def test_k2_and_k3_as_losses_have_the_gradients_of_reverse_and_forward_kl():
+def test_k1_k2_k3_as_losses_have_zero_reverse_kl_and_forward_kl_gradients():
     """Exact expectation over a categorical pi = softmax(theta): E_{x ~ pi}[grad k(x)] (samples
     from pi, so the weights pi(x) are constants) against the gradient of the exact divergence."""
     gen = torch.Generator().manual_seed(0)
@@ -720,7 +719,7 @@ def test_k2_and_k3_as_losses_have_the_gradients_of_reverse_and_forward_kl():
 
     def expected_grad(estimator):
         logp = torch.log_softmax(theta, -1)
-        k = L.kl_penalty(logp, ref, estimator) if estimator else logp - ref  # None: k1 = L
+        k = L.kl_penalty(logp, ref, estimator)
         return torch.autograd.grad((logp.exp().detach() * k).sum(), theta)[0]
 
     def exact_grad(forward: bool):
@@ -730,7 +729,14 @@ def test_k2_and_k3_as_losses_have_the_gradients_of_reverse_and_forward_kl():
 
     torch.testing.assert_close(expected_grad("k2"), exact_grad(forward=False))  # KL(pi || ref)
     torch.testing.assert_close(expected_grad("k3"), exact_grad(forward=True))  # KL(ref || pi)
-    assert expected_grad(None).abs().max() < 1e-12  # k1: why it is not offered
+    assert expected_grad("k1").abs().max() < 1e-12  # k1: zero in expectation (noise alone)
+    # and per sample, each one's gradient is its formula's: dk/dL = 1, L, 1 - e^-L
+    logp = torch.tensor([-1.0, -0.5], dtype=F64, requires_grad=True)
+    ref = torch.tensor([-1.5, -0.1], dtype=F64)
+    for estimator, dk in {"k1": lambda x: 1 + 0 * x, "k2": lambda x: x,
+                          "k3": lambda x: 1 - torch.exp(-x)}.items():
+        grad, = torch.autograd.grad(L.kl_penalty(logp, ref, estimator).sum(), logp)
+        torch.testing.assert_close(grad, dk(logp.detach() - ref))
 
 
 @pytest.mark.parametrize("surrogate", list(SURROGATE_CONFIGS))

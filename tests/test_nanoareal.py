@@ -181,30 +181,33 @@ def test_mask_truncated_removes_truncated_responses_from_numerator_and_denominat
 # advantages
 
 
-def naive_advantages(rewards, groups, estimator, use_std, eps):
-    """GRPO: (r - mean) / (std + eps), or r - mean without std (Dr. GRPO); RLOO: r minus the mean
-    of the others, never divided by the std (Ahmadian et al. 2024)."""
-    out = []
+def naive_advantages(rewards, groups, estimator, std_source, eps):
+    """GRPO: (r - mean) / (std + eps), the group's std or the whole batch's, or r - mean without
+    std (Dr. GRPO); RLOO: r minus the mean of the others, never divided (Ahmadian et al. 2024)."""
+    out, mean_all = [], sum(rewards) / len(rewards)
+    batch_std = math.sqrt(sum((r - mean_all) ** 2 for r in rewards) / (len(rewards) - 1))
     for r, g in zip(rewards, groups):
         peers = [rr for rr, gg in zip(rewards, groups) if gg == g]
         if len(peers) == 1:
             out.append(0.0)
             continue
         mean = sum(peers) / len(peers)
-        std = math.sqrt(sum((p - mean) ** 2 for p in peers) / (len(peers) - 1))
+        std = batch_std if std_source == "batch" else \
+            math.sqrt(sum((p - mean) ** 2 for p in peers) / (len(peers) - 1))
         base = (sum(peers) - r) / (len(peers) - 1) if estimator == "rloo" else mean
-        out.append((r - base) / (std + eps) if use_std and estimator == "grpo" else r - base)
+        out.append((r - base) / (std + eps) if std_source != "none" and estimator == "grpo"
+                   else r - base)
     return out
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])
-@pytest.mark.parametrize("use_std", [True, False])
-def test_group_advantages_match_a_naive_loop_for_ragged_interleaved_groups(estimator, use_std):
+@pytest.mark.parametrize("std", ["group", "batch", "none"])
+def test_group_advantages_match_a_naive_loop_for_ragged_interleaved_groups(estimator, std):
     g = torch.Generator().manual_seed(0)
     groups = [3, 3, 7, 1, 3, 7, 9, 1, 1, 7, 7]  # sizes 3, 4, 3 and a group of one, interleaved
     rewards = torch.rand(len(groups), generator=g).round(decimals=1).tolist()
-    got = N.group_advantages(torch.tensor(rewards), torch.tensor(groups), estimator, use_std, 1e-6)
-    want = naive_advantages(rewards, groups, estimator, use_std, 1e-6)
+    got = N.group_advantages(torch.tensor(rewards), torch.tensor(groups), estimator, std, 1e-6)
+    want = naive_advantages(rewards, groups, estimator, std, 1e-6)
     assert got.tolist() == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 

@@ -88,6 +88,19 @@ def test_a_stale_run_is_a_function_of_seed_and_k_on_any_number_of_ranks(k2_runs)
                 assert b[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
 
 
+def test_staleness_without_a_named_correction_learns_on_the_default_task(tmp_path):
+    """--max-staleness 1 and nothing else gets --correction auto = behave, the correction
+    docs/studies.md shows holding (at its lr 2e-4 none fell to 0.09-0.22 by step 20, behave rose
+    to 0.41-0.52, from the warm start's 0.328): the run learns."""
+    run_dir = tmp_path / "auto"
+    run_cli(tmp_path, "auto", "--steps", "20", "--max-staleness", "1", "--lr", "2e-4",
+            "--eval-every", "20")
+    assert json.loads((run_dir / "config.json").read_text())["correction"] == "behave"
+    evals = [json.loads(line)["eval/accuracy"] for line in
+             (run_dir / "metrics.jsonl").read_text().splitlines() if "eval/accuracy" in line]
+    assert evals[0] == pytest.approx(0.328, abs=1e-3) and evals[-1] >= 0.39, evals
+
+
 def test_the_batch_ahead_is_generated_while_the_step_trains():
     """Batch 1 cannot finish until the main thread (which 'trains' step 0) says so: if the queue
     generated it inline instead of on its own thread, take(0) would never return."""

@@ -14,14 +14,15 @@ import loss as L
 
 def build(mode: str = "token_mean", divisor: float | None = None, group=None, cp_factor: int = 1,
           policy_loss: str = "ppo", eps_low=None, eps_high=None, correction: str = "none",
-          correction_threshold=None, entropy_coef=0.0, kl_coef=0.0) -> L.LossReduction:
+          correction_threshold=None, entropy_coef=0.0, kl_coef=0.0,
+          kl_estimator: str = "k3") -> L.LossReduction:
     """build_loss from loss flags, resolved and checked as the trainer does (the divisor goes to
     the constant mode only)."""
     flags = L.resolve_loss_flags(policy_loss, mode, eps_low, eps_high,
                                  divisor if mode == "constant" else None, correction,
                                  correction_threshold, max_new_tokens=8)
-    cfg = types.SimpleNamespace(policy_loss=policy_loss, correction=correction,
-                                entropy_coef=entropy_coef, kl_coef=kl_coef, **flags)
+    cfg = types.SimpleNamespace(policy_loss=policy_loss, entropy_coef=entropy_coef,
+                                kl_coef=kl_coef, kl_estimator=kl_estimator, **flags)
     L.check_loss_flags(cfg)
     return L.build_loss(cfg, group=group, cp_factor=cp_factor)
 
