@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+import modeling
 from cli import Stopped, UserError
 
 KEEP_CHECKPOINTS = 2  # the newest complete checkpoints a run keeps (0: all)
@@ -293,6 +294,8 @@ def export_hf(model, tokenizer, src: str, out_dir: Path) -> None:
     state = get_model_state_dict(model, options=options)
     if dist.get_rank() != 0:
         return
+    adapter = {k: state[k] for k in state if ".lora_" in k}  # LoRA: final/ holds the merged model
+    state = dict(modeling.merge_lora(state.items(), modeling.lora_scales(model)))
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -305,6 +308,8 @@ def export_hf(model, tokenizer, src: str, out_dir: Path) -> None:
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     AutoConfig.from_pretrained(src).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    if adapter:  # and the adapter in PEFT's format in final/adapter/ (--model takes it too)
+        modeling.save_adapter(adapter, model.peft_config["default"], src, tmp / "adapter")
     if (Path(src) / "generation_config.json").exists():
         shutil.copy(Path(src) / "generation_config.json", tmp / "generation_config.json")
     shutil.rmtree(out_dir, ignore_errors=True)

@@ -6,9 +6,12 @@ model is body + head + the head's transform; `check_model` refuses a family it m
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import socket
+from dataclasses import replace
+from importlib.util import find_spec
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -26,6 +29,10 @@ GROUP_ROW_SLOTS = 64
 # model_type prefix -> (the config field that scales its head's logits, whether it divides by it)
 HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", False),
                "hyperclovax": ("logits_scaling", False), "falcon_h1": ("lm_head_multiplier", False)}
+# LoRA: alpha fixed, so alpha/r shrinks as r grows and one learning rate suits every rank (with
+# Adam, alpha and lr move the same knob); every linear layer of the decoder, never the head, which
+# the chunked log-probs read as head.weight (an adapter there would be bypassed)
+LORA_ALPHA, LORA_TARGETS = 32, "all-linear"
 
 # -----------------------------------------------------------------------------
 # attention layouts and kernels
@@ -287,12 +294,14 @@ def check_model_source(name: str) -> None:
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, heads_divisor: int,
-                   attention: str, half: bool, check: bool = True, shard=lambda model: None):
+                   attention: str, half: bool, check: bool = True, shard=lambda model: None,
+                   lora: tuple[int, str | None] = (0, None)):
     """(model, which attention runs): an HF causal LM in `dtype`, dropout off (its log-probs must
     be the sampler's), attending packed rows with the fastest kernel that can (`half`: bf16
     compute), checked against its own forward (`check`), else a UserError on every rank. No rank
     holds a whole copy on `device`: each builds the model on the meta device and `shard`s it
-    (FSDP2), then takes its shards of the weights rank 0 read on the host, tensor by tensor."""
+    (FSDP2), then takes its shards of the weights rank 0 read on the host, tensor by tensor.
+    `lora`: (rank, adapter) of apply_lora, injected on rank 0's host copy and before `shard`."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
     AttentionInterface.register("packed", packed_attention)
@@ -300,6 +309,7 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, heads_di
     if not dist.is_initialized() or dist.get_rank() == 0:  # (a config error: no group needed)
         try:
             full = _load_checked(path, dtype, heads_divisor, check)
+            apply_lora(full, *lora)  # rank 0's adapters (initial or loaded) go to every rank
         except UserError as e:
             error = [str(e)]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -310,6 +320,7 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, heads_di
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
     model.config.use_cache = False
     model.set_attn_implementation("packed")
+    described = apply_lora(model, *lora)
     shard(model)
     model.to_empty(device=device).eval()  # tied weights stay tied; dropout off
     set_model_state_dict(model, {} if full is None else full.state_dict(), options=StateDictOptions(
@@ -323,7 +334,8 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, heads_di
             attention, device, half, bool(getattr(text, "attn_logit_softcapping", None)))
     except ValueError as e:
         raise UserError(f"config error: {e}") from None
-    return model, f"attention: {kind}{f' ({reason})' if reason else ''}"
+    return model, f"{described}{'; ' if described else ''}attention: {kind}" + (
+        f" ({reason})" if reason else "")
 
 
 def _load_checked(path: str, dtype: torch.dtype, heads_divisor: int, check: bool):
@@ -413,8 +425,10 @@ def startup_memory(model, world: int, tokens: int, checkpointing: bool, mixed: b
              text.num_hidden_layers, hidden, getattr(text, "intermediate_size", None) or 4 * hidden,
              (getattr(text, "num_key_value_heads", None) or heads) * head_dim, text.vocab_size,
              world, tokens)
-    master = params[0].element_size()
+    master = next((p for p in params if p.requires_grad), params[0]).element_size()
+    frozen = next((p for p in params if not p.requires_grad), params[0]).element_size()  # LoRA's
     kw = {"tied": bool(getattr(text, "tie_word_embeddings", False)), "master_bytes": master,
+          "frozen_bytes": frozen,
           "compute_bytes": 2 if mixed else master, "engine_generating": engine,
           "engine_training": 0.0 if engine_releases else engine}
     deferred, synced, raw = (memory_plan(*shape, ck, grads_unsharded=g, **kw)
@@ -555,6 +569,122 @@ def check_model(model, vocab_size: int) -> str | None:
     finally:
         model.set_attn_implementation("packed")
     diff = float((ours.float() - torch.cat(theirs).float()).abs().max())
-    return None if diff <= 1e-4 else (  # 1e-4 for fp64 too: eager softmaxes in fp32; NaN fails
+    # 1e-4 for fp64 too: eager softmaxes in fp32; a bf16 model (LoRA's frozen base) 0.1: two bf16
+    # forwards differ by ~0.02-0.05, a missing head or attention feature by more; NaN fails
+    tol = 0.1 if next(model.parameters()).dtype in HALF else 1e-4
+    return None if diff <= tol else (
         f"nanoareal's packed forward disagrees with the model's own by {diff:.2g} in log-prob (an "
         "attention or head feature this model uses is not reproduced)")
+
+
+# -----------------------------------------------------------------------------
+# LoRA (peft): adapters on the decoder's linear layers, the base frozen in the compute dtype
+def adapter_config(path: str | Path | None) -> dict | None:
+    """A PEFT adapter directory's adapter_config.json (None: `path` is not one)."""
+    file = Path(path or "") / "adapter_config.json"
+    return json.loads(file.read_text()) if path and file.is_file() else None
+
+
+def check_lora(rank: int, adapter: str | None, model: str) -> None:
+    """--lora-rank, and --lora-adapter against --model (its base), before anything loads."""
+    found = adapter_config(adapter) or {}
+    problem = f"--lora-rank {rank}: must be >= 0 (0: full fine-tuning)" if rank < 0 else (
+        "--lora-rank needs peft: pip install peft (or nanoareal[lora])") if rank and not \
+        find_spec("peft") else None
+    if adapter and (found.get("peft_type") != "LORA" or found.get("use_dora")):
+        problem = f"--lora-adapter {adapter} is not a PEFT LoRA adapter directory (nor DoRA)"
+    elif adapter and found["r"] != rank:
+        problem = f"--lora-adapter {adapter} has rank {found['r']}, not --lora-rank {rank}"
+    elif adapter and (base := found.get("base_model_name_or_path") or "") != model and not (
+            Path(base).exists() and Path(base).resolve() == Path(model).resolve()):
+        problem = f"--lora-adapter {adapter} is an adapter of {base!r}, not of --model {model}"
+    if problem:
+        raise UserError(f"config error: {problem}")
+
+
+class WithoutAdapters:
+    """A LoRA model with its adapters off, the frozen base: the KL penalty's reference policy for
+    free (no second copy). peft's own switch also flips requires_grad, which FSDP2 must not see."""
+    def __init__(self, model):
+        self.model, self.attention_kernel = model, getattr(model, "attention_kernel", None)
+
+    def policy_logprobs(self, *args, **kwargs):
+        layers = [m for m in self.model.modules() if hasattr(m, "_disable_adapters")]
+        try:
+            for m in layers:
+                m._disable_adapters = True
+            return self.model.policy_logprobs(*args, **kwargs)
+        finally:
+            for m in layers:
+                m._disable_adapters = False
+
+
+def apply_lora(model, rank: int, adapter: str | None = None) -> str:
+    """LoRA adapters injected into `model` (B = 0: the model unchanged), or `adapter`'s config and
+    weights; the base frozen, adapters trainable, fp32 at least. Returns a description (rank 0:
+    nothing done, "")."""
+    if not rank:
+        return ""
+    import peft
+    config = peft.LoraConfig.from_pretrained(adapter) if adapter else peft.LoraConfig(
+        r=rank, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    peft.inject_adapter_in_model(replace(config, inference_mode=False), model)
+    if isinstance(model.get_output_embeddings(), peft.tuners.lora.LoraLayer):
+        raise UserError("LoRA on lm_head is not supported: the log-probs read the head as "
+                        "head.weight, bypassing an adapter there; leave it out of LORA_TARGETS")
+    for p in (trainable := [p for p in model.parameters() if p.requires_grad]):
+        p.data = p.data.to(torch.promote_types(p.dtype, torch.float32))
+    if adapter and not next(model.parameters()).is_meta:
+        load_adapter(model, adapter)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return (f"LoRA r={rank} alpha={config.lora_alpha}: {sum(p.numel() for p in trainable):,} "
+            f"trainable, {frozen:,} frozen in {next(model.parameters()).dtype}")
+
+
+def lora_scales(model) -> dict[str, float]:
+    """Each adapted layer's alpha / r (peft's `scaling`) by name; {} without LoRA."""
+    return {name: m.scaling["default"] for name, m in model.named_modules()
+            if isinstance(getattr(m, "scaling", None), dict)}
+
+
+def merge_lora(named, scales: dict[str, float]):
+    """(name, full tensor) of a LoRA model's state, in state_dict order -> the plain model's:
+    W + scale B A for each adapted layer, one layer at a time (never a second full model)."""
+    held: dict[str, dict] = {}
+    for name, t in named:
+        layer, _, kind = name.replace(".base_layer.", ".lora_W.").partition(".lora_")
+        if layer not in scales:
+            yield name, t
+        elif name.endswith(".base_layer.bias"):
+            yield f"{layer}.bias", t
+        elif len(parts := held.pop(layer, {}) | {kind[0]: t}) < 3:
+            held[layer] = parts
+        else:  # in fp64, rounded once to the base's dtype
+            w, a, b = (parts[k].double() for k in "WAB")
+            yield f"{layer}.weight", torch.addmm(w, b, a, alpha=scales[layer]).to(parts["W"].dtype)
+
+
+def save_adapter(tensors: dict, config, base: str, out_dir: Path) -> None:
+    """Adapters (full tensors, our names) in PEFT's format: adapter_model.safetensors and
+    adapter_config.json naming `base` (PeftModel.from_pretrained and --model load it)."""
+    from safetensors.torch import save_file
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({"base_model.model." + k.replace(".default.", "."): v.contiguous()
+               for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"))
+    base = str(Path(base).resolve()) if Path(base).exists() else base
+    replace(config, base_model_name_or_path=base).save_pretrained(str(out_dir))
+
+
+def load_adapter(model, path: str) -> None:
+    """A PEFT adapter's weights into `model`'s injected adapters; a UserError if they do not fit."""
+    from safetensors.torch import load_file
+    own = {k: p for k, p in model.named_parameters() if ".lora_" in k}
+    theirs = {k.removeprefix("base_model.model.").replace(".weight", ".default.weight"): v
+              for k, v in load_file(str(Path(path) / "adapter_model.safetensors")).items()}
+    if bad := [k for k in own.keys() | theirs.keys()
+               if k not in own or k not in theirs or own[k].shape != theirs[k].shape]:
+        raise UserError(f"--lora-adapter {path} does not fit this base model ({len(bad)} tensors "
+                        f"missing or of another shape, e.g. {bad[0]})")
+    with torch.no_grad():
+        for k, p in own.items():
+            p.copy_(theirs[k])

@@ -165,8 +165,8 @@ class Config:
     """The KL penalty's estimator: k1 (zero mean gradient), k2 (reverse KL's), k3 (forward KL's)."""
 
     # optimization
-    lr: float = 1e-4
-    """AdamW learning rate, reached after --warmup-steps, then kept or decayed."""
+    lr: float = 0.0
+    """AdamW learning rate after --warmup-steps; 0: 1e-4, or with --lora-rank 1e-3 (LoRA's)."""
     warmup_steps: int = 2
     """Steps of linear learning-rate warm-up, from lr/(warmup+1) up to lr."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
@@ -179,6 +179,10 @@ class Config:
     """Passes over each rollout batch (TRL num_iterations), the clip centred on its pi_prox."""
     micro_batch_tokens: int = 4096
     """Token budget of a packed micro-batch: bigger means fewer passes and more memory."""
+    lora_rank: int = 0
+    """Train LoRA adapters of this rank on the frozen model (peft); 0 trains every weight."""
+    lora_adapter: str | None = None
+    """Start from this PEFT adapter directory (--model such a directory sets it and its base)."""
 
     # eval, logging, checkpoints, system
     eval_every: Volatile[int] = 10
@@ -201,6 +205,7 @@ class Config:
         if self.reward == "auto":  # the built-in task's own reward, exact_match for a JSONL file
             task = tasks.TASKS.get(self.dataset)
             self.reward = task.reward if task else "exact_match"
+        self.lr = self.lr or (1e-3 if self.lora_rank or self.lora_adapter else 1e-4)  # studies.md
         for k, v in loss.resolve_loss_flags(
                 self.policy_loss, self.loss_aggregation, self.eps_low, self.eps_high,
                 self.loss_aggregation_divisor, self.correction, self.correction_threshold,
@@ -289,7 +294,9 @@ def resolve_config(cfg: Config) -> Config:
     """The defaults that need the file system: the shipped model from any directory, a
     checkpoint's base model (--model a checkpoint resumes from it), the run directory's name (an
     evaluation, --steps 0, gets its own) and what --steps 0 of a JSONL --dataset alone evaluates."""
-    model, resume_from = cfg.model, cfg.resume
+    model, resume_from, adapter = cfg.model, cfg.resume, cfg.lora_adapter
+    if found := modeling.adapter_config(model):  # a LoRA adapter: its base, its weights, its rank
+        model, adapter = found["base_model_name_or_path"], model
     if not Path(model).exists() and (ROOT / model).is_dir():  # assets/... from any directory
         model = str(ROOT / model)
     if (Path(model) / "meta.json").is_file():  # a checkpoint: its run's base model, its weights
@@ -299,7 +306,8 @@ def resolve_config(cfg: Config) -> Config:
     # an evaluation of a JSONL --dataset without --eval-dataset evaluates that file
     held = cfg.eval_dataset or (cfg.dataset if not cfg.steps and cfg.dataset not in tasks.TASKS
                                 else None)
-    cfg = replace(cfg, model=model, resume=resume_from, eval_dataset=held)
+    cfg = replace(cfg, model=model, resume=resume_from, eval_dataset=held, lora_adapter=adapter,
+                  lora_rank=cfg.lora_rank or (modeling.adapter_config(adapter) or {}).get("r", 0))
     identity |= {"model": model} if cfg.steps else {}
     return replace(cfg, run_dir=cfg.run_dir or checkpoint.run_dir_name(
         cfg.dataset, cfg.loss_aggregation if cfg.steps else "eval", cfg.seed, identity))
@@ -340,6 +348,7 @@ def validate_config(cfg: Config, world: int) -> Config:
         loss.check_loss_flags(cfg)
     except ValueError as e:
         raise UserError(f"config error: {e}") from None
+    modeling.check_lora(cfg.lora_rank, cfg.lora_adapter, cfg.model)
     rollout.check_rollout_config(cfg.rollout_backend, cfg.rollout_url, cfg.weight_sync,
                                  cfg.sglang_deterministic, torch.cuda.is_available())
     return cfg
@@ -618,8 +627,7 @@ def train_minibatch(model, optimizer, reduction: loss.LossReduction, mbs: list[M
             optimizer.step()
         out["updated" if finite else "skipped_steps"] = 1.0
     optimizer.zero_grad(set_to_none=True)
-    counters = dict(zip(("denom_tokens", "entropy", "mismatch", "importance_weight"),
-                        acc.tolist()))
+    counters = dict(zip(("denom_tokens", "entropy", "mismatch", "importance_weight"), acc.tolist()))
     return counters, float(iw_max), out | reduction.reported()
 
 
@@ -637,13 +645,16 @@ def load_models(cfg: Config, device: torch.device, ranks: Ranks, engine=None) ->
     """The policy, a frozen copy for the KL penalty (else None), its AdamW; the memory plan."""
     gpu = torch.cuda.mem_get_info(device) if device.type == "cuda" else None  # (free, total)
     model = load_model(cfg, device, ranks)
-    ref_model = load_model(cfg, device, ranks, trainable=False) if cfg.kl_coef > 0 else None
+    ref_model = (modeling.WithoutAdapters(model) if cfg.lora_rank else load_model(
+        cfg, device, ranks, trainable=False)) if cfg.kl_coef > 0 else None  # LoRA: base is free
     line, model.defer_grad_sync = modeling.startup_memory(  # a colocated engine frees the GPU
         model, ranks.world, -(-cfg.micro_batch_tokens // ranks.cp_size), model.checkpointed,
-        model.mixed, gpu, engine is not None and engine.overlaps == "", ref_model is not None)
+        model.mixed, gpu, engine is not None and engine.overlaps == "",
+        cfg.kl_coef > 0 and not cfg.lora_rank)
     print0(line)
     # fused: AdamW's whole update in one kernel (CPU DTensors: 33 ms a step looped, 8 foreach, 5)
-    return model, ref_model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=ADAM_BETAS,
+    return model, ref_model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                               lr=cfg.lr, betas=ADAM_BETAS,
                                                weight_decay=WEIGHT_DECAY, fused=True)
 
 
@@ -663,9 +674,10 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
         fully_shard(model, mesh=mesh, **mp)
         if checkpointed:
             modeling.checkpoint_layers(model)
-    model, attention = modeling.load_causal_lm(
-        cfg.model, torch.float64 if cfg.dtype == "float64" else torch.float32, device,
-        ranks.cp_size, ATTENTION, mixed, check=trainable, shard=shard)
+    model, attention = modeling.load_causal_lm(  # LoRA: the frozen base in the compute dtype
+        cfg.model, torch.bfloat16 if cfg.lora_rank and mixed else torch.float64 if
+        cfg.dtype == "float64" else torch.float32, device, ranks.cp_size, ATTENTION, mixed,
+        check=trainable, shard=shard, lora=(cfg.lora_rank, cfg.lora_adapter))
     model.mixed, model.checkpointed, model.defer_grad_sync = mixed, checkpointed, False
     if trainable:
         compute = "bf16 (fp32 master weights)" if mixed else str(model.dtype).removeprefix("torch.")
@@ -673,7 +685,8 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
     model.policy_logprobs = types.MethodType(modeling.policy_logprobs, model)
     fsdp_method(model, "policy_logprobs")  # the root's parameters are gathered for it
     loss.fsdp_sum_gradients(model)  # LossReduction divides by the *global* normalizer: sum ranks
-    model.requires_grad_(trainable)
+    for name, p in model.named_parameters():  # LoRA: the adapters alone
+        p.requires_grad_(trainable and (not cfg.lora_rank or ".lora_" in name))
     return model
 
 
@@ -758,10 +771,11 @@ def resume(cfg: Config, model, optimizer, engine, ranks: Ranks, resuming: bool) 
                               for x in batch if x["group"] % ranks.dp_size == ranks.dp_rank]
         run = RunState(meta["step"], meta["updates"], meta["last_eval"] or {},
                        {s: mine(b) for s, b in ahead.items()} if ranks.cp_rank == 0 else {})
-        engine.update_weights(model, meta["step"])
         done = " (nothing left to train)" if meta["step"] >= cfg.steps > 0 else ""
         print0(f"evaluating step {meta['step']} ({path})" if cfg.steps == 0 else
                f"resumed from step {meta['step']} ({path}){done}")
+    if path is not None or cfg.lora_adapter:  # the engine loaded --model: these weights instead
+        engine.update_weights(model, run.step)
     if ranks.rank == 0:  # the run starts: its directory holds its config from now on
         checkpoint.write_config(cfg.run_dir, asdict(cfg))
         for name in ("metrics.jsonl", "samples.jsonl") if cfg.steps else ():

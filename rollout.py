@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import modeling
 from cli import UserError, rank
 
 HTTP_TIMEOUT_S = 600.0  # one request to a server; a timed-out /generate is aborted, then re-posted
@@ -86,11 +87,14 @@ class Engine(Protocol):
 
 
 def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) of each parameter and buffer: FSDP2 all-gathers, every rank iterates."""
-    for name, t in model.state_dict().items():
-        if hasattr(t, "full_tensor"):  # a DTensor; a mesh of one holds it whole (no gather)
-            t = t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()
-        yield name, t.detach()
+    """(name, full tensor) of each parameter and buffer: FSDP2 all-gathers, every rank iterates.
+    A LoRA model's adapted layers come merged, W + (alpha/r) B A, the plain model's names."""
+    def gathered():
+        for name, t in model.state_dict().items():
+            if hasattr(t, "full_tensor"):  # a DTensor; a mesh of one holds it whole (no gather)
+                t = t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()
+            yield name, t.detach()
+    return modeling.merge_lora(gathered(), modeling.lora_scales(model))
 
 
 def shared_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

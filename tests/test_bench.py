@@ -19,6 +19,12 @@ def run_bench(script: str, *flags: str) -> str:
     return out.stdout
 
 
+def test_bench_lora_prints_full_and_lora_side_by_side():
+    out = run_bench("bench_lora.py", "--tiny", "--steps", "1", "--warmup", "0", "--prompt-len",
+                    "8", "--new-tokens", "8")
+    assert "| full | " in out and "| LoRA r=8 | " in out and "| 100.00% |" in out
+
+
 def test_bench_bookkeeping_prints_its_table():
     out = run_bench("bench_bookkeeping.py", "--steps", "1", "--warmup", "0", "--prompts-per-step",
                     "4",

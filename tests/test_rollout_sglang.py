@@ -60,10 +60,15 @@ PROMPTS = [[3 + i % 10, 13, 3 + (i * 7) % 10, 14] for i in range(6)]
 SAMPLING = SamplingParams(max_new_tokens=6, temperature=0.8, stop_token_ids=[1])
 
 
-def perturbed(model_dir):
+def perturbed(model_dir, lora: bool = False):
+    """The model, every weight moved; `lora`: with LoRA adapters (B != 0), engines get it merged."""
     from transformers import AutoModelForCausalLM
 
+    import modeling
+
     model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if lora:
+        modeling.apply_lora(model, 2)
     torch.manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -293,13 +298,13 @@ def test_sglang_also_stops_on_generation_config_eos_ids_as_do_both_engines_with_
 # remote weight sync, round trips: through the disk, and over a gloo group as NCCL would
 
 
-@pytest.mark.parametrize("version", ["0.5.10", "0.5.23"])
-def test_disk_sync_round_trip_stand_in_logprobs_equal_trainers(model_dir, tmp_path, version):
+@pytest.mark.parametrize("version,lora", [("0.5.10", False), ("0.5.23", False), ("0.5.23", True)])
+def test_disk_sync_round_trip_stand_in_logprobs_equal_trainers(model_dir, tmp_path, version, lora):
     from safetensors import safe_open
 
     s = StandinSGLangServer(model_dir, version=version).start()
     try:
-        eng, model = client(s, model_dir, tmp_path), perturbed(model_dir)
+        eng, model = client(s, model_dir, tmp_path), perturbed(model_dir, lora)
         assert max_logprob_gap(model, eng) > 1e-3
         eng.update_weights(model, 1)
         assert max_logprob_gap(model, eng) < 1e-5 and eng.version == 1
@@ -318,11 +323,12 @@ def test_disk_sync_round_trip_stand_in_logprobs_equal_trainers(model_dir, tmp_pa
         s.stop()
 
 
+@pytest.mark.parametrize("lora", [False, True])
 def test_nccl_sync_round_trip_over_gloo_stand_ins_logprobs_equal_trainers(model_dir, tmp_path,
-                                                                          monkeypatch):
+                                                                          monkeypatch, lora):
     """Two servers, SGLang 0.5.10 (no sessions) and 0.5.23, each with its group member in a
     process of its own, joined as SGLang joins; the trainer reaches them at the address of the
-    interface towards the server, not gethostbyname's."""
+    interface towards the server, not gethostbyname's. A LoRA model's weights arrive merged."""
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
     monkeypatch.setattr(rollout, "SYNC_BUCKET_MB", 0.005)  # several buckets
     monkeypatch.setattr(rollout, "HTTP_TIMEOUT_S", 120.0)  # the members start (import torch)
@@ -331,7 +337,7 @@ def test_nccl_sync_round_trip_over_gloo_stand_ins_logprobs_equal_trainers(model_
     try:
         eng = client([old.url, new.url], model_dir, tmp_path, weight_sync="nccl",
                      group_backend="gloo")
-        model = perturbed(model_dir)
+        model = perturbed(model_dir, lora)
         assert max_logprob_gap(model, eng) > 1e-3
         eng.update_weights(model, 1)
         eng.update_weights(model, 2)  # the group is made once
@@ -523,14 +529,15 @@ def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks:
     return log
 
 
-@pytest.mark.parametrize("new", [True, False], ids=["sglang>=0.5.21", "sglang<0.5.21"])
-def test_colocated_engine_call_sequence_and_buckets(monkeypatch, model_dir, new):
+@pytest.mark.parametrize("new,lora", [(True, False), (False, False), (True, True)],
+                         ids=["sglang>=0.5.21", "sglang<0.5.21", "lora"])
+def test_colocated_engine_call_sequence_and_buckets(monkeypatch, model_dir, new, lora):
     from transformers import AutoModelForCausalLM
 
     log = install_fake_sglang(monkeypatch, new)
     monkeypatch.setattr(rollout, "SYNC_BUCKET_MB", 0.005)  # ~5 kB buckets: several of them
     eng = SGLangEngine(model_dir, gpu_id=0, device="cpu")
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = perturbed(model_dir, lora)  # LoRA: the plain model's names, merged
 
     out = eng.generate(PROMPTS[:2], SAMPLING, [7, 8])
     assert out[0] == Completion([1], [-0.5], "stop")
@@ -559,7 +566,7 @@ def test_colocated_engine_call_sequence_and_buckets(monkeypatch, model_dir, new)
     assert len(updates) > 2
     assert [e[2] for e in updates] == [False] * (len(updates) - 1) + [True]  # flush with the last
     sent = [item for e in updates for item in e[1]]
-    state = model.state_dict()
+    state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     assert sorted(n for n, _, _ in sent) == sorted(state)  # every tensor exactly once
     for name, shape, dtype in sent:
         assert shape == tuple(state[name].shape)

@@ -89,6 +89,9 @@ def sandbox(tmp_path_factory) -> Path:
     (box / "ok.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     (box / "reward.py").write_text("def score(completion, row):\n    return 1.0\n")
     (box / "hf_home").mkdir()  # an empty Hugging Face cache
+    (box / "arith_adapter").mkdir()  # a LoRA adapter of the shipped arithmetic model
+    (box / "arith_adapter" / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "base_model_name_or_path": MODEL}))
     return box
 
 
@@ -125,6 +128,10 @@ MISTAKES = [
     (["--run-dir", "runs/other"], "holds another run", False),
     (["--resume", "{box}/not_a_model"], "--resume", False),
     (["--eval-k", "-1"], "--eval-k", False),
+    (["--lora-rank", "-1"], "--lora-rank -1", False),
+    (["--lora-adapter", "{box}/not_a_model"], "not a PEFT LoRA adapter", False),
+    (["--model", str(ROOT / "assets" / "tiny-chain"), "--lora-adapter", "{box}/arith_adapter"],
+     "is an adapter of", False),  # an adapter for another base
 ]
 
 
