@@ -21,6 +21,7 @@ from rollout import SGLANG_MEM_FRACTION  # noqa: E402
 DOC = ROOT / "docs" / "gpu.md"
 BEGIN, END = "<!-- memory table: scripts/memory_table.py -->", "<!-- end of memory table -->"
 TOKENS = 16384  # the micro-batch the activation columns show
+LORA_RANK = 8  # the LoRA rows' --lora-rank (the adapters are ~0.3% of a 7B model: r barely matters)
 GIB = 2**30
 # name: (layers, hidden, intermediate, query heads, kv heads, head dim, vocab, tied, qkv bias)
 MODELS = {"Qwen2.5-0.5B": (24, 896, 4864, 14, 2, 64, 151936, True, True),
@@ -37,20 +38,29 @@ def parameters(layers, hidden, inter, heads, kv, head_dim, vocab, tied, bias) ->
         + hidden
 
 
+def lora_parameters(rank, layers, hidden, inter, heads, kv, head_dim, *_) -> int:
+    """LoRA's adapters on every linear layer of the decoder: r x (in + out) each."""
+    q, k = heads * head_dim, kv * head_dim
+    return rank * layers * (2 * (hidden + q) + 2 * (hidden + k) + 3 * (hidden + inter))
+
+
 def plan(shape: tuple, world: int, tokens: int, checkpointing: bool, gpu_gib: float = 0,
-         grads_unsharded: bool = False) -> dict[str, float]:
+         grads_unsharded: bool = False, lora: int = 0) -> dict[str, float]:
+    """The trainer's plan; `lora`: rank of adapters on a bf16 base (frozen, no master copy)."""
     layers, hidden, inter, _, kv, head_dim, vocab, tied, _ = shape
     n = parameters(*shape)
-    return modeling.memory_plan(n, n, layers, hidden, inter, kv * head_dim, vocab, world, tokens,
-                                checkpointing, tied=tied, grads_unsharded=grads_unsharded,
+    trainable = lora_parameters(lora, *shape) if lora else n
+    return modeling.memory_plan(n + trainable * (lora > 0), trainable, layers, hidden, inter,
+                                kv * head_dim, vocab, world, tokens, checkpointing, tied=tied,
+                                grads_unsharded=grads_unsharded, frozen_bytes=2,
                                 engine_generating=SGLANG_MEM_FRACTION * gpu_gib * GIB)
 
 
-def largest_fit(shape: tuple, world: int, gpu_gib: float) -> str:
+def largest_fit(shape: tuple, world: int, gpu_gib: float, lora: int = 0) -> str:
     """The largest power-of-two --micro-batch-tokens (1k to 128k) that fits, checkpointed, with
     gradients reduce-scattered every micro-batch (the trainer defers them only where that fits)."""
     fits = [t for t in (2**k for k in range(10, 18))
-            if plan(shape, world, t, True, gpu_gib)["total"] <= gpu_gib * GIB]
+            if plan(shape, world, t, True, gpu_gib, lora=lora)["total"] <= gpu_gib * GIB]
     return "no" if not fits else f"{fits[-1] // 1024}k" + ("+" if fits[-1] == 2**17 else "")
 
 
@@ -59,12 +69,14 @@ def table() -> str:
     rows = ["| model | params | GPUs | weights + grads + AdamW | activations at 16k tokens, "
             "checkpointed (not) | 80 GiB | 141 GiB |", "|---|---|---|---|---|---|---|"]
     for name, shape in MODELS.items():
-        for world in (1, 8):
-            p, raw = plan(shape, world, TOKENS, True), plan(shape, world, TOKENS, False)
+        for world, lora in ((1, 0), (8, 0), (1, LORA_RANK)):
+            p, raw = (plan(shape, world, TOKENS, ck, lora=lora) for ck in (True, False))
             state = p["weights"] + p["grads"] + p["adamw"]
-            rows.append(f"| {name} | {parameters(*shape) / 1e9:.2f}B | {world} | {gib(state)} | "
+            rows.append(f"| {name}{f' LoRA r={lora}' if lora else ''} | "
+                        f"{parameters(*shape) / 1e9:.2f}B | {world} | {gib(state)} | "
                         f"{gib(p['activations'])} ({gib(raw['activations'])}) | "
-                        f"{largest_fit(shape, world, 80)} | {largest_fit(shape, world, 141)} |")
+                        f"{largest_fit(shape, world, 80, lora)} | "
+                        f"{largest_fit(shape, world, 141, lora)} |")
     return "\n".join(rows) + "\n"
 
 
