@@ -295,7 +295,7 @@ def export_hf(model, tokenizer, src: str, out_dir: Path) -> None:
     if dist.get_rank() != 0:
         return
     adapter = {k: state[k] for k in state if ".lora_" in k}  # LoRA: final/ holds the merged model
-    state = dict(modeling.merge_lora(state.items(), modeling.lora_scales(model)))
+    state = dict(modeling.merge_lora(state.items(), model))
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

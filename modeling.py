@@ -29,9 +29,8 @@ GROUP_ROW_SLOTS = 64
 # model_type prefix -> (the config field that scales its head's logits, whether it divides by it)
 HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", False),
                "hyperclovax": ("logits_scaling", False), "falcon_h1": ("lm_head_multiplier", False)}
-# LoRA: alpha fixed, so alpha/r shrinks as r grows and one learning rate suits every rank (with
-# Adam, alpha and lr move the same knob); every linear layer of the decoder, never the head, which
-# the chunked log-probs read as head.weight (an adapter there would be bypassed)
+# LoRA: alpha fixed (alpha/r shrinks as r grows: one lr suits every rank; with Adam alpha and lr are
+# one knob); every linear layer of the decoder, never the head (read as head.weight: bypassed)
 LORA_ALPHA, LORA_TARGETS = 32, "all-linear"
 
 # -----------------------------------------------------------------------------
@@ -334,8 +333,7 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, heads_di
             attention, device, half, bool(getattr(text, "attn_logit_softcapping", None)))
     except ValueError as e:
         raise UserError(f"config error: {e}") from None
-    return model, f"{described}{'; ' if described else ''}attention: {kind}" + (
-        f" ({reason})" if reason else "")
+    return model, f"{described}attention: {kind}{f' ({reason})' if reason else ''}"
 
 
 def _load_checked(path: str, dtype: torch.dtype, heads_divisor: int, check: bool):
@@ -420,15 +418,15 @@ def startup_memory(model, world: int, tokens: int, checkpointing: bool, mixed: b
     capacity, engine = (gpu[1], gpu[1] - gpu[0]) if gpu else (None, 0.0)
     heads, hidden = text.num_attention_heads, text.hidden_size
     head_dim = getattr(text, "head_dim", None) or hidden // heads
-    n = sum(p.numel() for p in params)
-    shape = (n * (1 + frozen_copies), sum(p.numel() for p in params if p.requires_grad),
+    frozen = [p for p in params if not p.requires_grad]  # LoRA's base: its KL reference too
+    n = sum(p.numel() for p in params) * (1 + frozen_copies * (not frozen))
+    shape = (n, sum(p.numel() for p in params if p.requires_grad),
              text.num_hidden_layers, hidden, getattr(text, "intermediate_size", None) or 4 * hidden,
              (getattr(text, "num_key_value_heads", None) or heads) * head_dim, text.vocab_size,
              world, tokens)
     master = next((p for p in params if p.requires_grad), params[0]).element_size()
-    frozen = next((p for p in params if not p.requires_grad), params[0]).element_size()  # LoRA's
     kw = {"tied": bool(getattr(text, "tie_word_embeddings", False)), "master_bytes": master,
-          "frozen_bytes": frozen,
+          "frozen_bytes": (frozen or params)[0].element_size(),
           "compute_bytes": 2 if mixed else master, "engine_generating": engine,
           "engine_training": 0.0 if engine_releases else engine}
     deferred, synced, raw = (memory_plan(*shape, ck, grads_unsharded=g, **kw)
@@ -569,10 +567,8 @@ def check_model(model, vocab_size: int) -> str | None:
     finally:
         model.set_attn_implementation("packed")
     diff = float((ours.float() - torch.cat(theirs).float()).abs().max())
-    # 1e-4 for fp64 too: eager softmaxes in fp32; a bf16 model (LoRA's frozen base) 0.1: two bf16
-    # forwards differ by ~0.02-0.05, a missing head or attention feature by more; NaN fails
-    tol = 0.1 if next(model.parameters()).dtype in HALF else 1e-4
-    return None if diff <= tol else (
+    tol = 0.1 if next(model.parameters()).dtype in HALF else 1e-4  # bf16 (LoRA's base): ~0.03
+    return None if diff <= tol else (  # 1e-4 for fp64 too: eager softmaxes in fp32; NaN fails
         f"nanoareal's packed forward disagrees with the model's own by {diff:.2g} in log-prob (an "
         "attention or head feature this model uses is not reproduced)")
 
@@ -620,9 +616,8 @@ class WithoutAdapters:
 
 
 def apply_lora(model, rank: int, adapter: str | None = None) -> str:
-    """LoRA adapters injected into `model` (B = 0: the model unchanged), or `adapter`'s config and
-    weights; the base frozen, adapters trainable, fp32 at least. Returns a description (rank 0:
-    nothing done, "")."""
+    """LoRA adapters injected into `model` (B = 0: unchanged), or `adapter`'s config and weights;
+    the base frozen, adapters trainable, fp32 at least. Returns a line ending "; " (rank 0: "")."""
     if not rank:
         return ""
     import peft
@@ -630,27 +625,21 @@ def apply_lora(model, rank: int, adapter: str | None = None) -> str:
         r=rank, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS, lora_dropout=0.0)
     peft.inject_adapter_in_model(replace(config, inference_mode=False), model)
     if isinstance(model.get_output_embeddings(), peft.tuners.lora.LoraLayer):
-        raise UserError("LoRA on lm_head is not supported: the log-probs read the head as "
-                        "head.weight, bypassing an adapter there; leave it out of LORA_TARGETS")
+        raise UserError("LoRA on lm_head is refused: the log-probs read head.weight (bypassing it)")
     for p in (trainable := [p for p in model.parameters() if p.requires_grad]):
         p.data = p.data.to(torch.promote_types(p.dtype, torch.float32))
     if adapter and not next(model.parameters()).is_meta:
         load_adapter(model, adapter)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     return (f"LoRA r={rank} alpha={config.lora_alpha}: {sum(p.numel() for p in trainable):,} "
-            f"trainable, {frozen:,} frozen in {next(model.parameters()).dtype}")
+            f"trainable, {frozen:,} frozen in {next(model.parameters()).dtype}; ")
 
 
-def lora_scales(model) -> dict[str, float]:
-    """Each adapted layer's alpha / r (peft's `scaling`) by name; {} without LoRA."""
-    return {name: m.scaling["default"] for name, m in model.named_modules()
-            if isinstance(getattr(m, "scaling", None), dict)}
-
-
-def merge_lora(named, scales: dict[str, float]):
-    """(name, full tensor) of a LoRA model's state, in state_dict order -> the plain model's:
-    W + scale B A for each adapted layer, one layer at a time (never a second full model)."""
-    held: dict[str, dict] = {}
+def merge_lora(named, model):
+    """(name, full tensor) of `model`'s state, in state_dict order -> the plain model's: W + (alpha
+    / r) B A for each layer peft adapted, one layer at a time (never a second full model)."""
+    held, scales = {}, {name: m.scaling["default"] for name, m in model.named_modules()
+                        if isinstance(getattr(m, "scaling", None), dict)}  # alpha / r by layer
     for name, t in named:
         layer, _, kind = name.replace(".base_layer.", ".lora_W.").partition(".lora_")
         if layer not in scales:

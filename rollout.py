@@ -94,7 +94,7 @@ def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             if hasattr(t, "full_tensor"):  # a DTensor; a mesh of one holds it whole (no gather)
                 t = t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()
             yield name, t.detach()
-    return modeling.merge_lora(gathered(), modeling.lora_scales(model))
+    return modeling.merge_lora(gathered(), model)
 
 
 def shared_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

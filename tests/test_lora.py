@@ -140,8 +140,7 @@ def test_merged_weights_equal_the_unmerged_forward_and_the_kl_reference_is_the_b
     model, base, merged = load(), load(), load()
     modeling.apply_lora(model, 4)
     random_adapters(model)
-    merged.load_state_dict(dict(modeling.merge_lora(model.state_dict().items(),
-                                                    modeling.lora_scales(model))))
+    merged.load_state_dict(dict(modeling.merge_lora(model.state_dict().items(), model)))
     ids = torch.tensor([[4, 13, 7, 14, 9, 3, 1, 5]])
     args = (ids, torch.arange(8)[None], torch.tensor([13, 7, 14, 9, 3, 1, 5, 0]))
     logprobs = {}
