@@ -67,9 +67,11 @@ def child(model: str, rank: int, dtype: str, steps: int, warmup: int, prompts: i
         N.train_on_samples(model, None, optimizer, L.build_loss(cfg), samples, cfg,
                            N.torch.device("cpu"), N.Ranks())
         times.append(time.perf_counter() - t0)
-    params = list(model.parameters())
+    params, size = list(model.parameters()), lambda t: t.numel() * t.element_size()
+    state = sum(size(p) * (1 + p.requires_grad) for p in params) + sum(  # weights, grads, AdamW
+        size(t) for s in optimizer.state.values() for t in s.values() if t.dim())
     return {"trainable": sum(p.numel() for p in params if p.requires_grad),
-            "params": sum(p.numel() for p in params),
+            "params": sum(p.numel() for p in params), "state_gib": state / 2**30,
             "step_s": times[warmup:], "peak_gib": resource.getrusage(
                 resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -105,12 +107,13 @@ def main() -> None:
     print(f"\n{args.prompts} prompts x {args.group} samples, {args.prompt_len}-token prompts, "
           f"{args.new_tokens} new tokens, {args.dtype}, 1 thread; step = train_on_samples "
           f"(median (min-max) of {args.steps} after {args.warmup})\n")
-    print("| variant | trainable params | of all | peak RSS GiB | step s |")
-    print("|---|---|---|---|---|")
+    print("| variant | trainable params | of all | weights + grads + AdamW GiB | peak RSS GiB "
+          "| step s |")
+    print("|---|---|---|---|---|---|")
     for rank, r in rows:
         t = r["step_s"]
         print(f"| {'full' if rank == 0 else f'LoRA r={rank}'} | {r['trainable']:,} | "
-              f"{r['trainable'] / r['params']:.2%} | {r['peak_gib']:.2f} | "
+              f"{r['trainable'] / r['params']:.2%} | {r['state_gib']:.3f} | {r['peak_gib']:.2f} | "
               f"{statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f}) |")
 
 
