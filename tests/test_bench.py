@@ -90,3 +90,10 @@ def test_the_gpu_check_runs_its_cpu_smoke_mode_through_the_trainers_functions():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "| sdpa | ok |" in out.stdout and "all checks passed" in out.stdout
     assert "| weight sync (" in out.stdout
+
+
+def test_bench_memory_prints_its_table():
+    out = run_bench("bench_memory.py", "--layers", "2", "--hidden", "64", "--intermediate", "128",
+                    "--heads", "4", "--kv-heads", "2", "--vocab", "512", "--tokens", "256")
+    assert "| positions | checkpointing | measured peak (GiB) | plan (GiB) |" in out, out
+    assert "| on |" in out and "| off |" in out, out

@@ -83,7 +83,7 @@ def reference(tiny_models, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("cp_ref") / "ref.pt"
     models = [tiny_models[m] for m in ("gqa", "kv1", "kv3", "gemma2")]
     _load_worker().main(["--models", *models, "--cp", "1", "--out", str(out)])
-    return torch.load(out)
+    return torch.load(out)["models"]
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -112,15 +112,20 @@ def assert_matches_reference(result: dict, reference: dict, layout: str) -> None
 def test_cp2_logits_grads_and_reported_losses_equal_one_process_for_every_mode(nproc, tiny_models,
                                                                                reference,
                                                                                tmp_path):
-    """On 4 ranks the decoder layers are also checkpointed (the reference is not): recomputed in
+    """The models load sharded from rank 0's copy (the reference: from_pretrained), Gemma 2's tied
+    head too. On 4 ranks the decoder layers are also checkpointed (the reference is not): rerun in
     backward inside FSDP2's hooks, the all-to-alls again, the gradients the same. Either way FSDP2
     reduce-scatters once per optimizer step (once per FSDP unit), however many micro-batches."""
     out = tmp_path / "cp.pt"
     models = [tiny_models[m] for m in ("gqa", "kv1", "kv3", "gemma2")]
     torchrun(nproc, "tests/support/cp_worker.py", "--models", *models, "--cp", "2", "--out",
              str(out), *(["--checkpoint-layers"] if nproc == 4 else []))
-    result = torch.load(out)
+    saved = torch.load(out)
+    result = saved["models"]
     assert set(result) == {"gqa", "kv1", "kv3", "gemma2"}
+    # only rank 0 read whole models (from_pretrained, on the host); every rank built its own on
+    # the meta device and received its shards: no rank held a whole copy on its device
+    assert saved["whole_copies"] == [4] + [0] * (nproc - 1)
     assert_matches_reference(result, reference, f"{nproc} ranks")
     units = 2 + 1  # a unit per decoder layer + the root
     for model in result.values():

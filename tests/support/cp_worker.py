@@ -5,7 +5,8 @@ setup_distributed (the (dp, cp) mesh), load_models, microbatch_forward, pack_mic
 data-parallel rank's groups only), train_minibatch, LossReduction. Rank 0 saves, with torch.save
 to --out: the logits and log-probs of one fixed packed row, and per aggregation mode (all four
 for the first model, token_mean for the others) the full gradient of every parameter (taken where
-the optimizer would step), the reported loss terms and FSDP2's reduce-scatters in the step.
+the optimizer would step), the reported loss terms and FSDP2's reduce-scatters in the step; and
+how many whole copies of a model each rank loaded (rank 0's, on the host, which others shard).
 --checkpoint-layers: activation checkpointing of the decoder layers.
 """
 
@@ -151,12 +152,23 @@ def main(argv=None):
                             "--dtype", args.dtype])
     ranks, device = na.setup_distributed(cfg0.cp_size)
     cfg = na.validate_config(cfg0, ranks.world)
+    from transformers import AutoModelForCausalLM  # count whole copies loaded on this rank
+    loads, real = [], AutoModelForCausalLM.from_pretrained.__func__
+    own = vars(AutoModelForCausalLM).get("from_pretrained")  # restored after (pytest runs this)
+    AutoModelForCausalLM.from_pretrained = classmethod(
+        lambda cls, *a, **k: loads.append(a[0]) or real(cls, *a, **k))
     # every aggregation mode on the first model; the others (e.g. KV-head replication) need only one
     results = {os.path.basename(m): run(replace(cfg, model=m), device, ranks, m, dtype,
                                         MODES if i == 0 else MODES[:1])
                for i, m in enumerate(args.models)}
+    if own is None:
+        del AutoModelForCausalLM.from_pretrained
+    else:
+        AutoModelForCausalLM.from_pretrained = own
+    whole = [None] * ranks.world
+    dist.all_gather_object(whole, len(loads))
     if ranks.rank == 0:
-        torch.save(results, args.out)
+        torch.save({"models": results, "whole_copies": whole}, args.out)
     dist.destroy_process_group()
 
 
