@@ -6,6 +6,7 @@ model is body + head + the head's transform; `check_model` refuses a family it m
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import os
@@ -164,15 +165,23 @@ def _flash_attn_kernel(q, k, v, layout, scaling, dropout, window, softcap):
                                   softcap=softcap or 0.0)
 
 
+@functools.cache
+def _params(fn) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
 def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
     """PyTorch's bundled FA2 varlen_attn: flash-attn's window_size and bottom-right causal mask."""
     from torch.nn.attention.varlen import varlen_attn
     if softcap or dropout:
         raise NotImplementedError("torch varlen_attn has no softcap or dropout")
-    if k.shape[1] != q.shape[1]:  # GQA: repeat the KV heads (older torch has no enable_gqa)
+    gqa = k.shape[1] != q.shape[1]
+    if gqa and "enable_gqa" not in _params(varlen_attn):  # torch < 2.12: repeat the KV heads
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+        gqa = False
     return varlen_attn(q, k, v, layout["cu_q"], layout["cu_k"], layout["max_q"], layout["max_k"],
-                       scale=scaling, window_size=(window - 1 if window else -1, 0))
+                       scale=scaling, window_size=(window - 1 if window else -1, 0),
+                       **({"enable_gqa": True} if gqa else {}))
 
 
 def choose_attention(requested: str, device: torch.device, half: bool, softcap: bool
@@ -189,8 +198,11 @@ def choose_attention(requested: str, device: torch.device, half: bool, softcap: 
                 raise ImportError("this flash_attn has no flash_attn_varlen_func (flash-attn 2)")
         except Exception as e:  # an ABI mismatch raises ImportError or OSError
             reasons["flash_attn"] = f"flash-attn is not usable ({type(e).__name__}: {e})"
-        try:
-            from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        try:  # torch 2.10's varlen_attn has neither scale nor window_size; 2.8-2.9 none at all
+            from torch.nn.attention.varlen import varlen_attn
+            if not {"scale", "window_size"} <= _params(varlen_attn):
+                reasons["torch_varlen"] = f"torch {torch.__version__}'s varlen_attn has no " \
+                    "scale/window_size (torch >= 2.11)"
         except ImportError:
             reasons["torch_varlen"] = f"torch {torch.__version__} has no nn.attention.varlen"
         if softcap:

@@ -6,6 +6,7 @@ Every check is against the plain HF model run on one sequence at a time (its own
 float64.
 """
 
+import functools
 import random
 import sys
 import types
@@ -124,13 +125,30 @@ def flash_attn_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
                       softmax_scale or q.shape[-1] ** -0.5, window, softcap)
 
 
-def torch_varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None,
-                           window_size=(-1, -1)):
-    """torch.nn.attention.varlen.varlen_attn as torch 2.9-2.11 define it: no enable_gqa, so
-    query and key must have equal head counts; window_size (-1, 0) is causal."""
+def torch_varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
+                           return_aux=None, scale=None, window_size=(-1, -1)):
+    """torch.nn.attention.varlen.varlen_attn as torch 2.11 defines it: no enable_gqa, so query
+    and key must have equal head counts; window_size (-1, 0) is causal."""
     assert query.shape[1] == key.shape[1], "varlen_attn without enable_gqa needs equal heads"
     return _reference(query, key, value, cu_seq_q, cu_seq_k, scale or query.shape[-1] ** -0.5,
                       window_size)
+
+
+def torch_varlen_gqa_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
+                               return_aux=None, scale=None, window_size=(-1, -1),
+                               enable_gqa=False, seqused_k=None, block_table=None,
+                               num_splits=None):
+    """varlen_attn as torch 2.12-2.13 define it: with enable_gqa, fewer KV heads than query heads
+    (query head h reads KV head h // (H / Hkv)), never repeated in memory."""
+    assert (query.shape[1] == key.shape[1]) or enable_gqa, "fewer KV heads need enable_gqa"
+    return _reference(query, key, value, cu_seq_q, cu_seq_k, scale or query.shape[-1] ** -0.5,
+                      window_size)
+
+
+def torch_2_10_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
+                      return_aux=None):
+    """torch 2.10's signature: no scale, no window_size (causal only as is_causal)."""
+    raise AssertionError("choose_attention must not pick torch 2.10's varlen_attn")
 
 
 def use_path(path: str, model, monkeypatch) -> None:
@@ -144,10 +162,11 @@ def use_path(path: str, model, monkeypatch) -> None:
         fake.flash_attn_varlen_func = flash_attn_varlen_reference
         monkeypatch.setitem(sys.modules, "flash_attn", fake)
         model.attention_kernel = modeling._flash_attn_kernel
-    else:
+    else:  # torch_varlen (torch 2.11), torch_varlen_gqa (2.12 on)
         import torch.nn.attention.varlen as varlen
 
-        monkeypatch.setattr(varlen, "varlen_attn", torch_varlen_reference)
+        monkeypatch.setattr(varlen, "varlen_attn", torch_varlen_reference if path ==
+                            "torch_varlen" else torch_varlen_gqa_reference)
         model.attention_kernel = modeling._torch_varlen_kernel
 
 
@@ -196,8 +215,8 @@ def test_packing_with_shared_prompts_feeds_each_prompt_once_per_micro_batch():
 
 @pytest.mark.parametrize("family, path, row_slots", [  # torch varlen_attn has no softcap
     ("llama", "sdpa", 64), ("llama", "sdpa", 12), ("llama", "sdpa", 1), ("llama", "flash_attn", 64),
-    ("llama", "torch_varlen", 64), ("gemma2", "sdpa", 64), ("gemma2", "sdpa", 12),
-    ("gemma2", "sdpa", 1), ("gemma2", "flash_attn", 64)])
+    ("llama", "torch_varlen", 64), ("llama", "torch_varlen_gqa", 64), ("gemma2", "sdpa", 64),
+    ("gemma2", "sdpa", 12), ("gemma2", "sdpa", 1), ("gemma2", "flash_attn", 64)])
 def test_shared_prompt_logprobs_and_gradients_equal_per_sequence_forwards(family, path, row_slots,
                                                                           monkeypatch,
                                                                           exact_rmsnorm):
@@ -301,6 +320,44 @@ def test_attention_path_is_the_fastest_that_can_run_and_an_impossible_request_is
     fake.flash_attn_varlen_func = flash_attn_varlen_reference
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     assert modeling.choose_attention("auto", gpu, True, True)[0] == "flash_attn"
+
+
+def test_torch_varlen_runs_only_where_varlen_attn_takes_a_scale_and_window(monkeypatch):
+    """torch 2.10's varlen_attn has no scale/window_size (2.8-2.9 have no module): auto falls
+    back to the padded path, saying why, and asking for it is an error naming the torch."""
+    import torch.nn.attention.varlen as varlen
+
+    gpu = torch.device("cuda")
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    for fn in (torch_varlen_reference, torch_varlen_gqa_reference):
+        monkeypatch.setattr(varlen, "varlen_attn", fn)
+        assert modeling.choose_attention("auto", gpu, True, False)[0] == "torch_varlen"
+    monkeypatch.setattr(varlen, "varlen_attn", torch_2_10_varlen)
+    path, kernel, why = modeling.choose_attention("auto", gpu, True, False)
+    assert (path, kernel) == ("sdpa", None) and "varlen_attn has no scale/window_size" in why
+    with pytest.raises(ValueError, match="torch_varlen cannot run here: torch .* no scale"):
+        modeling.choose_attention("torch_varlen", gpu, True, False)
+
+
+@pytest.mark.parametrize("gqa", [False, True], ids=["torch 2.11", "torch>=2.12"])
+def test_torch_varlen_passes_kv_heads_unrepeated_where_enable_gqa_exists(monkeypatch, gqa):
+    import torch.nn.attention.varlen as varlen
+
+    seen = []
+    fn = torch_varlen_gqa_reference if gqa else torch_varlen_reference
+
+    @functools.wraps(fn)  # its signature is fn's: the kernel probes it
+    def recording(q, k, *args, **kw):
+        seen.append((k.shape[1], kw.get("enable_gqa")))
+        return fn(q, k, *args, **kw)
+    monkeypatch.setattr(varlen, "varlen_attn", recording)
+    q, k, v = torch.randn(4, 5, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8)  # [H, T, D]
+    layout = modeling.attention_layout(torch.tensor([[0, 5, 0, 0]]), 5)
+    out = modeling._torch_varlen_kernel(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                        layout, 8 ** -0.5, 0.0, None, None)
+    assert seen == ([(2, True)] if gqa else [(4, None)])
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, ref.transpose(0, 1))
 
 
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean", "prompt_mean"])
