@@ -35,6 +35,7 @@ from torch import nn
 
 import modeling
 from cli import UserError, rank
+from modeling import HeadLogits, head_transform
 
 HTTP_TIMEOUT_S = 600.0  # one request to a server; a timed-out /generate is aborted, then re-posted
 HTTP_RETRIES = 3  # retries of a timeout, connection error or 5xx, backing off exponentially
@@ -207,10 +208,16 @@ class HFEngine(Engine):
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
         seed_t, cache = torch.tensor(seeds, dtype=torch.int64), DynamicCache()
         stop = torch.tensor(sampling.stop_token_ids or [-1], device=self.device)
-        params = inspect.signature(self.model.forward).parameters  # 5.2x: past_key_values -> cache
+        body, head = self.model.base_model, self.model.get_output_embeddings()
+        params = inspect.signature(body.forward).parameters  # 5.2x: past_key_values -> cache
         kw = {"use_cache": True, ("cache" if "cache" in params else "past_key_values"): cache}
-        forward = lambda ids, mask, pos: self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, **kw).logits[:, -1]
+        scale, softcap = head_transform(self.model.config)
+
+        def forward(ids, mask, pos):  # the last position's fp32 logits, as the trainer's head
+            hidden = body(input_ids=ids, attention_mask=mask, position_ids=pos,
+                          **kw).last_hidden_state[:, -1]
+            logits = HeadLogits.apply(hidden, head.weight, getattr(head, "bias", None)) * scale
+            return logits if softcap is None else softcap * torch.tanh(logits / softcap)
         logits = forward(input_ids, attention, position_ids)
         cache.reorder_cache(rows)  # [unique prompts] -> [rows]
         logits, attention, step_pos = logits[rows], attention[rows], position_ids[rows, -1:]

@@ -393,6 +393,28 @@ def test_a_server_refusing_a_weight_update_session_fails_the_sync_with_its_messa
         eng.update_weights(perturbed(model_dir), 4)
 
 
+def test_the_hf_engines_logprobs_in_bf16_are_the_trainers_fp32_head_of_the_same_weights(tmp_path):
+    """A bf16 HFEngine samples from fp32 logits, as the bf16 trainer's head (modeling.HeadLogits)
+    computes them: with a body that is exact in bf16 (layers whose outputs are zero; a real body's
+    cached decode and packed forward round differently) pi/pi_behave = 1 to fp32 rounding. bf16
+    logits (the model's own lm_head) were off by ~1e-2 at these logits (~30)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny_llama(tmp_path / "m"))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    eng = HFEngine(str(tmp_path / "m"), dtype=torch.bfloat16)
+    trainer = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16)
+    for i, t in enumerate((1.0, 0.7)):
+        c = eng.generate([PROMPTS[i]], SamplingParams(8, t), [i])[0]
+        gap = (trainer_logprobs(trainer, PROMPTS[i], c, t) - torch.tensor(c.logprobs)).abs()
+        assert float(gap.max()) < 1e-5, (t, gap)
+
+
 def test_weights_go_to_servers_in_the_dtype_they_hold(tmp_path):
     fp32 = save_tiny_llama(tmp_path / "fp32")
     fp16 = save_tiny_llama(tmp_path / "fp16", dtype=torch.float16)
