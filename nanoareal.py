@@ -127,7 +127,7 @@ class Config:
     sglang_deterministic: bool = False
     """Reproducible SGLang rollouts (its deterministic inference, seeds sent): slower sampling."""
     weight_sync: Volatile[Literal["auto", "tensor", "disk", "nccl"]] = "auto"
-    """How new weights reach SGLang: auto is tensor in-process and disk for --rollout-url."""
+    """How new weights reach SGLang: auto is tensor in-process, nccl to servers where it can."""
 
     # advantages
     adv_estimator: Literal[loss.ADVANTAGES] = "grpo"  # type: ignore[valid-type]

@@ -35,7 +35,6 @@ from torch import nn
 
 import modeling
 from cli import UserError, rank
-from modeling import HeadLogits, head_transform
 
 HTTP_TIMEOUT_S = 600.0  # one request to a server; a timed-out /generate is aborted, then re-posted
 HTTP_RETRIES = 3  # retries of a timeout, connection error or 5xx, backing off exponentially
@@ -87,11 +86,16 @@ class Engine(Protocol):
     def shutdown(self) -> None: ...
 
 
-def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) of each parameter and buffer: FSDP2 all-gathers, every rank iterates.
-    A LoRA model's adapted layers come merged, W + (alpha/r) B A, the plain model's names."""
+def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of each parameter and buffer: FSDP2 all-gathers, every rank iterates;
+    floats cast to `dtype` before the gather (a bf16 engine's cost half an fp32 gather). A LoRA
+    model's adapted layers come merged (in fp64, from full precision), the plain model's names."""
     def gathered():
         for name, t in model.state_dict().items():
+            if dtype is not None and t.is_floating_point() and ".lora_" not in name and \
+                    ".base_layer." not in name:
+                t = t.to(dtype)  # a DTensor casts its local shard
             if hasattr(t, "full_tensor"):  # a DTensor; a mesh of one holds it whole (no gather)
                 t = t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()
             yield name, t.detach()
@@ -179,7 +183,7 @@ class HFEngine(Engine):
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
         own = self.model.state_dict()
-        for name, tensor in iter_full_tensors(model):
+        for name, tensor in iter_full_tensors(model, self.model.dtype):
             own[name].copy_(tensor)
         self._version.fill_(version)
 
@@ -211,12 +215,13 @@ class HFEngine(Engine):
         body, head = self.model.base_model, self.model.get_output_embeddings()
         params = inspect.signature(body.forward).parameters  # 5.2x: past_key_values -> cache
         kw = {"use_cache": True, ("cache" if "cache" in params else "past_key_values"): cache}
-        scale, softcap = head_transform(self.model.config)
+        scale, softcap = modeling.head_transform(self.model.config)
 
         def forward(ids, mask, pos):  # the last position's fp32 logits, as the trainer's head
             hidden = body(input_ids=ids, attention_mask=mask, position_ids=pos,
                           **kw).last_hidden_state[:, -1]
-            logits = HeadLogits.apply(hidden, head.weight, getattr(head, "bias", None)) * scale
+            logits = modeling.HeadLogits.apply(hidden, head.weight, getattr(head, "bias", None))
+            logits = logits * scale
             return logits if softcap is None else softcap * torch.tanh(logits / softcap)
         logits = forward(input_ids, attention, position_ids)
         cache.reorder_cache(rows)  # [unique prompts] -> [rows]
@@ -489,8 +494,8 @@ class SGLangEngine(Engine):
         if self.has_session:
             ok(self.engine.begin_weight_update(), "begin_weight_update")
         try:
-            for bucket, last in iter_buckets(iter_full_tensors(model), SYNC_BUCKET_MB * 2**20,
-                                             self.dtype, self.device):
+            for bucket, last in iter_buckets(iter_full_tensors(model, self.dtype),
+                                             SYNC_BUCKET_MB * 2**20, self.dtype, self.device):
                 ok(self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=last),
                    "update_weights_from_tensor")
         finally:
@@ -511,11 +516,17 @@ class HTTPError(RuntimeError):
         self.status, self.body = status, body
 
 
-def weight_group_ranks(url: str, info: dict) -> int:
-    """A server's ranks in the weight group (/server_info): SGLang joins each scheduler as
+def groupable(info: dict) -> bool:
+    """Whether a server (/server_info) can join a weight group: SGLang joins each scheduler as
     rank_offset + tp_rank (PP stages collide), refuses DP replicas (not DP attention: inside TP)."""
+    pp, dp = (int(info.get(k) or 1) for k in ("pp_size", "dp_size"))
+    return pp == 1 and (dp == 1 or bool(info.get("enable_dp_attention")))
+
+
+def weight_group_ranks(url: str, info: dict) -> int:
+    """A server's ranks in the weight group: its TP ranks."""
     tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
-    if pp > 1 or (dp > 1 and not info.get("enable_dp_attention")):
+    if not groupable(info):
         raise UserError(f"--weight-sync nccl: the SGLang server {url} runs pp_size={pp}, "
                         f"dp_size={dp}; SGLang's update_weights_from_distributed joins only its "
                         "TP ranks (use --weight-sync disk, or a server per replica)")
@@ -537,18 +548,23 @@ class RemoteSGLangEngine(Engine):
     overlaps = "thread"  # the servers generate while the trainer trains
 
     def __init__(self, urls: list[str], model_path: str, run_dir: str = "runs/remote",
-                 weight_sync: str = "disk", deterministic: bool = False, nccl_addr: str = "",
+                 weight_sync: str = "auto", deterministic: bool = False, nccl_addr: str = "",
                  group_backend: str = "nccl"):
-        assert urls and weight_sync in ("disk", "nccl"), "servers, synced by disk or nccl"
+        assert urls and weight_sync in ("auto", "disk", "nccl"), "servers, synced by disk or nccl"
         _check_logprob_env()
         self.urls = [u.rstrip("/") for u in urls]
-        self.model_path, self.run_dir, self.weight_sync = model_path, run_dir, weight_sync
+        self.model_path, self.run_dir = model_path, run_dir
         self.nccl_addr, self.group_backend, self.group = nccl_addr, group_backend, None
         self.pool = ThreadPoolExecutor(max_workers=HTTP_THREADS, thread_name_prefix="sglang-http")
         self.send_seed, self.version, self.sessionless = True, 0, set()  # SGLang < 0.5.21
         self.wait_healthy(HEALTH_TIMEOUT_S)
         self.infos = {u: self.server_info(u) for u in self.urls}
-        info, nccl = self.infos[self.urls[0]], weight_sync == "nccl"  # the first server's
+        info = self.infos[self.urls[0]]  # the first server's
+        if weight_sync == "auto":  # nccl wherever a group can form (NCCL needs a CUDA trainer):
+            # disk writes the whole model and every server reloads it, every step
+            weight_sync = "nccl" if (group_backend != "nccl" or torch.cuda.is_available()) and \
+                all(map(groupable, self.infos.values())) else "disk"
+        self.weight_sync, nccl = weight_sync, weight_sync == "nccl"
         self.group_sizes = [weight_group_ranks(u, self.infos[u]) for u in self.urls if nccl]  # now
         self.sync_dtype = engine_dtype(model_path, info.get("dtype"))
         if deterministic and (bad := [u for u, i in self.infos.items()
@@ -678,7 +694,7 @@ class RemoteSGLangEngine(Engine):
 
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
-        self.version, named = version, iter_full_tensors(model)
+        self.version, named = version, iter_full_tensors(model, self.sync_dtype)
         if rank() == 0:
             (self._sync_disk if self.weight_sync == "disk" else self._sync_nccl)(named)
         else:
@@ -791,8 +807,7 @@ def make_engine(backend: str, urls: list[str], model_path: str, device: torch.de
     if backend == "hf":
         return HFEngine(model_path, device, torch.bfloat16 if device.type == "cuda" else None)
     if urls:
-        sync = "disk" if weight_sync == "auto" else weight_sync
-        return RemoteSGLangEngine(urls, model_path, run_dir, sync, deterministic)
+        return RemoteSGLangEngine(urls, model_path, run_dir, weight_sync, deterministic)
     return SGLangEngine(model_path, gpu_id=device.index or 0, seed=seed, device=device,
                         deterministic=deterministic)
 

@@ -378,6 +378,19 @@ def test_the_weight_group_counts_each_servers_tp_ranks_and_refuses_pp_and_dp_rep
     assert client(server, model_dir, tmp_path).weight_sync == "disk"
 
 
+def test_auto_weight_sync_broadcasts_wherever_a_group_can_form_else_goes_through_disk(
+        server, model_dir, tmp_path, monkeypatch):
+    """Disk writes the whole model and every server reloads it, every step: auto is nccl where a
+    group can form (NCCL needs a CUDA trainer, servers of TP ranks only)."""
+    assert client(server, model_dir, tmp_path).weight_sync == "disk"  # a CPU trainer: no NCCL
+    assert client(server, model_dir, tmp_path, group_backend="gloo").weight_sync == "nccl"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert client(server, model_dir, tmp_path).weight_sync == "nccl"
+    server.info["pp_size"] = 2
+    assert client(server, model_dir, tmp_path).weight_sync == "disk"
+    assert client(server, model_dir, tmp_path, weight_sync="disk").weight_sync == "disk"
+
+
 def test_the_trainers_address_is_that_of_the_interface_towards_the_server(monkeypatch):
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
     assert rollout.route_address("http://127.0.0.1:30000") == "127.0.0.1"
