@@ -25,7 +25,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import suppress
+from contextlib import ExitStack, suppress
 from datetime import timedelta
 from typing import Protocol
 
@@ -46,8 +46,12 @@ HTTP_THREADS = 1024  # requests in flight per rank: more than a rank's whole bat
 SYNC_BUCKET_MB = 512  # weights per update_weights_from_tensor / _from_distributed call
 WEIGHT_GROUP_TIMEOUT_S = 600.0  # the NCCL weight group: its rendezvous and every broadcast
 SGLANG_MEM_FRACTION = 0.5  # in-process engine: its share of the GPU (weights + KV cache)
-SGLANG_PORT_BASE, SGLANG_PORT_STRIDE = 20000, 10  # in-process engine ports: base + stride x rank
 ENV_TIMEOUT_S = 30.0  # an --env step that takes longer ends its episode and is counted
+# torchrun's variables, hidden from SGLang's scheduler processes: with them its process group (a
+# tcp:// rendezvous) looks for torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) and waits
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
+                 "MASTER_PORT")
 _MASK32 = 0xFFFFFFFF
 
 
@@ -422,7 +426,7 @@ class SGLangEngine(Engine):
 
     def __init__(self, model_path: str, gpu_id: int = 0, seed: int = 0,
                  device: torch.device | str = "cuda", deterministic: bool = False,
-                 local_rank: int | None = None, **engine_kwargs):
+                 **engine_kwargs):
         import sglang  # lazy: an optional extra
         from sglang.srt.constants import GPU_MEMORY_TYPE_CUDA_GRAPH
         from sglang.srt.server_args import ServerArgs
@@ -430,12 +434,12 @@ class SGLangEngine(Engine):
         self.dtype = engine_dtype(model_path, fp32_as=torch.bfloat16)  # passed to SGLang too
         self.device, self.version, self.released = torch.device(device), 0, set()
         self.tags = ["kv_cache", "weights", GPU_MEMORY_TYPE_CUDA_GRAPH]
-        # SGLang probes for free ports, binding them later: engines started together collide.
-        # In-process it binds nccl_port (its scheduler's store) and port (DP attention's TCP ZMQ).
-        local = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
-        port = SGLANG_PORT_BASE + SGLANG_PORT_STRIDE * local
+        # SGLang probes for free ports, binding them later: engines started together (torchrun's
+        # ranks, two jobs on one host) may pick the same. In-process it binds nccl_port (its
+        # scheduler's store) and port (DP attention's TCP ZMQ): two free ones, picked by the OS.
+        port, nccl_port = free_ports(2)
         # an fp32 lm_head (0.5.10 has it): bf16 logits would make pi/pi_behave != 1 at equal weights
-        optional = {"port": port, "nccl_port": port + 1, "enable_fp32_lm_head": True}
+        optional = {"port": port, "nccl_port": nccl_port, "enable_fp32_lm_head": True}
         fields = getattr(ServerArgs, "__struct_fields__", None) or [  # msgspec from 0.5.20
             f.name for f in dataclasses.fields(ServerArgs)]
         kw = {k: v for k, v in optional.items() if k in fields}
@@ -449,9 +453,12 @@ class SGLangEngine(Engine):
         # (SIG_IGN survives exec, Python keeps it, they set no handler: 0.5.10-0.5.23).
         main = threading.current_thread() is threading.main_thread()
         old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        hidden = {k: os.environ.pop(k) for k in list(os.environ)  # inherited by its processes
+                  if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_")}
         try:
             self.engine = sglang.Engine(**kw | engine_kwargs)
         finally:
+            os.environ.update(hidden)
             if main:
                 signal.signal(signal.SIGINT, old)
         self.has_session = hasattr(self.engine, "begin_weight_update")  # SGLang >= 0.5.21
@@ -531,6 +538,15 @@ def weight_group_ranks(url: str, info: dict) -> int:
                         f"dp_size={dp}; SGLang's update_weights_from_distributed joins only its "
                         "TP ranks (use --weight-sync disk, or a server per replica)")
     return tp
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports free now, chosen by the OS (held together while choosing)."""
+    with ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def route_address(url: str) -> str:
@@ -755,23 +771,20 @@ class RemoteSGLangEngine(Engine):
         as SGLang's init_custom_process_group builds its side, so both derive the same store keys:
         tcp:// rendezvous, PrefixStore(group_name), torch's private _new_process_group_helper."""
         from torch.distributed import distributed_c10d as c10d
-        from torch.distributed.rendezvous import rendezvous
         sizes, backend = self.group_sizes, self.group_backend
         host, _, port = (self.nccl_addr or f"{route_address(self.urls[0])}:0").rpartition(":")
-        if not (port := int(port)):
-            with socket.socket() as s:  # a free one; the rendezvous binds it
-                s.bind(("", 0))
-                port = s.getsockname()[1]
         self.group_name, world = f"nanoareal_weights_{uuid.uuid4().hex[:8]}", 1 + sum(sizes)
+        timeout = timedelta(seconds=WEIGHT_GROUP_TIMEOUT_S)
+        # the store hosted here (port 0: a free one, bound at once), not by rendezvous(): under
+        # torchrun (TORCHELASTIC_USE_AGENT_STORE) that makes every rank a client and none a host
+        store = dist.TCPStore(host, int(port), world, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
         posts = [self.pool.submit(self._call, u, "init_weights_update_group", {
-            "master_address": host, "master_port": port, "rank_offset": 1 + sum(sizes[:i]),
+            "master_address": host, "master_port": store.port, "rank_offset": 1 + sum(sizes[:i]),
             "world_size": world, "group_name": self.group_name, "backend": backend}, 0)
             for i, u in enumerate(self.urls)]
-        timeout = timedelta(seconds=WEIGHT_GROUP_TIMEOUT_S)
-        store, rank, world = next(rendezvous(f"tcp://{host}:{port}", 0, world, timeout=timeout))
-        store.set_timeout(timeout)
         self.group, _ = c10d._new_process_group_helper(
-            world, rank, [], c10d.Backend(backend), c10d.PrefixStore(self.group_name, store),
+            world, 0, [], c10d.Backend(backend), c10d.PrefixStore(self.group_name, store),
             group_name=self.group_name, timeout=timeout)
         c10d._world.pg_group_ranks[self.group] = {i: i for i in range(world)}
         [p.result() for p in posts]

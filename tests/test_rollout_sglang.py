@@ -449,14 +449,32 @@ ENGINE_FIELDS = ("model_path", "mem_fraction_static", "enable_memory_saver", "sk
                  "enable_deterministic_inference", "enable_fp32_lm_head")
 
 
+def _fake_scheduler(conn, nccl_port: int, timeout_s: float) -> None:
+    """What of SGLang's scheduler start depends on the environment it inherits: its process group
+    by a tcp:// rendezvous on nccl_port (init_distributed_environment; rank 0 of tp_size 1 hosts
+    the store). Then it holds the port until told to stop."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{nccl_port}", rank=0,
+                                world_size=1, timeout=timedelta(seconds=timeout_s))
+    except Exception as e:
+        return conn.send(f"{type(e).__name__}: {e}")
+    conn.send("ok")
+    conn.recv()
+
+
 def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks: tuple = (),
-                        probe_sigint: bool = False) -> list:
+                        probe_sigint: bool = False, scheduler: bool = False) -> list:
     """new=True: SGLang >= 0.5.21 (begin/end_weight_update, ServerArgs and SamplingParams
     msgspec Structs); False: 0.5.10 (dataclass ServerArgs, plain SamplingParams). ServerArgs has
     ENGINE_FIELDS but `lacks`, and the Engine, like ServerArgs(**kwargs), refuses other keywords.
     Control calls return (success, message), never raising: `fail` maps a call's name to the
     message it fails with. `probe_sigint`: the Engine spawns a process (multiprocessing spawn, as
-    SGLang does) that raises SIGINT in itself, and logs its exit code."""
+    SGLang does) that raises SIGINT in itself, and logs its exit code. `scheduler`: the Engine
+    binds `port` and spawns a scheduler that builds its process group on `nccl_port` (as SGLang's
+    does, a store it hosts there), failing as SGLang does if it cannot (every wait 20 s at most)."""
     log: list = []
     fail = fail or {}
     names = [n for n in ENGINE_FIELDS if n not in lacks]
@@ -483,6 +501,15 @@ def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks:
                 proc.start()
                 proc.join()
                 log.append(("child_exit", proc.exitcode))
+            if scheduler:
+                self.socket = socket.create_server(("", kw["port"]))  # EADDRINUSE: taken
+                self.conn, there = mp.get_context("spawn").Pipe()
+                self.proc = mp.get_context("spawn").Process(
+                    target=_fake_scheduler, args=(there, kw["nccl_port"], 20), daemon=True)
+                self.proc.start()
+                state = self.conn.recv() if self.conn.poll(40) else "no answer in 40 s"
+                if state != "ok":
+                    raise RuntimeError(f"Initialization failed. scheduler: {state}")
             self.released: set[str] = set()
             self.in_session = False
 
@@ -518,6 +545,10 @@ def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks:
 
         def shutdown(self):
             log.append(("shutdown",))
+            if scheduler:
+                self.conn.send("stop")
+                self.proc.join(10)
+                self.socket.close()
 
     if new:
         def begin_weight_update(self):
@@ -626,15 +657,13 @@ def test_colocated_engine_runs_the_models_half_dtype_with_an_fp32_lm_head(monkey
     assert "enable_fp32_lm_head" not in log[0][1]
 
 
-def test_each_local_rank_gets_its_own_ports(monkeypatch, model_dir):
-    for new in (True, False):
-        log = install_fake_sglang(monkeypatch, new)
-        SGLangEngine(model_dir, device="cpu", local_rank=0)
-        monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun's
-        SGLangEngine(model_dir, device="cpu")
-        ports = [{kw["port"], kw["nccl_port"]} for _, kw in log]
-        assert len(ports[0]) == len(ports[1]) == 2 and not ports[0] & ports[1]
-        monkeypatch.delenv("LOCAL_RANK")
+def test_each_engine_gets_free_ports_of_its_own_whatever_its_local_rank(monkeypatch, model_dir):
+    """Two jobs on one host both run LOCAL_RANK 0: ports come from the OS, not the rank (both
+    jobs started at once, under torchrun: tests/test_torchrun_engines.py)."""
+    log = install_fake_sglang(monkeypatch, new=True)
+    engines = [SGLangEngine(model_dir, device="cpu") for _ in range(2)]
+    ports = [kw[k] for _, kw in log for k in ("port", "nccl_port")]
+    assert len(set(ports)) == 4 and len(engines) == 2
 
 
 def test_sglang_subprocesses_spawned_by_the_engine_ignore_the_terminals_sigint(monkeypatch,
