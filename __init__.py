@@ -1,0 +1,39 @@
+"""nanoareal installed (`pip install -e .`): `import nanoareal` is the trainer, nanoareal.py, and
+the environment gains that one name. The flat files import each other by plain names (`from cli
+import rank`) so that a clone runs as it is (`python nanoareal.py`); installed, those names stand
+for nanoareal's files only while the files load, as nanoareal.cli, nanoareal.loss, ...: the
+environment's own `cli`, `logs`, `tasks`, ... never shadow them, nor are shadowed. (pytest imports
+this folder too, under the folder's name: nothing happens then.)"""
+
+import importlib
+import importlib.util
+import os
+import sys
+
+HELPERS = ("cli", "logs", "loss", "packing", "modeling", "checkpoint", "rollout", "tasks")  # in
+# the order they import each other; the trainer imports them all and none imports it
+
+
+def _trainer(name: str):
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here in (os.path.abspath(p or os.curdir) for p in sys.path):  # a clone on the path (its
+        # tests): the plain names are these files already
+        spec = importlib.util.spec_from_file_location(name, os.path.join(here, "nanoareal.py"))
+        sys.modules[name] = trainer = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(trainer)
+        return trainer
+    theirs = {h: sys.modules.pop(h) for h in HELPERS if h in sys.modules}
+    try:
+        for h in HELPERS:
+            sys.modules[h] = importlib.import_module(f"{name}.{h}")
+        trainer = importlib.import_module(f"{name}.nanoareal")
+    finally:
+        for h in HELPERS:
+            sys.modules.pop(h, None)
+        sys.modules.update(theirs)
+    trainer.__path__ = __path__  # nanoareal.loss, ... stay importable
+    return trainer
+
+
+if __name__ == "nanoareal":
+    sys.modules[__name__] = _trainer(__name__)
