@@ -768,8 +768,9 @@ class RemoteSGLangEngine(Engine):
 
     def _init_weight_group(self) -> None:
         """Rank 0 and the servers' GPUs (from their rank_offset), outside the torchrun world, built
-        as SGLang's init_custom_process_group builds its side, so both derive the same store keys:
-        tcp:// rendezvous, PrefixStore(group_name), torch's private _new_process_group_helper."""
+        as SGLang's init_custom_process_group builds its side (its tcp:// rendezvous a client of the
+        store hosted here), so both derive the same keys: PrefixStore(group_name), torch's private
+        _new_process_group_helper."""
         from torch.distributed import distributed_c10d as c10d
         sizes, backend = self.group_sizes, self.group_backend
         host, _, port = (self.nccl_addr or f"{route_address(self.urls[0])}:0").rpartition(":")

@@ -474,7 +474,7 @@ def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks:
     message it fails with. `probe_sigint`: the Engine spawns a process (multiprocessing spawn, as
     SGLang does) that raises SIGINT in itself, and logs its exit code. `scheduler`: the Engine
     binds `port` and spawns a scheduler that builds its process group on `nccl_port` (as SGLang's
-    does, a store it hosts there), failing as SGLang does if it cannot (every wait 20 s at most)."""
+    does, a store it hosts there), failing as SGLang does if it cannot (timeout 20 s)."""
     log: list = []
     fail = fail or {}
     names = [n for n in ENGINE_FIELDS if n not in lacks]
@@ -507,7 +507,7 @@ def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks:
                 self.proc = mp.get_context("spawn").Process(
                     target=_fake_scheduler, args=(there, kw["nccl_port"], 20), daemon=True)
                 self.proc.start()
-                state = self.conn.recv() if self.conn.poll(40) else "no answer in 40 s"
+                state = self.conn.recv() if self.conn.poll(90) else "no answer in 90 s"
                 if state != "ok":
                     raise RuntimeError(f"Initialization failed. scheduler: {state}")
             self.released: set[str] = set()

@@ -23,7 +23,7 @@ from sglang_standin import save_tiny_llama
 REPO = str(Path(__file__).resolve().parents[1])
 WORKER = "tests/support/torchrun_engines.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-TIMEOUT_S = 240  # every run: a hang fails here, the worker's own waits are 45 s
+TIMEOUT_S = 300  # every run: a hang fails here, the worker's own waits are 90 s
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +48,9 @@ def finish(procs: list) -> list[tuple[int, str, str]]:
 
 
 def start_server(model_dir: str, tp_size: int):
-    proc = warm.Popen([sys.executable, WORKER, "serve", model_dir, "bfloat16", str(tp_size)],
-                      cwd=REPO,
-                      env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, WORKER, "serve", model_dir, "bfloat16", str(tp_size)],
+                            cwd=REPO, env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)  # a real process: it prints its URL on a pipe
     if not select.select([proc.stdout], [], [], 60)[0]:
         proc.kill()
         pytest.fail("the stand-in server did not start in 60 s")

@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE), HERE]
 import rollout  # noqa: E402
 
-WAIT_S = 45.0
+WAIT_S = 90.0
 
 
 def serve(model_dir: str, dtype: str, tp_size: str) -> None:
