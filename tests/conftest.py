@@ -11,7 +11,6 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))
 LONGEST_FIRST = ["test_context_parallel.py", "test_ablation.py", "test_checkpoint.py",
                  "test_lora.py", "test_runs.py", "test_torchrun_engines.py", "test_bench.py",
                  "test_rollout_sglang.py", "test_nanoareal.py", "test_staleness.py"]
-                 "test_rollout_sglang.py", "test_nanoareal.py", "test_staleness.py"]
 
 
 def pytest_collection_modifyitems(items) -> None:
