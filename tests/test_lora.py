@@ -213,8 +213,8 @@ def test_two_ranks_train_the_same_adapters_as_one_process(tmp_path, layout):
     a1, a2 = (load_file(tmp_path / r / "final/adapter/adapter_model.safetensors")
               for r in ("one", "two"))
     assert set(a1) == set(a2) and len(a1) == 4 * 7 * 2
-    for name in a1:
-        assert (a1[name] - a2[name]).norm() <= 1e-5 * a1[name].norm(), name
+    for name in a1:  # AdamW amplifies rounding; the hf engine's fp32 head rounds by batch shape
+        assert (a1[name] - a2[name]).norm() <= 2e-5 * a1[name].norm(), name
 
 
 def test_a_lora_run_killed_mid_step_resumes_to_the_uninterrupted_run(tmp_path):
