@@ -43,6 +43,20 @@ def segments_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     return F.pad(torch.stack([start, length], 1), (0, 2))
 
 
+def check_segments(segments: torch.Tensor, num_tokens: int) -> None:
+    """A packed row's segments [R, 4] are on the host (packing makes them there: a copy from a
+    device would sync), cover its num_tokens tokens in order, and take context from earlier ones."""
+    if segments.device.type != "cpu":
+        raise ValueError(f"segments must be a CPU tensor, got one on {segments.device}")
+    q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
+    if int(q_len.sum()) != num_tokens or (q_start != torch.cumsum(q_len, 0) - q_len).any():
+        raise ValueError(f"segments must cover the {num_tokens} tokens of the row in order, got "
+                         f"{segments.tolist()}")
+    if ((ctx_start < 0) | ((ctx_len > 0) & (ctx_start + ctx_len > q_start)) | (ctx_len < 0)).any():
+        raise ValueError("a segment's context must be earlier tokens of the row, got "
+                         f"{segments.tolist()}")
+
+
 def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.device | None = None,
                      kernel=None, cp_group=None) -> dict:
     """Index tensors for segment_attention, built once per micro-batch on the CPU (no GPU sync for
@@ -51,16 +65,9 @@ def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.devi
     `k_index`, `cu_q`, `cu_k` (bottom-right causal). Padded: rows of slots (`grid`: slot -> token,
     `out`: token -> its query slot, `pos`: a slot's position in its sequence), `mask` [rows, 1,
     slots, slots] if a row holds several segments (else causal). `cp_group`: who shares the row."""
-    if segments.device.type != "cpu":  # packing makes them on the host: a copy would sync
-        raise ValueError(f"segments must be a CPU tensor, got one on {segments.device}")
+    check_segments(segments, num_tokens)
     device = device or segments.device
     q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
-    if int(q_len.sum()) != num_tokens or (q_start != torch.cumsum(q_len, 0) - q_len).any():
-        raise ValueError(f"segments must cover the {num_tokens} tokens of the row in order, got "
-                         f"{segments.tolist()}")
-    if ((ctx_start < 0) | ((ctx_len > 0) & (ctx_start + ctx_len > q_start)) | (ctx_len < 0)).any():
-        raise ValueError("a segment's context must be earlier tokens of the row, got "
-                         f"{segments.tolist()}")
     row_len = ctx_len + q_len
     j = torch.arange(int(row_len.max()))[None]
     src = torch.where(j < ctx_len[:, None], ctx_start[:, None] + j,
