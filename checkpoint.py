@@ -120,9 +120,11 @@ def choose_resume(run_dir: str | Path, resume: str, resuming: bool) -> str | Non
     return resume
 
 
-def claim_run_dir(run_dir: str | Path, config: dict, volatile: set[str], fresh: bool) -> bool:
+def claim_run_dir(run_dir: str | Path, config: dict, volatile: set[str], fresh: bool,
+                  defaults: dict | None = None) -> bool:
     """Rank 0, before any write: True when `run_dir` holds this run (config.json equal but for
-    `volatile`) to continue; another run's results are an error, or with `fresh` moved to .old-N."""
+    `volatile`; a flag it lacks, added since, equal when at its `defaults` value) to continue;
+    another run's results are an error, or with `fresh` moved to .old-N."""
     root = Path(run_dir)
     results = [p for p in ("metrics.jsonl", "checkpoints", "final") if (root / p).exists()]
     if results and fresh:
@@ -136,7 +138,7 @@ def claim_run_dir(run_dir: str | Path, config: dict, volatile: set[str], fresh: 
     try:
         theirs = json.loads((root / "config.json").read_text())
         changed = sorted(k for k in set(theirs) | set(config) if k not in volatile
-                         and theirs.get(k) != config.get(k))
+                         and theirs.get(k, (defaults or {}).get(k)) != config.get(k))
     except (OSError, ValueError):
         changed = ["(config.json missing or unreadable)"]
     if changed:

@@ -30,7 +30,7 @@ import time
 import types
 import typing
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
@@ -216,6 +216,7 @@ class Config:
 
 VOLATILE = {k for k, hint in typing.get_type_hints(Config, include_extras=True).items()
             if "volatile" in getattr(hint, "__metadata__", ())}
+DEFAULTS = {f.name: f.default for f in fields(Config) if f.default is not MISSING}
 
 # -----------------------------------------------------------------------------
 # the training loop
@@ -397,7 +398,7 @@ def prepare_run(cfg: Config) -> tuple[tasks.Data, object, bool]:
     reward_fn = tasks.load_reward(cfg.reward)
     modeling.check_model_source(cfg.model)
     resuming = on_rank0(checkpoint.claim_run_dir, cfg.run_dir, asdict(cfg), VOLATILE,
-                        cfg.resume == "fresh")
+                        cfg.resume == "fresh", DEFAULTS)
     torch.manual_seed(cfg.seed)
     data = tasks.load_data(cfg.model, cfg.dataset, cfg.eval_dataset, cfg.reward, cfg.prompt_key,
                            cfg.chat_template, cfg.max_new_tokens, cfg.micro_batch_tokens)

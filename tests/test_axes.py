@@ -268,3 +268,21 @@ def test_correction_auto_is_what_the_staleness_study_shows_holding(flags, want):
     cfg = N.Config(**flags)
     assert cfg.correction == want
     assert cfg.correction_threshold == L.CORRECTIONS[want].threshold
+
+
+def test_a_run_older_than_a_flag_continues_while_the_flag_is_at_its_default(tmp_path):
+    """config.json of a run made before --ppo-epochs/--top-p existed lacks them: at their defaults
+    the rerun continues that run; a non-default value is another run, named in the refusal."""
+    import json
+    from dataclasses import asdict, replace
+
+    import checkpoint
+
+    cfg = N.Config()
+    old = {k: v for k, v in asdict(cfg).items() if k not in ("ppo_epochs", "top_p")}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert checkpoint.claim_run_dir(tmp_path, asdict(cfg), N.VOLATILE, False, N.DEFAULTS)
+    with pytest.raises(UserError, match="its config differs in ppo_epochs"):
+        checkpoint.claim_run_dir(tmp_path, asdict(replace(cfg, ppo_epochs=2)), N.VOLATILE,
+                                 False, N.DEFAULTS)
