@@ -316,7 +316,7 @@ def _append(e: Completion, ids: list[int], logprobs: list[float], policy: int) -
     e.policy_mask = e.policy_mask + [policy] * len(ids)
 
 
-_SAID: list = []  # an env's first failure is said once per process
+_SAID: set[str] = set()  # what was said once per process (an env's first failure)
 
 
 def env_step(tools: Tools, env, row: dict, text: str, counts: dict) -> tuple[object, list | None]:
@@ -341,9 +341,10 @@ def env_step(tools: Tools, env, row: dict, text: str, counts: dict) -> tuple[obj
     counts["env/seconds"] += time.perf_counter() - start
     counts["env/tool_calls"] += 1
     counts["env/errors"] += error is not None
-    if error is not None and not _SAID:
-        _SAID.append(print(f"warning: an --env step failed ({error}); its episode ends there, "
-                           "scored as it stands (counted in env/errors; said once)", flush=True))
+    if error is not None and "env" not in _SAID:
+        _SAID.add("env")
+        print(f"warning: an --env step failed ({error}); its episode ends there, scored as it "
+              "stands (counted in env/errors; said once)", flush=True)
     return env, reply
 
 
