@@ -331,9 +331,11 @@ def validate_config(cfg: Config, world: int) -> Config:
         (cfg.grad_clip >= 0, f"--grad-clip {cfg.grad_clip}: must be > 0, or 0 for no clipping"),
         (1 <= cfg.num_minibatches <= cfg.prompts_per_step,
          "--num-minibatches must be in [1, --prompts-per-step]"),
-        (cfg.ppo_epochs >= 1 and 0 <= cfg.overlong_buffer <= cfg.max_new_tokens and 0 < cfg.top_p
-         <= 1 and (cfg.top_k >= 1 or cfg.top_k == -1), "--ppo-epochs must be >= 1, --overlong-"
-         "buffer in [0, --max-new-tokens], --top-p in (0, 1] and --top-k -1 or >= 1"),
+        (cfg.ppo_epochs >= 1, f"--ppo-epochs {cfg.ppo_epochs}: must be >= 1"),
+        (0 <= cfg.overlong_buffer <= cfg.max_new_tokens, f"--overlong-buffer "
+         f"{cfg.overlong_buffer}: must be in [0, --max-new-tokens ({cfg.max_new_tokens})]"),
+        (0 < cfg.top_p <= 1 and (cfg.top_k >= 1 or cfg.top_k == -1), f"--top-p {cfg.top_p} "
+         f"--top-k {cfg.top_k}: top-p must be in (0, 1], top-k -1 (all) or >= 1"),
         (cfg.cp_size >= 1 and world % cfg.cp_size == 0,
          f"--cp-size {cfg.cp_size} must divide the number of ranks ({world})"),
         (not cfg.eval_dataset or cfg.dataset not in tasks.TASKS, f"--eval-dataset is for a JSONL "

@@ -129,6 +129,12 @@ MISTAKES = [
     (["--resume", "{box}/not_a_model"], "--resume", False),
     (["--eval-k", "-1"], "--eval-k", False),
     (["--lora-rank", "-1"], "--lora-rank -1", False),
+    (["--ppo-epochs", "0"], "--ppo-epochs 0", False),
+    (["--overlong-buffer", "9"], "--overlong-buffer 9: must be in [0, --max-new-tokens (8)]",
+     False),
+    (["--top-p", "0"], "--top-p 0.0 --top-k -1: top-p must be in (0, 1]", False),
+    (["--top-k", "0"], "--top-k 0: top-p must be in (0, 1], top-k -1 (all) or >= 1", False),
+    (["--max-turns", "0"], "--max-turns", False),
     (["--lora-adapter", "{box}/not_a_model"], "not a PEFT LoRA adapter", False),
     (["--model", str(ROOT / "assets" / "tiny-chain"), "--lora-adapter", "{box}/arith_adapter"],
      "is an adapter of", False),  # an adapter for another base
