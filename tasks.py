@@ -187,6 +187,16 @@ def make_chain_task(seed: int = 0, heldout_size: int = 256,
     return train, [rows[i] for i in range(per_k) for rows in held_by_k]
 
 
+def make_calc_task(seed: int = 0, heldout_size: int = 256) -> tuple[list, list]:
+    """Every a+b and a*b with 10 <= a, b < 100 as {"prompt": "37*48=", "answer": "1776"}, split by
+    `seed` into (train, heldout). Products are beyond a 1M model's head; with --env
+    assets/tiny-calc/calculator.py:Calculator it may write "[37*48]" and read the value."""
+    rows = [{"prompt": f"{a}{op}{b}=", "answer": str(a + b if op == "+" else a * b)}
+            for op in "+*" for a in range(10, 100) for b in range(10, 100)]
+    random.Random(seed).shuffle(rows)
+    return rows[heldout_size:], rows[:heldout_size]
+
+
 @dataclass(frozen=True)
 class Task:
     make: Callable[[], tuple[list, list]]
@@ -197,7 +207,9 @@ class Task:
 TASKS: dict[str, Task] = {
     "arithmetic": Task(make_arithmetic_task, "exact_match", {"model": "assets/tiny-arith"}),
     "chain": Task(make_chain_task, "last_number", {"model": "assets/tiny-chain",
-                                                  "max_new_tokens": 32, "prompts_per_step": 32})}
+                                                  "max_new_tokens": 32, "prompts_per_step": 32}),
+    "calc": Task(make_calc_task, "last_number", {"model": "assets/tiny-calc",
+                                                 "max_new_tokens": 16})}
 
 
 # -----------------------------------------------------------------------------

@@ -44,9 +44,9 @@ CHARS = list("0123456789+= -*")  # the task needs "0-9+="; the rest are harmless
 # tokenizer
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character; specials first so <pad>=0, <eos>=1, <unk>=2."""
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + CHARS)}
+def build_tokenizer(chars: list[str] = CHARS) -> PreTrainedTokenizerFast:
+    """One token per character of `chars`; specials first so <pad>=0, <eos>=1, <unk>=2."""
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + chars)}
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     # every char is a piece
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
