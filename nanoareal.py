@@ -90,7 +90,7 @@ class Config:
 
     # data
     dataset: str = "arithmetic"
-    """A built-in task (arithmetic, chain: each brings its model and flags) or a JSONL file."""
+    """A built-in task (arithmetic, chain, calc: each brings its model and flags) or JSONL file."""
     eval_dataset: str | None = None
     """A JSONL file of held-out rows (a built-in task has its own; --steps 0 uses --dataset)."""
     prompt_key: str = "prompt"

@@ -133,6 +133,27 @@ def test_cp2_logits_grads_and_reported_losses_equal_one_process_for_every_mode(n
             assert mode["num_microbatches"] > 1 and mode["reduce_scatters"] == units, mode
 
 
+def test_cp2_episodes_grads_and_reported_losses_equal_one_process_for_every_mode(tiny_models,
+                                                                                tmp_path):
+    """Multi-turn responses (environment spans inside them, policy_mask 0 there) packed by the
+    trainer's own pack_microbatches (shared prompts, micro-batches of 16 tokens cutting through
+    groups), every mode: CP=2 on 2 ranks gives one process's gradients and reported terms. The
+    Ulysses split cuts episodes wherever the token count falls, env spans included."""
+    worker, models = _load_worker(), [tiny_models["gqa"]]
+    samples = worker.make_samples(32, episodes=True)
+    masks = [s.completion.policy_mask for s in samples]
+    assert any(0 in m[: len(m) - m[::-1].index(1)] for m in masks)  # interior environment spans
+    assert sum(m.count(0) for m in masks) > 10
+    ref, out = tmp_path / "ref.pt", tmp_path / "cp.pt"
+    worker.main(["--models", *models, "--cp", "1", "--episodes", "--out", str(ref)])
+    torchrun(2, "tests/support/cp_worker.py", "--models", *models, "--cp", "2", "--episodes",
+             "--out", str(out))
+    want, got = torch.load(ref)["models"], torch.load(out)["models"]
+    assert set(want["gqa"]["modes"]) == {"token_mean", "seq_mean", "prompt_mean", "constant"}
+    assert all(m["num_microbatches"] > 1 for m in got["gqa"]["modes"].values())
+    assert_matches_reference(got, want, "2 ranks, episodes")
+
+
 def test_query_heads_not_divisible_by_cp_size_is_a_startup_error(tiny_models):
     import nanoareal as na
     from cli import UserError

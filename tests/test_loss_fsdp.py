@@ -8,6 +8,7 @@ largest reference gradient.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import socket
@@ -114,7 +115,20 @@ def test_episodes_two_ranks_train_on_the_policys_tokens_only_equal_padded_refere
         assert r["reported"][term] == pytest.approx(value, rel=1e-5, abs=1e-7), term
     per_mb = r["samples_per_microbatch"]
     assert sum(n for counts in per_mb for n in counts if n > 0) == 15
-    assert max(len(c) for c in per_mb) > 2  # several micro-batches per rank: groups are cut
+    assert max(len(c) for c in per_mb) > 2  # several micro-batches per rank
+    assert cuts_a_group(per_mb)
+
+
+def cuts_a_group(per_mb: list[list[int]]) -> bool:
+    """Whether some micro-batch boundary falls between two episodes of one group (ranks hold
+    make_episodes' samples in order; a sequence itself is never split, so a boundary between a
+    group's episodes is as deep as a cut can go; padding micro-batches count 0)."""
+    groups, first, cut = [s["group"] for s in W.make_episodes()], 0, False
+    for counts in per_mb:
+        ends = list(itertools.accumulate(n for n in counts if n > 0))
+        cut |= any(groups[first + e - 1] == groups[first + e] for e in ends[:-1])
+        first += ends[-1]
+    return cut
 
 
 @pytest.mark.parametrize("mode", list(L.MODES))
@@ -141,3 +155,4 @@ def test_episodes_one_rank_train_on_the_policys_tokens_only_equal_padded_referen
     assert_grads_match(got["grads"], ref_grads)
     for term, value in ref_reported.items():
         assert got["reported"][term] == pytest.approx(value, rel=1e-5, abs=1e-7), term
+    assert cuts_a_group(got["samples_per_microbatch"])

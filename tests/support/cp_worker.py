@@ -7,7 +7,8 @@ to --out: the logits and log-probs of one fixed packed row, and per aggregation 
 for the first model, token_mean for the others) the full gradient of every parameter (taken where
 the optimizer would step), the reported loss terms and FSDP2's reduce-scatters in the step; and
 how many whole copies of a model each rank loaded (rank 0's, on the host, which others shard).
---checkpoint-layers: activation checkpointing of the decoder layers.
+--checkpoint-layers: activation checkpointing of the decoder layers. --episodes: multi-turn
+responses, environment spans inside (what the loss must leave out of every sum and count).
 """
 
 import argparse
@@ -34,9 +35,11 @@ ROW_IDS = [[3, 4, 5, 6, 7, 8, 9, 3, 4, 5, 6, 10, 11]]
 ROW_POS = [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 0, 1]]
 
 
-def make_samples(vocab: int) -> list:
+def make_samples(vocab: int, episodes: bool = False) -> list:
     """Groups of uneven sizes, prompts and responses of uneven lengths; one group of one; a
-    zero-advantage group."""
+    zero-advantage group. episodes: each response is 1-2 policy turns with an environment span
+    after the first (interior when a second follows) and maybe after the second, as
+    rollout.run_episodes makes them (policy_mask 0 and behaviour log-prob 0 there)."""
     rng = random.Random(0)
     samples = []
     for g, size in enumerate([3, 2, 3, 1, 3, 2]):
@@ -44,9 +47,14 @@ def make_samples(vocab: int) -> list:
         rewards = [float(rng.random() < 0.5) for _ in range(size)] if g != 4 else [1.0] * size
         adv = na.group_advantages(torch.tensor(rewards), torch.full((size,), g)).tolist()
         for k in range(size):
-            out = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 6))]
-            c = Completion(out, [-2.0 - rng.random() for _ in out], "stop")
-            samples.append(na.Sample(g, prompt, c, rewards[k], adv[k]))
+            mask = [m for turn in range(rng.randint(1, 2)) for m in [1] * rng.randint(1, 3)
+                    + [0] * rng.randint(1 - turn, 2)] if episodes else None
+            out = [rng.randrange(2, vocab) for _ in range(len(mask) if mask else rng.randint(1, 6))]
+            logprobs = [-2.0 - rng.random() for _ in out]
+            if mask:
+                logprobs = [lp if m else 0.0 for lp, m in zip(logprobs, mask)]
+            samples.append(na.Sample(g, prompt, Completion(out, logprobs, "stop", mask),
+                                     rewards[k], adv[k]))
     return samples
 
 
@@ -108,7 +116,8 @@ class CountReduceScatters:
         dist.reduce_scatter_single = self.real
 
 
-def run(cfg0, device, ranks, model_dir: str, dtype, modes: list[str]) -> dict:
+def run(cfg0, device, ranks, model_dir: str, dtype, modes: list[str], episodes: bool = False
+        ) -> dict:
     model = na.load_models(cfg0, device, ranks)[0]
     vocab = model.config.vocab_size
     pos = torch.tensor(ROW_POS[0])
@@ -119,7 +128,7 @@ def run(cfg0, device, ranks, model_dir: str, dtype, modes: list[str]) -> dict:
     result = {"logits": row_logits(model, model_dir, dtype, ranks), "logprobs": logprobs,
               "entropy": entropy,
               "modes": {}}
-    samples = make_samples(vocab)
+    samples = make_samples(vocab, episodes)
     # as main(): whole groups per DP rank
     groups = sorted({s.group for s in samples})[ranks.dp_rank :: ranks.dp_size]
     mine = [s for s in samples if s.group in groups]
@@ -144,6 +153,7 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--checkpoint-layers", action="store_true")
+    ap.add_argument("--episodes", action="store_true", help="responses with environment spans")
     args = ap.parse_args(argv)
     na.CHECKPOINT_LAYERS = args.checkpoint_layers
     dtype = getattr(torch, args.dtype)
@@ -159,7 +169,7 @@ def main(argv=None):
         lambda cls, *a, **k: loads.append(a[0]) or real(cls, *a, **k))
     # every aggregation mode on the first model; the others (e.g. KV-head replication) need only one
     results = {os.path.basename(m): run(replace(cfg, model=m), device, ranks, m, dtype,
-                                        MODES if i == 0 else MODES[:1])
+                                        MODES if i == 0 else MODES[:1], args.episodes)
                for i, m in enumerate(args.models)}
     if own is None:
         del AutoModelForCausalLM.from_pretrained
