@@ -9,11 +9,11 @@ An argument is a study directory (its runs, grouped by the variants of its study
 of run directories, one run directory (grouped with the others of its name less a trailing
 -s<seed>), or NAME=DIR,DIR,... Writes to --out (default: the one study directory given, else
 ./compare): eval.png (every eval/* metric), train.png (reward, response length, of correct and
-of incorrect responses, share cut at --max-new-tokens, the reward's own reward/* shares; trailing
-means), offpolicy.png when rollouts were stale (the log-prob gap, the importance weights' mean and
-max, the share a correction capped or masked) and compare.md, the table, also printed: final
-held-out metrics, training metrics averaged over the last steps, steps reached and wall time per
-run (from study.json).
+of incorrect responses, share cut at --max-new-tokens, tool calls per episode with --env, the
+reward's own reward/* shares; trailing means), offpolicy.png when rollouts were stale (the
+log-prob gap, the importance weights' mean and max, the share a correction capped or masked) and
+compare.md, the table, also printed: final held-out metrics, training metrics averaged over the
+last steps, steps reached and wall time per run (from study.json).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ WINDOW = 10  # last steps averaged for the table's training metrics
 SMOOTH = 5  # trailing steps averaged in train.png: per-step training metrics are noisy
 LEGEND_INSIDE = 6  # more variants than this: the legend beside the figure, not over a panel
 TRAIN_KEYS = ("reward", "response_len", "response_len/correct", "response_len/incorrect",
-              "truncated_frac")
+              "truncated_frac", "env/tool_calls")  # each where some run logs it (--env: tools)
 # plotted (offpolicy.png) and tabled when some run trains on stale rollouts (--max-staleness)
 OFFPOLICY_KEYS = ("logprob_mismatch", "importance_weight/mean", "importance_weight/max",
                   "policy/behave_capped_frac")

@@ -116,18 +116,18 @@ def test_builder_replays_its_first_sft_steps(split):
     assert tok.get_vocab() == INFO["vocab"]
     model = make_calc_model.build_model(tok)
     steps = make_calc_model.sft_steps(model, tok, split[0], args)
-    losses = [next(steps) for _ in INFO["first_losses"]]
-    assert losses == pytest.approx(INFO["first_losses"], abs=1e-4)
+    losses = [next(steps) for _ in range(4)]  # 4 of the 10 recorded: a recipe change shows
+    assert losses == pytest.approx(INFO["first_losses"][:4], abs=1e-4)
 
 
-def test_builder_runs_end_to_end_in_a_tiny_config(tmp_path):
+def test_builder_runs_end_to_end_in_a_tiny_config(tmp_path, monkeypatch, split):
     """The whole script (SFT, the evaluations through run_episodes, save, build_info, README) with
-    a stop rule that holds at the first evaluation."""
-    cmd = [sys.executable, str(ROOT / "scripts" / "make_calc_model.py"), "--out", str(tmp_path),
-           "--batch-size", "16", "--eval-every", "2", "--min-call-acc", "0", "--min-acc", "0"]
-    proc = warm.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                    capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    a stop rule that holds at the first evaluation, on 16 held-out prompts."""
+    monkeypatch.setattr(make_calc_model, "make_calc_task", lambda seed: (split[0], split[1][:16]))
+    monkeypatch.setattr(sys, "argv", ["make_calc_model.py", "--out", str(tmp_path), "--batch-size",
+                                      "16", "--eval-every", "2", "--min-call-acc", "0",
+                                      "--min-acc", "0"])
+    make_calc_model.main()
     info = json.loads((tmp_path / "build_info.json").read_text())
     assert info["sft_steps"] == 2 and set(info["heldout"]) >= {"greedy", "sampled_tool"}
     assert "| greedy, calculator |" in (tmp_path / "README.md").read_text()
