@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import itertools
@@ -118,10 +119,20 @@ def shared_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 # -----------------------------------------------------------------------------
 # Counter-based noise: a sample depends on (seed, position), never on batch, rank or world size.
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's fmix32 on ints or int64 tensors in [0, 2^32) (an overflow keeps low bits)."""
+    """MurmurHash3's fmix32 on ints or int64 tensors in [0, 2^32) (an overflow keeps low bits);
+    a tensor is hashed in place (no [B, V] temporaries per operation)."""
     for shift, mul in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
-        h = ((h ^ (h >> shift)) * mul) & _MASK32
-    return h ^ (h >> 16)
+        h ^= h >> shift
+        h *= mul
+        h &= _MASK32
+    h ^= h >> 16
+    return h
+
+
+@functools.cache
+def _token_keys(vocab: int, device: torch.device) -> torch.Tensor:
+    """Each token id's hash constant, built once per vocabulary, not at every sampled position."""
+    return torch.arange(vocab, device=device) * 0x632BE5AB & _MASK32
 
 
 def mix_seed(*parts: int) -> int:
@@ -149,10 +160,9 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.T
         truncated = truncated.masked_fill(drop.scatter(-1, order, drop), float("-inf"))  # unsorted
     seeds = seeds.to(device=logits.device, dtype=torch.int64)
     key = _fmix32(seeds ^ ((position * 0x9E3779B1 + 0x7F4A7C15) & _MASK32))
-    token = torch.arange(logits.shape[-1], device=seeds.device) * 0x632BE5AB & _MASK32
-    h = _fmix32(_fmix32(key[:, None] ^ token[None, :]) ^ 0x5BD1E995)
-    gumbel = -torch.log(-torch.log((h.to(torch.float64) + 0.5) / 2**32))
-    return pick(scaled, (truncated.double() + gumbel).argmax(-1))
+    h = _fmix32(_fmix32(key[:, None] ^ _token_keys(logits.shape[-1], seeds.device)) ^ 0x5BD1E995)
+    gumbel = h.double().add_(0.5).div_(2**32).log_().neg_().log_().neg_()  # in place: one [B, V]
+    return pick(scaled, gumbel.add_(truncated).argmax(-1))
 
 
 # -----------------------------------------------------------------------------
@@ -205,16 +215,16 @@ class HFEngine(Engine):
                                                  [seeds[i] for i in idx]))
         return [out[i] for i in range(len(prompt_ids))]
 
+    @torch.inference_mode()  # no autograd bookkeeping (version counters) on the decode's tensors
     def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int]):
-        from transformers import DynamicCache
         unique: dict[tuple[int, ...], int] = {}  # a distinct prompt (a group's) is prefilled once
         rows = torch.tensor([unique.setdefault(tuple(p), len(unique)) for p in prompts])
-        B, L = len(prompts), max(len(p) for p in prompts)
+        B, L, T = len(prompts), max(len(p) for p in prompts), sampling.max_new_tokens
         pad = lambda p: [0] * (L - len(p)) + list(p)  # left: every row's next token in one column
         input_ids = torch.tensor([pad(p) for p in unique], device=self.device)
         attention = torch.tensor([pad([1] * len(p)) for p in unique], device=self.device)
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-        seed_t, cache = torch.tensor(seeds, dtype=torch.int64), DynamicCache()
+        seed_t, cache = torch.tensor(seeds, dtype=torch.int64), kv_cache(L + T)
         stop = torch.tensor(sampling.stop_token_ids or [-1], device=self.device)
         body, head = self.model.base_model, self.model.get_output_embeddings()
         params = inspect.signature(body.forward).parameters  # 5.2x: past_key_values -> cache
@@ -227,10 +237,11 @@ class HFEngine(Engine):
             logits = modeling.HeadLogits.apply(hidden, head.weight, getattr(head, "bias", None))
             logits = logits * scale
             return logits if softcap is None else softcap * torch.tanh(logits / softcap)
-        logits = forward(input_ids, attention, position_ids)
+        padded = len({len(p) for p in unique}) > 1  # else no mask: transformers drops all-ones
+        logits = forward(input_ids, attention if padded else None, position_ids)
         cache.reorder_cache(rows)  # [unique prompts] -> [rows]
-        logits, attention, step_pos = logits[rows], attention[rows], position_ids[rows, -1:]
-        live, T = torch.arange(B), sampling.max_new_tokens  # live rows' original rows
+        attention = torch.cat([attention, attention.new_ones(len(unique), T)], 1)[rows]
+        logits, step_pos, live = logits[rows], position_ids[rows, -1:], torch.arange(B)
         tokens, logps = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.float32)
         for t in range(T):
             tok, lp = sample_tokens(logits, sampling, seed_t[live], t)
@@ -245,12 +256,48 @@ class HFEngine(Engine):
                 live, tok = live[keep.cpu()], tok[keep]
                 attention, step_pos = attention[keep], step_pos[keep]
             step_pos = step_pos + 1
-            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
-            logits = forward(tok[:, None], attention, step_pos)
+            logits = forward(tok[:, None], attention[:, : L + t + 1] if padded else None, step_pos)
         stops, rows = set(sampling.stop_token_ids), tokens.tolist()
         ends = [next((j + 1 for j, t in enumerate(r) if t in stops), len(r)) for r in rows]
         return [Completion(r[:n], lps[:n], "stop" if set(r[n - 1 : n]) & stops else "length")
                 for r, lps, n in zip(rows, logps.tolist(), ends)]
+
+
+def kv_cache(capacity: int):
+    """transformers' DynamicCache whose layers write each token into storage of `capacity`
+    positions and return views, where DynamicLayer grows by torch.cat (O(L) copied per token,
+    O(L^2) per sequence); rows that leave the batch are compacted in place."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class Layer(DynamicLayer):  # 4.56-5.x: keys/values [B, H, L, D] are what mask code reads
+        store: tuple[torch.Tensor, torch.Tensor] | None = None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            n, new = self.get_seq_length(), key_states.shape[-2]
+            if self.store is None or self.keys.data_ptr() != self.store[0].data_ptr():
+                self.store = tuple(x.new_empty(*x.shape[:2], max(capacity, n + new), x.shape[-1])
+                                   for x in (key_states, value_states))
+                if n:  # after reorder_cache's copy (the prompts' expansion to their rows)
+                    self.store[0][:, :, :n], self.store[1][:, :, :n] = self.keys, self.values
+            self.is_initialized, self.device = True, key_states.device
+            for s, x in zip(self.store, (key_states, value_states)):
+                s[: len(x), :, n : n + new] = x
+            self.keys, self.values = (s[: len(key_states), :, : n + new] for s in self.store)
+            return self.keys, self.values
+
+        def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+            n, b = self.get_seq_length(), len(beam_idx)
+            if self.store is None or b > self.store[0].shape[0]:
+                return super().reorder_cache(beam_idx)
+            for s in self.store:  # rows leaving: gathered first, then written over the front
+                s[:b, :, :n] = s[beam_idx.to(s.device), :, :n]
+            self.keys, self.values = (s[:b, :, :n] for s in self.store)
+
+    cache = DynamicCache()
+    assert cache.layer_class_to_replicate is DynamicLayer, "transformers changed DynamicCache"
+    cache.layer_class_to_replicate = Layer
+    return cache
 
 
 # -----------------------------------------------------------------------------
