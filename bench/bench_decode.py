@@ -162,6 +162,7 @@ def main():
         for _ in range(args.reps):
             for name, engine in engines.items():
                 times[name].append(decode_time(engine, rows, n))
+                print(f"  {n} tokens, {name}: {times[name][-1]:.2f} s", file=sys.stderr, flush=True)
         mm, attn, per_token = allowed(model, len(rows), args.prompt_len + n / 2)
         pre = allowed(model, args.prompts * args.prompt_len, args.prompt_len / 2)
         mm, attn, per_token = mm + pre[0] / n, attn + pre[1] / n, per_token + pre[2] / n
