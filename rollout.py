@@ -118,10 +118,13 @@ def shared_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 # -----------------------------------------------------------------------------
 # Counter-based noise: a sample depends on (seed, position), never on batch, rank or world size.
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's fmix32 on ints or int64 tensors in [0, 2^32) (an overflow keeps low bits)."""
+    """MurmurHash3's fmix32 on ints or int64 tensors in [0, 2^32), a tensor in place."""
     for shift, mul in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
-        h = ((h ^ (h >> shift)) * mul) & _MASK32
-    return h ^ (h >> 16)
+        h ^= h >> shift
+        h *= mul
+        h &= _MASK32
+    h ^= h >> 16
+    return h
 
 
 def mix_seed(*parts: int) -> int:
@@ -149,10 +152,10 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.T
         truncated = truncated.masked_fill(drop.scatter(-1, order, drop), float("-inf"))  # unsorted
     seeds = seeds.to(device=logits.device, dtype=torch.int64)
     key = _fmix32(seeds ^ ((position * 0x9E3779B1 + 0x7F4A7C15) & _MASK32))
-    token = torch.arange(logits.shape[-1], device=seeds.device) * 0x632BE5AB & _MASK32
+    token = torch.arange(logits.shape[-1], device=seeds.device) * 0x632BE5AB & _MASK32  # [V]
     h = _fmix32(_fmix32(key[:, None] ^ token[None, :]) ^ 0x5BD1E995)
-    gumbel = -torch.log(-torch.log((h.to(torch.float64) + 0.5) / 2**32))
-    return pick(scaled, (truncated.double() + gumbel).argmax(-1))
+    minus_gumbel = h.double().add_(0.5).div_(2**32).log_().neg_().log_()  # in place: one [B, V]
+    return pick(scaled, (truncated - minus_gumbel).argmax(-1))  # = truncated + Gumbel, exactly
 
 
 # -----------------------------------------------------------------------------
@@ -205,16 +208,16 @@ class HFEngine(Engine):
                                                  [seeds[i] for i in idx]))
         return [out[i] for i in range(len(prompt_ids))]
 
+    @torch.inference_mode()  # no autograd bookkeeping (version counters) on the decode's tensors
     def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int]):
-        from transformers import DynamicCache
         unique: dict[tuple[int, ...], int] = {}  # a distinct prompt (a group's) is prefilled once
         rows = torch.tensor([unique.setdefault(tuple(p), len(unique)) for p in prompts])
-        B, L = len(prompts), max(len(p) for p in prompts)
+        B, L, T = len(prompts), max(len(p) for p in prompts), sampling.max_new_tokens
         pad = lambda p: [0] * (L - len(p)) + list(p)  # left: every row's next token in one column
         input_ids = torch.tensor([pad(p) for p in unique], device=self.device)
-        attention = torch.tensor([pad([1] * len(p)) for p in unique], device=self.device)
-        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-        seed_t, cache = torch.tensor(seeds, dtype=torch.int64), DynamicCache()
+        attention = torch.tensor([pad([1] * len(p)) + [1] * T for p in unique], device=self.device)
+        position_ids = (attention[:, :L].cumsum(-1) - 1).clamp(min=0)  # attention: L + T columns
+        seed_t, cache, live = torch.tensor(seeds), kv_cache(L + T), torch.arange(B)  # int64 seeds
         stop = torch.tensor(sampling.stop_token_ids or [-1], device=self.device)
         body, head = self.model.base_model, self.model.get_output_embeddings()
         params = inspect.signature(body.forward).parameters  # 5.2x: past_key_values -> cache
@@ -227,10 +230,9 @@ class HFEngine(Engine):
             logits = modeling.HeadLogits.apply(hidden, head.weight, getattr(head, "bias", None))
             logits = logits * scale
             return logits if softcap is None else softcap * torch.tanh(logits / softcap)
-        logits = forward(input_ids, attention, position_ids)
+        logits = forward(input_ids, attention[:, :L], position_ids)
         cache.reorder_cache(rows)  # [unique prompts] -> [rows]
         logits, attention, step_pos = logits[rows], attention[rows], position_ids[rows, -1:]
-        live, T = torch.arange(B), sampling.max_new_tokens  # live rows' original rows
         tokens, logps = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.float32)
         for t in range(T):
             tok, lp = sample_tokens(logits, sampling, seed_t[live], t)
@@ -245,12 +247,40 @@ class HFEngine(Engine):
                 live, tok = live[keep.cpu()], tok[keep]
                 attention, step_pos = attention[keep], step_pos[keep]
             step_pos = step_pos + 1
-            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
-            logits = forward(tok[:, None], attention, step_pos)
+            logits = forward(tok[:, None], attention[:, : L + t + 1], step_pos)
         stops, rows = set(sampling.stop_token_ids), tokens.tolist()
         ends = [next((j + 1 for j, t in enumerate(r) if t in stops), len(r)) for r in rows]
         return [Completion(r[:n], lps[:n], "stop" if set(r[n - 1 : n]) & stops else "length")
                 for r, lps, n in zip(rows, logps.tolist(), ends)]
+
+
+def kv_cache(capacity: int):
+    """transformers' DynamicCache whose layers, from the first reorder_cache (prompts -> rows),
+    write each token into storage of `capacity` positions and return views, not torch.cat's copy."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+    class Layer(DynamicLayer):  # 4.56-5.x: keys/values [B, H, L, D] are what mask code reads
+        def update(self, key_states, value_states, *args, **kwargs):
+            n, new, b = self.get_seq_length(), key_states.shape[-2], len(key_states)
+            self.is_initialized, self.device = True, key_states.device
+            if n:  # past the prompts (kept as they come): into the storage reorder_cache made
+                for s, x in zip(self.store, (key_states, value_states)):
+                    s[:b, :, n : n + new] = x
+                key_states, value_states = (s[:b, :, : n + new] for s in self.store)
+            self.keys, self.values = key_states, value_states
+            return key_states, value_states
+
+        def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+            n, b, old = self.get_seq_length(), len(beam_idx), (self.keys, self.values)
+            self.store = getattr(self, "store", None) or tuple(
+                x.new_empty(b, x.shape[1], capacity, x.shape[-1]) for x in old)
+            for s, x in zip(self.store, old):  # rows leaving: gathered (a copy), then written over
+                s[:b, :, :n] = x[beam_idx.to(x.device)]
+            self.keys, self.values = (s[:b, :, :n] for s in self.store)
+
+    cache = DynamicCache()  # 4.56-5.x: a layer_class_to_replicate() made per layer at its update
+    cache.layer_class_to_replicate = Layer
+    return cache
 
 
 # -----------------------------------------------------------------------------

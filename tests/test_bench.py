@@ -97,3 +97,9 @@ def test_bench_memory_prints_its_table():
                     "--heads", "4", "--kv-heads", "2", "--vocab", "512", "--tokens", "256")
     assert "| positions | checkpointing | measured peak (GiB) | plan (GiB) |" in out, out
     assert "| on |" in out and "| off |" in out, out
+
+
+def test_bench_decode_prints_this_engine_the_baseline_and_hf_generate():
+    out = run_bench("bench_decode.py", "--new-tokens", "4", "--reps", "1", "--num-layers", "1",
+                    "--vocab", "512", "--threads", "1", "--prompt-len", "8")
+    assert "| 4 | nanoareal (this) |" in out and "| 4 | HF generate |" in out and "allowed" in out
