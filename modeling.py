@@ -33,6 +33,9 @@ HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", Fa
 # LoRA: alpha fixed (alpha/r shrinks as r grows: one lr suits every rank; with Adam alpha and lr are
 # one knob); every linear layer of the decoder, never the head (read as head.weight: bypassed)
 LORA_ALPHA, LORA_TARGETS = 32, "all-linear"
+# the head: positions whose fp32 logits exist at once (1024 x 150k: 0.6 GB), and rows per
+# elementwise pass over them (16 x 150k fp32, 10 MB, stays in a CPU's cache across the passes)
+HEAD_CHUNK, HEAD_ROWS = 1024, 16
 
 # -----------------------------------------------------------------------------
 # attention layouts and kernels
@@ -387,7 +390,7 @@ def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermedi
                 tied: bool = False, master_bytes: int = 4, frozen_bytes: int | None = None,
                 compute_bytes: int = 2, engine_generating: float = 0.0,
                 engine_training: float = 0.0, grads_unsharded: bool = False,
-                chunk: int = 1024) -> dict[str, float]:
+                chunk: int = HEAD_CHUNK) -> dict[str, float]:
     """Peak bytes per rank of one training step of a decoder LM sharded by FSDP2 over `world`
     ranks, by part, and "total". `params` all parameters, `trainable` those with gradients and
     AdamW state (fp32: `master_bytes`), the rest frozen in `frozen_bytes` (LoRA's base); `tokens`
@@ -407,7 +410,8 @@ def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermedi
             "grads": trainable * master_bytes * (1 / world + grads_unsharded),
             "adamw": 2 * trainable * master_bytes / world,
             "activations": saved + layer * (2 if checkpointing else 1),
-            "head": 4 * 4 * min(chunk, tokens) * vocab,  # fp32 logits, softmax, their grads
+            "head": (max(4, compute_bytes) + compute_bytes % 4) * min(chunk, tokens) * vocab,
+            # fp32 logits, overwritten by their gradient (HeadLogprobs); a half copy for the GEMMs
             "gathered": 2 * compute_bytes * (2 * (params - root) / layers + root)}
     plan["engine"] = max(engine_generating, engine_training)
     resident = plan["weights"] + plan["adamw"]
@@ -477,42 +481,106 @@ def head_transform(config) -> tuple[float, float | None]:
 
 
 def policy_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0,
-                    chunk: int = 1024, segments: torch.Tensor | None = None,
+                    chunk: int = HEAD_CHUNK, segments: torch.Tensor | None = None,
                     layout: dict | None = None, entropy_grad: bool = True):
     """log pi(target_t | prefix) and the entropy at every position of a packed row -> ([T], [T]).
     `segments` (default: a sequence per run of positions from 0) or, under CP, the row's `layout`.
-    fp32 logits of a 150k vocabulary exist `chunk` tokens at a time (recomputed in backward).
-    Without `entropy_grad` the entropy is a metric: no graph, not recomputed in backward."""
+    The head is HeadLogprobs: fp32 logits `chunk` positions at a time, recomputed in backward.
+    Without `entropy_grad` the entropy is a metric: no graph."""
     if layout is None:
         segments = segments_from_positions(position_ids.cpu()) if segments is None else segments
         layout = attention_layout(segments, input_ids.shape[-1], input_ids.device,
                                   kernel=getattr(model, "attention_kernel", None))
     hidden = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                               layout=layout).last_hidden_state[0]
-    head, (scale, softcap) = model.get_output_embeddings(), head_transform(model.config)
-    out = [torch.utils.checkpoint.checkpoint(chunk_logprobs, hidden[i : i + chunk], head.weight,
-                                             getattr(head, "bias", None), targets[i : i + chunk],
-                                             temperature, scale, softcap, entropy_grad,
-                                             use_reentrant=False)
-           for i in range(0, hidden.shape[0], chunk)]
-    return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
+    head = model.get_output_embeddings()
+    return HeadLogprobs.apply(hidden, head.weight, getattr(head, "bias", None), targets,
+                              temperature, *head_transform(model.config), entropy_grad, chunk)
 
 
-def chunk_logprobs(hidden, weight, bias, targets, temperature: float = 1.0, scale: float = 1.0,
-                   softcap: float | None = None, entropy_grad: bool = True):
-    """Log-probs of `targets` and entropies [n] from hidden states [n, d] and the head, in fp32 at
-    least: bf16 logits would err by ~0.06 at a logit of 20, more than the ratio clip tolerates."""
-    logits = HeadLogits.apply(hidden, weight, bias)
-    if scale != 1.0:
-        logits = logits * scale
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    logits = logits / temperature
-    logz = torch.logsumexp(logits, -1)
-    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
-    # the entropy last: backward's rerun of this chunk stops once logz's inputs are back
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        return logprobs, logz - (torch.softmax(logits, -1) * logits).sum(-1)
+class HeadLogprobs(torch.autograd.Function):
+    """(log p_t(y_t), H_t) [T] from hidden [T, d] and the head: x = softcap(scale (hW^T + b)) / T
+    in fp32 at least (HeadLogits' GEMMs: bf16 logits err by ~0.06 at 20, more than the ratio clip
+    tolerates), log p = log_softmax(x), H = -sum_v p_v log p_v. Nothing [T, V] is saved: backward
+    recomputes `chunk` rows of x into one buffer, overwrites them with d/dx = g_lp (onehot(y) - p)
+    - g_H p (log p + H) times dx/d(hW^T + b) = scale / T (1 - tanh^2 under a softcap), then the
+    two GEMMs: exact to float rounding, one GEMM more than forward + backward (as checkpointing).
+    Elementwise passes go HEAD_ROWS rows at a time (in cache). Without `entropy_grad`, H is a
+    metric (no gradient)."""
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, entropy_grad,
+                chunk):
+        ctx.set_materialize_grads(False)
+        ctx.args, ctx.chunk = (temperature, scale, softcap), chunk
+        up = torch.promote_types(hidden.dtype, torch.float32)
+        lp_out, entropy = torch.empty(2, len(hidden), dtype=up, device=hidden.device).unbind()
+        for rows, x in _head_blocks(hidden, weight, bias, chunk):
+            _transform_logits(x, *ctx.args)
+            lp = torch.log_softmax(x, -1)
+            lp_out[rows] = lp.gather(-1, targets[rows, None])[:, 0]
+            entropy[rows] = -torch.linalg.vecdot(torch.exp(lp, out=x), lp)
+        ctx.save_for_backward(hidden, weight, bias, targets, entropy if entropy_grad else None)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return lp_out, entropy
+
+    @staticmethod
+    def backward(ctx, g_lp, g_h):
+        hidden, weight, bias, targets, entropy = ctx.saved_tensors
+        (temperature, scale, softcap), need = ctx.args, ctx.needs_input_grad
+        g_lp, g_h = (g * (scale / temperature) if g is not None else None for g in (g_lp, g_h))
+        grads = [torch.empty_like(hidden) if need[0] else None, torch.zeros_like(weight) if
+                 need[1] else None, bias.new_zeros(bias.shape, dtype=torch.promote_types(
+                     bias.dtype, torch.float32)) if need[2] else None]
+        for rows, x in _head_blocks(hidden, weight, bias, ctx.chunk, grads):
+            tanh = _transform_logits(x, temperature, scale, softcap, keep_tanh=True)
+            lp = torch.log_softmax(x, -1)
+            p = torch.exp(lp, out=x)  # the logits' gradient goes over them
+            if g_h is not None:  # what -p multiplies: g_lp + g_H (log p + H)
+                c = lp.add_(entropy[rows, None]).mul_(g_h[rows, None])
+                p.mul_(c if g_lp is None else c.add_(g_lp[rows, None])).neg_()
+            else:
+                p.mul_(-g_lp[rows, None])
+            if g_lp is not None:
+                p.scatter_add_(-1, targets[rows, None], g_lp[rows, None])
+            if tanh is not None:
+                p.mul_(tanh.square_().neg_().add_(1))
+        return grads[0], grads[1], grads[2] if grads[2] is None else grads[2].to(bias.dtype), \
+            *[None] * 6
+
+
+def _transform_logits(x, temperature: float, scale: float, softcap: float | None,
+                      keep_tanh: bool = False) -> torch.Tensor | None:
+    """hW^T + b -> the head's logits in place: the model's scale and softcap, then / T; returns the
+    softcap's tanh if `keep_tanh` (its derivative is 1 - tanh^2)."""
+    tanh = x.mul_(scale).div_(softcap).tanh_() if softcap else x.mul_(scale)
+    tanh = tanh.clone() if keep_tanh and softcap else None
+    (x.mul_(softcap) if softcap else x).div_(temperature)
+    return tanh
+
+
+def _head_blocks(hidden, weight, bias, chunk: int, grads: list | None = None):
+    """(rows, its block of z = hW^T + b) HEAD_ROWS rows at a time, z fp32 at least and made `chunk`
+    rows at a time into one buffer (a fresh [chunk, V] would be mapped and faulted in each time).
+    `grads` [hidden, weight, bias]: once the caller has overwritten a chunk by d/dz, the GEMMs and
+    sums add it in: grad_hidden summed over V in fp32; grad_weight in the weight's dtype, fp32 and
+    fp64 in place (no [V, d] temporary)."""
+    up, buf = torch.promote_types(hidden.dtype, torch.float32), None
+    for i in range(0, len(hidden), chunk):
+        h = hidden[i : i + chunk]
+        z = _mm(h, weight.t(), up, out=None if buf is None else buf[: len(h)])
+        buf = z if buf is None else buf
+        if bias is not None:
+            z.add_(bias)
+        for j in range(0, len(h), HEAD_ROWS):
+            yield slice(i + j, i + min(j + HEAD_ROWS, len(h))), z[j : j + HEAD_ROWS]
+        g = z.to(hidden.dtype) if grads else None
+        if grads and grads[0] is not None:
+            grads[0][i : i + len(h)] = _mm(g, weight, up)
+        if grads and grads[1] is not None:
+            grads[1].addmm_(g.t(), h) if g.dtype == up else grads[1].add_(_mm(g.t(), h, g.dtype))
+        if grads and grads[2] is not None:
+            grads[2].add_(z.sum(0))
 
 
 @functools.cache
@@ -528,11 +596,15 @@ def mm_out_dtype_runs(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a @ b accumulated in fp32 at least, as out_dtype: a half GEMM where it runs, else upcast."""
+def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype,
+        out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b accumulated in fp32 at least, as out_dtype: a half GEMM where it runs, else upcast;
+    into `out` where no cast is needed (fp32/64)."""
     if a.dtype == b.dtype and mm_out_dtype_runs(a.device, a.dtype):
         return torch.mm(a, b, out_dtype=out_dtype)
     up = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    if out is not None and a.dtype == b.dtype == out_dtype == up:
+        return torch.mm(a, b, out=out)
     return (a.to(up) @ b.to(up)).to(out_dtype)
 
 
