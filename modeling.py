@@ -33,9 +33,7 @@ HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", Fa
 # LoRA: alpha fixed (alpha/r shrinks as r grows: one lr suits every rank; with Adam alpha and lr are
 # one knob); every linear layer of the decoder, never the head (read as head.weight: bypassed)
 LORA_ALPHA, LORA_TARGETS = 32, "all-linear"
-# the head: positions whose fp32 logits exist at once (1024 x 150k: 0.6 GB), and rows per
-# elementwise pass over them (16 x 150k fp32, 10 MB, stays in a CPU's cache across the passes)
-HEAD_CHUNK, HEAD_ROWS = 1024, 16
+HEAD_CHUNK, HEAD_ROWS = 1024, 16  # the head: rows of fp32 logits at once; per in-cache pass
 
 # -----------------------------------------------------------------------------
 # attention layouts and kernels
@@ -403,15 +401,13 @@ def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermedi
     `engine_training` while the trainer trains; "total" is the larger of the two phases."""
     frozen_bytes = master_bytes if frozen_bytes is None else frozen_bytes
     root = vocab * hidden * (1 if tied else 2)
-    per_token_layer = 8 * hidden + compute_bytes * (5 * hidden + 2 * kv_dim + 4 * intermediate)
-    layer = tokens * per_token_layer
+    layer = tokens * (8 * hidden + compute_bytes * (5 * hidden + 2 * kv_dim + 4 * intermediate))
     saved = layers * tokens * hidden * compute_bytes if checkpointing else layers * layer
     plan = {"weights": (trainable * master_bytes + (params - trainable) * frozen_bytes) / world,
             "grads": trainable * master_bytes * (1 / world + grads_unsharded),
             "adamw": 2 * trainable * master_bytes / world,
             "activations": saved + layer * (2 if checkpointing else 1),
             "head": (max(4, compute_bytes) + compute_bytes % 4) * min(chunk, tokens) * vocab,
-            # fp32 logits, overwritten by their gradient (HeadLogprobs); a half copy for the GEMMs
             "gathered": 2 * compute_bytes * (2 * (params - root) / layers + root)}
     plan["engine"] = max(engine_generating, engine_training)
     resident = plan["weights"] + plan["adamw"]
@@ -485,7 +481,6 @@ def policy_logprobs(model, input_ids, position_ids, targets, temperature: float 
                     layout: dict | None = None, entropy_grad: bool = True):
     """log pi(target_t | prefix) and the entropy at every position of a packed row -> ([T], [T]).
     `segments` (default: a sequence per run of positions from 0) or, under CP, the row's `layout`.
-    The head is HeadLogprobs: fp32 logits `chunk` positions at a time, recomputed in backward.
     Without `entropy_grad` the entropy is a metric: no graph."""
     if layout is None:
         segments = segments_from_positions(position_ids.cpu()) if segments is None else segments
@@ -495,85 +490,65 @@ def policy_logprobs(model, input_ids, position_ids, targets, temperature: float 
                               layout=layout).last_hidden_state[0]
     head = model.get_output_embeddings()
     return HeadLogprobs.apply(hidden, head.weight, getattr(head, "bias", None), targets,
-                              temperature, *head_transform(model.config), entropy_grad, chunk)
+                              temperature, *head_transform(model.config), chunk, entropy_grad)
 
 
 class HeadLogprobs(torch.autograd.Function):
     """(log p_t(y_t), H_t) [T] from hidden [T, d] and the head: x = softcap(scale (hW^T + b)) / T
-    in fp32 at least (HeadLogits' GEMMs: bf16 logits err by ~0.06 at 20, more than the ratio clip
-    tolerates), log p = log_softmax(x), H = -sum_v p_v log p_v. Nothing [T, V] is saved: backward
-    recomputes `chunk` rows of x into one buffer, overwrites them with d/dx = g_lp (onehot(y) - p)
-    - g_H p (log p + H) times dx/d(hW^T + b) = scale / T (1 - tanh^2 under a softcap), then the
-    two GEMMs: exact to float rounding, one GEMM more than forward + backward (as checkpointing).
-    Elementwise passes go HEAD_ROWS rows at a time (in cache). Without `entropy_grad`, H is a
-    metric (no gradient)."""
+    in fp32 at least (bf16 logits err by ~0.06 at 20, more than the ratio clip tolerates), log p =
+    log_softmax(x), H = -sum_v p_v log p_v. Nothing [T, V] is saved: backward recomputes x and
+    overwrites it by d/dx = g_lp (onehot(y) - p) - g_H p (log p + H) times scale / T (1 - tanh^2
+    under a softcap) for the two GEMMs. Exact to float rounding. Without `h_grad`: no d/dH."""
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, entropy_grad,
-                chunk):
+    def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, chunk, h_grad):
         ctx.set_materialize_grads(False)
-        ctx.args, ctx.chunk = (temperature, scale, softcap), chunk
+        ctx.args = temperature, scale, softcap, chunk
         up = torch.promote_types(hidden.dtype, torch.float32)
-        lp_out, entropy = torch.empty(2, len(hidden), dtype=up, device=hidden.device).unbind()
-        for rows, x in _head_blocks(hidden, weight, bias, chunk):
-            _transform_logits(x, *ctx.args)
+        lp_out, entropy = (hidden.new_empty(len(hidden), dtype=up) for _ in range(2))
+        for rows, x in _head_blocks(hidden, weight, bias, *ctx.args):
             lp = torch.log_softmax(x, -1)
             lp_out[rows] = lp.gather(-1, targets[rows, None])[:, 0]
             entropy[rows] = -torch.linalg.vecdot(torch.exp(lp, out=x), lp)
-        ctx.save_for_backward(hidden, weight, bias, targets, entropy if entropy_grad else None)
-        if not entropy_grad:
-            ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, entropy if h_grad else None)
+        ctx.mark_non_differentiable(*[] if h_grad else [entropy])
         return lp_out, entropy
 
     @staticmethod
     def backward(ctx, g_lp, g_h):
         hidden, weight, bias, targets, entropy = ctx.saved_tensors
-        (temperature, scale, softcap), need = ctx.args, ctx.needs_input_grad
-        g_lp, g_h = (g * (scale / temperature) if g is not None else None for g in (g_lp, g_h))
-        grads = [torch.empty_like(hidden) if need[0] else None, torch.zeros_like(weight) if
-                 need[1] else None, bias.new_zeros(bias.shape, dtype=torch.promote_types(
-                     bias.dtype, torch.float32)) if need[2] else None]
-        for rows, x in _head_blocks(hidden, weight, bias, ctx.chunk, grads):
-            tanh = _transform_logits(x, temperature, scale, softcap, keep_tanh=True)
+        (temperature, scale, softcap, _), need = ctx.args, ctx.needs_input_grad
+        g_lp, g_h = (None if g is None else g * (scale / temperature) for g in (g_lp, g_h))
+        grads = [torch.zeros_like(x) if n else None for x, n in zip((hidden, weight, bias), need)]
+        for rows, x in _head_blocks(hidden, weight, bias, *ctx.args, grads):
+            cap = (x * (temperature / softcap)).square_().neg_().add_(1) if softcap else 1.0
             lp = torch.log_softmax(x, -1)
-            p = torch.exp(lp, out=x)  # the logits' gradient goes over them
-            if g_h is not None:  # what -p multiplies: g_lp + g_H (log p + H)
-                c = lp.add_(entropy[rows, None]).mul_(g_h[rows, None])
-                p.mul_(c if g_lp is None else c.add_(g_lp[rows, None])).neg_()
-            else:
-                p.mul_(-g_lp[rows, None])
+            p = torch.exp(lp, out=x)  # d/dx over x: -p (g_lp + g_H (log p + H)), + g_lp at y
+            k = 0 if g_h is None else lp.add_(entropy[rows, None]).mul_(g_h[rows, None])
+            p.mul_(k if g_lp is None else k + g_lp[rows, None]).neg_()
             if g_lp is not None:
                 p.scatter_add_(-1, targets[rows, None], g_lp[rows, None])
-            if tanh is not None:
-                p.mul_(tanh.square_().neg_().add_(1))
-        return grads[0], grads[1], grads[2] if grads[2] is None else grads[2].to(bias.dtype), \
-            *[None] * 6
+            p.mul_(cap)  # d softcap tanh(u / softcap) / du = 1 - tanh^2
+        return *grads, *[None] * 6
 
 
-def _transform_logits(x, temperature: float, scale: float, softcap: float | None,
-                      keep_tanh: bool = False) -> torch.Tensor | None:
-    """hW^T + b -> the head's logits in place: the model's scale and softcap, then / T; returns the
-    softcap's tanh if `keep_tanh` (its derivative is 1 - tanh^2)."""
-    tanh = x.mul_(scale).div_(softcap).tanh_() if softcap else x.mul_(scale)
-    tanh = tanh.clone() if keep_tanh and softcap else None
-    (x.mul_(softcap) if softcap else x).div_(temperature)
-    return tanh
-
-
-def _head_blocks(hidden, weight, bias, chunk: int, grads: list | None = None):
-    """(rows, its block of z = hW^T + b) HEAD_ROWS rows at a time, z fp32 at least and made `chunk`
-    rows at a time into one buffer (a fresh [chunk, V] would be mapped and faulted in each time).
-    `grads` [hidden, weight, bias]: once the caller has overwritten a chunk by d/dz, the GEMMs and
-    sums add it in: grad_hidden summed over V in fp32; grad_weight in the weight's dtype, fp32 and
-    fp64 in place (no [V, d] temporary)."""
+def _head_blocks(hidden, weight, bias, temperature, scale, softcap, chunk, grads=None):
+    """(rows, x) HEAD_ROWS rows at a time (16 x 150k fp32 is 10 MB: elementwise passes in cache):
+    logits x = softcap(scale z) / T in place in z = hW^T + b (fp32 at least), `chunk` rows at a
+    time in one buffer (1024 x 150k: 0.6 GB; fresh ones fault in afresh). With `grads` [hidden,
+    weight, bias]: once the caller overwrote a chunk by d/dz, its half GEMMs where they run:
+    grad_hidden (a sum over V) out in fp32 (cuBLAS may split-K a half output in bf16), grad_weight
+    (over n) in the weight's dtype (fp32/fp64 accumulated in place: no [V, d] temporary)."""
     up, buf = torch.promote_types(hidden.dtype, torch.float32), None
     for i in range(0, len(hidden), chunk):
         h = hidden[i : i + chunk]
-        z = _mm(h, weight.t(), up, out=None if buf is None else buf[: len(h)])
-        buf = z if buf is None else buf
+        z = buf = _mm(h, weight.t(), up) if buf is None or not h.dtype == weight.dtype == up \
+            else torch.mm(h, weight.t(), out=buf[: len(h)])  # fp32/64: into the last one
         if bias is not None:
             z.add_(bias)
-        for j in range(0, len(h), HEAD_ROWS):
-            yield slice(i + j, i + min(j + HEAD_ROWS, len(h))), z[j : j + HEAD_ROWS]
+        for j in range(0, len(h), HEAD_ROWS):  # the model's ops in its order, then / T
+            x = z[j : j + HEAD_ROWS].mul_(scale)
+            x = (x.div_(softcap).tanh_().mul_(softcap) if softcap else x).div_(temperature)
+            yield slice(i + j, i + j + len(x)), x
         g = z.to(hidden.dtype) if grads else None
         if grads and grads[0] is not None:
             grads[0][i : i + len(h)] = _mm(g, weight, up)
@@ -596,37 +571,20 @@ def mm_out_dtype_runs(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype,
-        out: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b accumulated in fp32 at least, as out_dtype: a half GEMM where it runs, else upcast;
-    into `out` where no cast is needed (fp32/64)."""
+def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b accumulated in fp32 at least, as out_dtype: a half GEMM where it runs, else upcast."""
     if a.dtype == b.dtype and mm_out_dtype_runs(a.device, a.dtype):
         return torch.mm(a, b, out_dtype=out_dtype)
     up = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
-    if out is not None and a.dtype == b.dtype == out_dtype == up:
-        return torch.mm(a, b, out=out)
     return (a.to(up) @ b.to(up)).to(out_dtype)
 
 
 class HeadLogits(torch.autograd.Function):
-    """hidden [n, d] @ weight [V, d].T (+ bias) -> logits [n, V] in fp32 (fp64 for fp64) by half
-    GEMMs both ways: no fp32 copy of a 150k x d head. Backward rounds the logit gradient to the
-    inputs' dtype, as any half GEMM's does; grad_hidden (sums over V) comes out fp32, since cuBLAS
-    may split-K a half output in bf16; grad_weight (over n) half: no [V, d] fp32 temporary."""
+    """The sampler's logits hW^T (+ b) [n, V] in fp32 at least by a half GEMM where one runs."""
     @staticmethod
     def forward(ctx, hidden, weight, bias):
-        ctx.save_for_backward(hidden, weight, bias)
         logits = _mm(hidden, weight.t(), torch.promote_types(hidden.dtype, torch.float32))
         return logits if bias is None else logits + bias
-
-    @staticmethod
-    def backward(ctx, grad):
-        hidden, weight, bias = ctx.saved_tensors
-        g, need = grad.to(hidden.dtype), ctx.needs_input_grad
-        up = torch.promote_types(hidden.dtype, torch.float32)
-        return (_mm(g, weight, up).to(hidden.dtype) if need[0] else None,
-                _mm(g.t(), hidden, weight.dtype) if need[1] else None,
-                grad.sum(0).to(bias.dtype) if need[2] else None)
 
 
 def check_model(model, vocab_size: int) -> str | None:
