@@ -97,3 +97,10 @@ def test_bench_memory_prints_its_table():
                     "--heads", "4", "--kv-heads", "2", "--vocab", "512", "--tokens", "256")
     assert "| positions | checkpointing | measured peak (GiB) | plan (GiB) |" in out, out
     assert "| on |" in out and "| off |" in out, out
+
+
+def test_bench_train_phase_prints_time_share_of_peak_and_memory():
+    out = run_bench("bench_train_phase.py", "--tiny", "--steps", "1", "--warmup", "0",
+                    "--threads", "1")
+    assert "train peak GiB" in out and "of peak" in out
+    assert "| 8 | " in out
