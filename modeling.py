@@ -33,6 +33,7 @@ HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", Fa
 # LoRA: alpha fixed (alpha/r shrinks as r grows: one lr suits every rank; with Adam alpha and lr are
 # one knob); every linear layer of the decoder, never the head (read as head.weight: bypassed)
 LORA_ALPHA, LORA_TARGETS = 32, "all-linear"
+HEAD_CHUNK, HEAD_ROWS = 1024, 16  # the head: rows of fp32 logits at once; per in-cache pass
 
 # -----------------------------------------------------------------------------
 # attention layouts and kernels
@@ -387,7 +388,7 @@ def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermedi
                 tied: bool = False, master_bytes: int = 4, frozen_bytes: int | None = None,
                 compute_bytes: int = 2, engine_generating: float = 0.0,
                 engine_training: float = 0.0, grads_unsharded: bool = False,
-                chunk: int = 1024) -> dict[str, float]:
+                chunk: int = HEAD_CHUNK) -> dict[str, float]:
     """Peak bytes per rank of one training step of a decoder LM sharded by FSDP2 over `world`
     ranks, by part, and "total". `params` all parameters, `trainable` those with gradients and
     AdamW state (fp32: `master_bytes`), the rest frozen in `frozen_bytes` (LoRA's base); `tokens`
@@ -400,14 +401,13 @@ def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermedi
     `engine_training` while the trainer trains; "total" is the larger of the two phases."""
     frozen_bytes = master_bytes if frozen_bytes is None else frozen_bytes
     root = vocab * hidden * (1 if tied else 2)
-    per_token_layer = 8 * hidden + compute_bytes * (5 * hidden + 2 * kv_dim + 4 * intermediate)
-    layer = tokens * per_token_layer
+    layer = tokens * (8 * hidden + compute_bytes * (5 * hidden + 2 * kv_dim + 4 * intermediate))
     saved = layers * tokens * hidden * compute_bytes if checkpointing else layers * layer
     plan = {"weights": (trainable * master_bytes + (params - trainable) * frozen_bytes) / world,
             "grads": trainable * master_bytes * (1 / world + grads_unsharded),
             "adamw": 2 * trainable * master_bytes / world,
             "activations": saved + layer * (2 if checkpointing else 1),
-            "head": 4 * 4 * min(chunk, tokens) * vocab,  # fp32 logits, softmax, their grads
+            "head": (max(4, compute_bytes) + compute_bytes % 4) * min(chunk, tokens) * vocab,
             "gathered": 2 * compute_bytes * (2 * (params - root) / layers + root)}
     plan["engine"] = max(engine_generating, engine_training)
     resident = plan["weights"] + plan["adamw"]
@@ -477,42 +477,85 @@ def head_transform(config) -> tuple[float, float | None]:
 
 
 def policy_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0,
-                    chunk: int = 1024, segments: torch.Tensor | None = None,
+                    chunk: int = HEAD_CHUNK, segments: torch.Tensor | None = None,
                     layout: dict | None = None, entropy_grad: bool = True):
     """log pi(target_t | prefix) and the entropy at every position of a packed row -> ([T], [T]).
     `segments` (default: a sequence per run of positions from 0) or, under CP, the row's `layout`.
-    fp32 logits of a 150k vocabulary exist `chunk` tokens at a time (recomputed in backward).
-    Without `entropy_grad` the entropy is a metric: no graph, not recomputed in backward."""
+    Without `entropy_grad` the entropy is a metric: no graph."""
     if layout is None:
         segments = segments_from_positions(position_ids.cpu()) if segments is None else segments
         layout = attention_layout(segments, input_ids.shape[-1], input_ids.device,
                                   kernel=getattr(model, "attention_kernel", None))
     hidden = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                               layout=layout).last_hidden_state[0]
-    head, (scale, softcap) = model.get_output_embeddings(), head_transform(model.config)
-    out = [torch.utils.checkpoint.checkpoint(chunk_logprobs, hidden[i : i + chunk], head.weight,
-                                             getattr(head, "bias", None), targets[i : i + chunk],
-                                             temperature, scale, softcap, entropy_grad,
-                                             use_reentrant=False)
-           for i in range(0, hidden.shape[0], chunk)]
-    return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
+    head = model.get_output_embeddings()
+    return HeadLogprobs.apply(hidden, head.weight, getattr(head, "bias", None), targets,
+                              temperature, *head_transform(model.config), chunk, entropy_grad)
 
 
-def chunk_logprobs(hidden, weight, bias, targets, temperature: float = 1.0, scale: float = 1.0,
-                   softcap: float | None = None, entropy_grad: bool = True):
-    """Log-probs of `targets` and entropies [n] from hidden states [n, d] and the head, in fp32 at
-    least: bf16 logits would err by ~0.06 at a logit of 20, more than the ratio clip tolerates."""
-    logits = HeadLogits.apply(hidden, weight, bias)
-    if scale != 1.0:
-        logits = logits * scale
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    logits = logits / temperature
-    logz = torch.logsumexp(logits, -1)
-    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
-    # the entropy last: backward's rerun of this chunk stops once logz's inputs are back
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        return logprobs, logz - (torch.softmax(logits, -1) * logits).sum(-1)
+class HeadLogprobs(torch.autograd.Function):
+    """(log p_t(y_t), H_t) [T] from hidden [T, d] and the head: x = softcap(scale (hW^T + b)) / T
+    in fp32 at least (bf16 logits err by ~0.06 at 20, more than the ratio clip tolerates), log p =
+    log_softmax(x), H = -sum_v p_v log p_v. Nothing [T, V] is saved: backward recomputes x and
+    overwrites it by d/dx = g_lp (onehot(y) - p) - g_H p (log p + H) times scale / T (1 - tanh^2
+    under a softcap) for the two GEMMs. Exact to float rounding. Without `h_grad`: no d/dH."""
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, chunk, h_grad):
+        ctx.set_materialize_grads(False)
+        ctx.args = temperature, scale, softcap, chunk
+        up = torch.promote_types(hidden.dtype, torch.float32)
+        lp_out, entropy = (hidden.new_empty(len(hidden), dtype=up) for _ in range(2))
+        for rows, x in _head_blocks(hidden, weight, bias, *ctx.args):
+            lp = torch.log_softmax(x, -1)
+            lp_out[rows] = lp.gather(-1, targets[rows, None])[:, 0]
+            entropy[rows] = -torch.linalg.vecdot(torch.exp(lp, out=x), lp)
+        ctx.save_for_backward(hidden, weight, bias, targets, entropy if h_grad else None)
+        ctx.mark_non_differentiable(*[] if h_grad else [entropy])
+        return lp_out, entropy
+
+    @staticmethod
+    def backward(ctx, g_lp, g_h):
+        hidden, weight, bias, targets, entropy = ctx.saved_tensors
+        (temperature, scale, softcap, _), need = ctx.args, ctx.needs_input_grad
+        g_lp, g_h = (None if g is None else g * (scale / temperature) for g in (g_lp, g_h))
+        grads = [torch.zeros_like(x) if n else None for x, n in zip((hidden, weight, bias), need)]
+        for rows, x in _head_blocks(hidden, weight, bias, *ctx.args, grads):
+            cap = (x * (temperature / softcap)).square_().neg_().add_(1) if softcap else 1.0
+            lp = torch.log_softmax(x, -1)
+            p = torch.exp(lp, out=x)  # d/dx over x: -p (g_lp + g_H (log p + H)), + g_lp at y
+            k = 0 if g_h is None else lp.add_(entropy[rows, None]).mul_(g_h[rows, None])
+            p.mul_(k if g_lp is None else k + g_lp[rows, None]).neg_()
+            if g_lp is not None:
+                p.scatter_add_(-1, targets[rows, None], g_lp[rows, None])
+            p.mul_(cap)  # d softcap tanh(u / softcap) / du = 1 - tanh^2
+        return *grads, *[None] * 6
+
+
+def _head_blocks(hidden, weight, bias, temperature, scale, softcap, chunk, grads=None):
+    """(rows, x) HEAD_ROWS rows at a time (16 x 150k fp32 is 10 MB: elementwise passes in cache):
+    logits x = softcap(scale z) / T in place in z = hW^T + b (fp32 at least), `chunk` rows at a
+    time in one buffer (1024 x 150k: 0.6 GB; fresh ones fault in afresh). With `grads` [hidden,
+    weight, bias]: once the caller overwrote a chunk by d/dz, its half GEMMs where they run:
+    grad_hidden (a sum over V) out in fp32 (cuBLAS may split-K a half output in bf16), grad_weight
+    (over n) in the weight's dtype (fp32/fp64 accumulated in place: no [V, d] temporary)."""
+    up, buf = torch.promote_types(hidden.dtype, torch.float32), None
+    for i in range(0, len(hidden), chunk):
+        h = hidden[i : i + chunk]
+        z = buf = _mm(h, weight.t(), up) if buf is None or not h.dtype == weight.dtype == up \
+            else torch.mm(h, weight.t(), out=buf[: len(h)])  # fp32/64: into the last one
+        if bias is not None:
+            z.add_(bias)
+        for j in range(0, len(h), HEAD_ROWS):  # the model's ops in its order, then / T
+            x = z[j : j + HEAD_ROWS].mul_(scale)
+            x = (x.div_(softcap).tanh_().mul_(softcap) if softcap else x).div_(temperature)
+            yield slice(i + j, i + j + len(x)), x
+        g = z.to(hidden.dtype) if grads else None
+        if grads and grads[0] is not None:
+            grads[0][i : i + len(h)] = _mm(g, weight, up)
+        if grads and grads[1] is not None:
+            grads[1].addmm_(g.t(), h) if g.dtype == up else grads[1].add_(_mm(g.t(), h, g.dtype))
+        if grads and grads[2] is not None:
+            grads[2].add_(z.sum(0))
 
 
 @functools.cache
@@ -537,24 +580,11 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
 
 
 class HeadLogits(torch.autograd.Function):
-    """hidden [n, d] @ weight [V, d].T (+ bias) -> logits [n, V] in fp32 (fp64 for fp64) by half
-    GEMMs both ways: no fp32 copy of a 150k x d head. Backward rounds the logit gradient to the
-    inputs' dtype, as any half GEMM's does; grad_hidden (sums over V) comes out fp32, since cuBLAS
-    may split-K a half output in bf16; grad_weight (over n) half: no [V, d] fp32 temporary."""
+    """The sampler's logits hW^T (+ b) [n, V] in fp32 at least by a half GEMM where one runs."""
     @staticmethod
     def forward(ctx, hidden, weight, bias):
-        ctx.save_for_backward(hidden, weight, bias)
         logits = _mm(hidden, weight.t(), torch.promote_types(hidden.dtype, torch.float32))
         return logits if bias is None else logits + bias
-
-    @staticmethod
-    def backward(ctx, grad):
-        hidden, weight, bias = ctx.saved_tensors
-        g, need = grad.to(hidden.dtype), ctx.needs_input_grad
-        up = torch.promote_types(hidden.dtype, torch.float32)
-        return (_mm(g, weight, up).to(hidden.dtype) if need[0] else None,
-                _mm(g.t(), hidden, weight.dtype) if need[1] else None,
-                grad.sum(0).to(bias.dtype) if need[2] else None)
 
 
 def check_model(model, vocab_size: int) -> str | None:

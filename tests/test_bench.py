@@ -103,3 +103,10 @@ def test_bench_decode_prints_this_engine_the_baseline_and_hf_generate():
     out = run_bench("bench_decode.py", "--new-tokens", "4", "--reps", "1", "--num-layers", "1",
                     "--vocab", "512", "--threads", "1", "--prompt-len", "8")
     assert "| 4 | nanoareal (this) |" in out and "| 4 | HF generate |" in out and "allowed" in out
+
+
+def test_bench_train_phase_prints_time_share_of_peak_and_memory():
+    out = run_bench("bench_train_phase.py", "--tiny", "--steps", "1", "--warmup", "0",
+                    "--threads", "1")
+    assert "train peak GiB" in out and "of peak" in out
+    assert "| 8 | " in out

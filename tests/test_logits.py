@@ -1,4 +1,5 @@
-"""The head's log-probs: fp32 logits from half GEMMs (modeling.HeadLogits) in forward and backward.
+"""The head's log-probs: fp32 logits from half GEMMs in forward and backward (modeling.HeadLogprobs;
+the sampler's HeadLogits forward only).
 
 References are plain autograd on upcast copies. The GPU path (torch.mm with out_dtype, whose kernels
 are CUDA/XPU only) runs here on a CPU through a dispatch mode that supplies aten::mm.dtype with the
@@ -29,7 +30,8 @@ def head_inputs(dtype):
 def reference(hidden, weight, bias, targets, temperature, scale, softcap):
     """Log-probs and entropies by plain autograd."""
     logits = F.linear(hidden, weight, bias) * scale
-    logp = (softcap * torch.tanh(logits / softcap) / temperature).log_softmax(-1)
+    logits = logits if softcap is None else softcap * torch.tanh(logits / softcap)
+    logp = (logits / temperature).log_softmax(-1)
     return logp.gather(-1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
 
 
@@ -43,8 +45,11 @@ def run(fn, inputs, targets):
     return [lp, ent] + [x.grad for x in inputs]
 
 
-def checkpointed(*args):  # as policy_logprobs runs it: the forward again in backward
-    return torch.utils.checkpoint.checkpoint(modeling.chunk_logprobs, *args, use_reentrant=False)
+def fused(hidden, weight, bias, targets, temperature=1.0, scale=1.0, softcap=None,
+          entropy_grad=True, chunk=modeling.HEAD_CHUNK):
+    """The head as policy_logprobs runs it (its forward again in backward)."""
+    return modeling.HeadLogprobs.apply(hidden, weight, bias, targets, temperature, scale, softcap,
+                                       chunk, entropy_grad)
 
 
 @pytest.fixture
@@ -59,7 +64,7 @@ def fresh_probe():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_head_logprobs_and_gradients_equal_an_upcast_fp32_reference(dtype):
     *inputs, targets = head_inputs(dtype)
-    got = run(modeling.chunk_logprobs, inputs, targets)
+    got = run(fused, inputs, targets)
     want = run(reference, [x.float() for x in inputs], targets)
     for g, w in zip(got[:2], want[:2]):  # fp32 logits: rounding them to half errs by ~1e-2
         assert g.dtype == torch.float32
@@ -69,20 +74,45 @@ def test_half_head_logprobs_and_gradients_equal_an_upcast_fp32_reference(dtype):
         assert (g.float() - w).norm() / w.norm() < torch.finfo(dtype).eps, name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_fp32_and_fp64_head_logits_and_gradients_equal_a_plain_linear(dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_samplers_head_logits_equal_a_plain_linear_in_fp32_at_least(dtype):
+    """HeadLogits (the sampler's, forward only): fp32 logits of a half head, fp64 of an fp64."""
     *inputs, _ = head_inputs(dtype)
-    upstream = torch.randn(N, V, generator=torch.Generator().manual_seed(1), dtype=dtype)
-    results = []
-    for fn in (modeling.HeadLogits.apply, F.linear):
-        xs = [x.clone().requires_grad_() for x in inputs]
-        logits = fn(*xs)
-        (logits * upstream).sum().backward()
-        results.append([logits] + [x.grad for x in xs])
-    tol = {torch.float32: 2e-6, torch.float64: 1e-13}[dtype]
-    for g, w in zip(*results):
-        assert g.dtype == dtype
-        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+    got = modeling.HeadLogits.apply(*inputs)
+    want = F.linear(*[x.to(got.dtype) for x in inputs])
+    assert got.dtype == torch.promote_types(dtype, torch.float32)
+    tol = {torch.float64: 1e-13}.get(dtype, 2e-6)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("entropy_grad", [True, False])
+@pytest.mark.parametrize("transform", [(1.0, 1.0, None), ARGS, (1.3, 2.0, 3.0)],
+                         ids=["plain", "T0.7-scale0.5-cap30", "T1.3-scale2-cap3"])
+def test_fused_head_equals_log_softmax_gather_and_entropy_values_and_gradients(
+        dtype, entropy_grad, transform, monkeypatch):
+    """HeadLogprobs (fp32 logits, recomputed and overwritten by their gradient in backward) against
+    plain autograd of log_softmax(softcap(scale (h W^T + b)) / T): the target's log-prob, the
+    entropy, and the gradients of a mix of both (the entropy's only when it has one), across
+    chunks (5 rows) and elementwise blocks (3 rows) that do not divide the 24 rows."""
+    monkeypatch.setattr(modeling, "HEAD_ROWS", 3)
+    *inputs, targets = head_inputs(dtype)
+    inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    lp, ent = fused(*inputs, targets, *transform, entropy_grad, 5)
+    assert lp.dtype == ent.dtype == torch.promote_types(dtype, torch.float32)
+    assert ent.requires_grad == entropy_grad
+    mix = torch.randn(2, N, generator=torch.Generator().manual_seed(1), dtype=lp.dtype)
+    ((lp * mix[0]).sum() + (ent * mix[1]).sum() * entropy_grad).backward()
+    up = [x.detach().to(lp.dtype).requires_grad_() for x in inputs]
+    want_lp, want_ent = reference(*up, targets, *transform)
+    ((want_lp * mix[0]).sum() + (want_ent * mix[1]).sum() * entropy_grad).backward()
+    tol = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 2e-5}[dtype]
+    torch.testing.assert_close(lp, want_lp, rtol=tol, atol=tol)
+    torch.testing.assert_close(ent, want_ent, rtol=tol, atol=tol)
+    for x, w, name in zip(inputs, up, ("hidden", "weight", "bias")):
+        assert x.grad.dtype == dtype, name  # half: within half rounding of the fp32 gradient
+        err = (x.grad.to(w.dtype) - w.grad).norm() / w.grad.norm()
+        assert err < (torch.finfo(dtype).eps if dtype in HALF else tol), name
 
 
 class MmOutDtypeDevice(TorchDispatchMode):
@@ -124,12 +154,13 @@ def test_without_an_mm_out_dtype_kernel_the_probe_says_so_and_the_head_upcasts(f
 
 
 def test_where_mm_out_dtype_runs_the_head_uses_it_both_ways_and_never_copies_the_weight(
-        fresh_probe):
+        fresh_probe, monkeypatch):
+    monkeypatch.setattr(modeling, "HEAD_ROWS", 5)  # blocks [5, V]: no shape of a [D, V] tensor
     *inputs, targets = head_inputs(torch.bfloat16)
-    plain = run(checkpointed, inputs, targets)  # the upcast path, as on this CPU
+    plain = run(fused, inputs, targets)  # the upcast path, as on this CPU
     modeling.mm_out_dtype_runs.cache_clear()
     with MmOutDtypeDevice() as device:
-        got = run(checkpointed, inputs, targets)
+        got = run(fused, inputs, targets)
         assert not modeling.mm_out_dtype_runs(torch.device("cpu"), torch.float32)  # halves only
     bf16, fp32 = torch.bfloat16, torch.float32
     gemms = [(ins, outs[0][0]) for func, outs, ins in device.ops if func is torch.ops.aten.mm.dtype]
@@ -147,7 +178,7 @@ def test_where_mm_out_dtype_runs_the_head_uses_it_both_ways_and_never_copies_the
 
 
 def test_policy_logprobs_of_an_fp32_model_equal_its_own_forward_values_and_gradients():
-    """Log-probs, entropies and their gradients through the chunked, checkpointed head of a tiny
+    """Log-probs, entropies and their gradients through the chunked, fused head of a tiny
     fp32 Llama with tied embeddings (the head's weight gradient adds to the embedding's), against
     its own per-sequence forward's log_softmax."""
     config = AutoConfig.for_model("llama", vocab_size=V, hidden_size=D, intermediate_size=32,

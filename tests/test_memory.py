@@ -44,7 +44,7 @@ def test_memory_plan_parts_follow_their_formulas():
     assert plain["weights"] == (600 * 4 + 400 * 2) / 2
     assert plain["grads"] == 600 * 4 / 2 and plain["adamw"] == 2 * 600 * 4 / 2
     assert plain["activations"] == 2 * layer + layer
-    assert plain["head"] == 16 * 5 * 10 and plain["gathered"] == 2 * 2 * ((1000 - 160) + 160)
+    assert plain["head"] == 6 * 5 * 10 and plain["gathered"] == 2 * 2 * ((1000 - 160) + 160)
     ckpt = modeling.memory_plan(**kw, checkpointing=True)
     assert ckpt["activations"] == 2 * 5 * 8 * 2 + 2 * layer
     assert ckpt["total"] == sum(v for k, v in ckpt.items() if k != "total")
@@ -120,26 +120,28 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_entropy_without_a_coefficient_has_no_graph_and_no_backward_softmax(tmp_path):
-    """The entropy's softmax x logits pass over the vocabulary: with --entropy-coef 0 it is a
-    metric, computed once in forward; backward's rerun of the checkpointed head stops before it.
-    The log-probs' gradient is the same either way."""
+def test_entropy_without_a_coefficient_has_no_graph_and_costs_backward_nothing(tmp_path):
+    """With --entropy-coef 0 the entropy is a metric: computed once in forward, no graph; and
+    the fused head's backward takes the entropy's term only when the entropy has a gradient: the
+    log-probs' backward is op for op and bit for bit the same either way."""
     model = tiny_llama().double()
     model.save_pretrained(tmp_path)
     model, _ = modeling.load_causal_lm(str(tmp_path), torch.float64, torch.device("cpu"), 1,
                                        "auto", False)
     ids, pos = torch.randint(64, (1, 12)), torch.arange(12)[None]
-    grads, backward_softmax = [], []
+    grads, backward_ops = [], []
     for entropy_grad in (True, False):
         lp, ent = modeling.policy_logprobs(model, ids, pos, ids[0].roll(-1), chunk=5,
                                            entropy_grad=entropy_grad)
         assert ent.requires_grad == entropy_grad and torch.isfinite(ent).all()
         with CountOps() as ops:
             lp.sum().backward()
-        backward_softmax.append(sum("softmax" in op for op in ops.ops))
+        # autograd's own bookkeeping aside (a saved tensor unpacked, gradients accumulated)
+        backward_ops.append([op for op in ops.ops if op not in ("aten.detach.default",
+                                                                "aten.add_.Tensor")])
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         model.zero_grad()
-    assert backward_softmax[0] > 0 and backward_softmax[1] == 0
+    assert backward_ops[0] == backward_ops[1]
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=0, atol=0)
 

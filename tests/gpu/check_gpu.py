@@ -17,7 +17,7 @@ Checks (exit code 1 if one fails), then measurements, printed as markdown (and w
    torch_varlen, sdpa) on GRPO groups sharing their prompt, against the model's own per-sequence
    forward in the same precision: |delta log-prob| must be small next to a negative control
    (the same packed row with the shared prompt hidden from the completions);
-2. fp32 logits from bf16 hidden states (modeling.HeadLogits: torch.mm out_dtype where it runs)
+2. fp32 logits from bf16 hidden states (modeling.HeadLogprobs: torch.mm out_dtype where it runs)
    against an fp32 matmul of the same bf16 values, forward and backward, and the memory it takes
    (no fp32 copy of the 152k x 896 head);
 3. training forward+backward FLOP/s and MFU (bench/bench_flops.py's count and peak);
@@ -174,17 +174,18 @@ def check_fp32_logits(device: torch.device) -> list[str]:
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    got = modeling.HeadLogits.apply(h, w, None)
-    got.logsumexp(-1).sum().backward()
+    y = torch.randint(w.shape[0], (h.shape[0],), device=device, generator=g)
+    got, _ = modeling.HeadLogprobs.apply(h, w, None, y, 1.0, 1.0, None, modeling.HEAD_CHUNK, False)
+    got.sum().backward()  # the training head: its backward's GEMMs
     extra = (torch.cuda.max_memory_allocated(device) - base) / 2**20
     grads = h.grad.float(), w.grad.float()
     h32, w32 = (x.detach().float().requires_grad_() for x in (h, w))
-    want = h32 @ w32.t()
-    want.logsumexp(-1).sum().backward()
+    want = (h32 @ w32.t()).log_softmax(-1).gather(-1, y[:, None])[:, 0]
+    want.sum().backward()
     rel = [float((a - b).abs().max() / b.abs().max()) for a, b in
            zip((got, *grads), (want, h32.grad, w32.grad))]
-    print_table("fp32 head logits from bf16 (1024 tokens x the 152k x 896 head)",
-                ["kernel", "dtype", "max rel. error logits / d hidden / d weight",
+    print_table("fp32 head log-probs from bf16 (1024 tokens x the 152k x 896 head)",
+                ["kernel", "dtype", "max rel. error log-probs / d hidden / d weight",
                  "peak extra memory"],
                 [f"| {used} | {got.dtype} | {rel[0]:.1e} / {rel[1]:.1e} / {rel[2]:.1e} | "
                  f"{extra:.0f} MiB (an fp32 head copy alone: {w.numel() * 4 / 2**20:.0f} MiB) |"])
