@@ -97,3 +97,14 @@ def test_bench_memory_prints_its_table():
                     "--heads", "4", "--kv-heads", "2", "--vocab", "512", "--tokens", "256")
     assert "| positions | checkpointing | measured peak (GiB) | plan (GiB) |" in out, out
     assert "| on |" in out and "| off |" in out, out
+
+
+def test_bench_shapes_prints_both_trainers_side_by_side():
+    """The real-shape bench's own path on a tiny model: two child processes alternating, memory
+    sampled, FLOP/s counted from hooked forwards (positions fed must be the shapes' own)."""
+    pytest.importorskip("trl")
+    out = run_bench("bench_shapes.py", "--smoke")
+    assert "| nanoareal | " in out and "| TRL | " in out and "## Summary" in out, out
+    # 2 groups of 2: a prompt of 8 fed once per group (its last token with each answer), answers
+    # of 4 without their last token; TRL feeds 4 rows of 8 + 4
+    assert "| 30 | " in out and "| 48 | " in out, out
