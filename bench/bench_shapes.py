@@ -467,10 +467,10 @@ def run_config(args, shape: str, tokens: int, model: Path, tmp: Path, peaks: dic
              f"--data={data}", f"--micro-batch-tokens={args.micro_batch_tokens}",
              f"--trl-micro-batch={args.trl_micro_batch}",
              *(f"--nano-set={s}" for s in args.nano_set)]
-    sides, facts = [], {}
-    for name in SIDES:  # one at a time: start-up peaks never overlap
-        sides.append(Side(name, flags, tmp / f"{shape}_{tokens}_{name}.log", args.threads))
-        facts[name] = sides[-1].recv()
+    # both start at once (memory is per process tree, and only the steps' is sampled)
+    sides = [Side(name, flags, tmp / f"{shape}_{tokens}_{name}.log", args.threads)
+             for name in SIDES]
+    facts = {side.name: side.recv() for side in sides}
     sampler = Sampler(args.mem_interval)
     sampler.start()
     try:
