@@ -27,22 +27,24 @@ a time. Both use `--threads` torch threads (2), fp32, the CPU. Timed, per step:
   padding, every micro-batch's forward/backward, clip, AdamW). generation = `_generate`
   (tokenizing, `model.generate`, decoding); training = the step less
   `_generate_and_score_completions`; other = that call less `_generate` (reward, advantages).
-Memory: the parent samples the proportional set size (Pss of /proc/<pid>/smaps_rollup: shared
-pages split between sharers, nothing counted twice) of each child's whole process tree (a forked
-rollout process included) every `--mem-interval` s while that child computes; "peak PSS" is the
-largest sample over the steps. "VmHWM" is the trainer process's own peak resident set (start-up
-included; a forked child's not).
+Memory: each trainer process reports its own peak resident set per step (VmHWM, reset through
+/proc/self/clear_refs as the step starts: exact, no sampling); "peak RSS" is the largest over
+the steps, warm-up included; "start-up" is VmHWM once the trainer is built. A forked rollout
+process (nanoareal's hf engine at --max-staleness > 0; none at the default 0) adds its private
+memory (Private_* of /proc/<pid>/smaps_rollup: the weights it shares are not counted twice),
+sampled by the parent every `--mem-interval` s while its trainer computes.
 FLOP/s: training = 6 N_dec T + 6 N_head H + 12 L d_attn P over the training phase's time, where
 T = positions the decoder computed with autograd on (hooked: nanoareal feeds a group's prompt
 once and no sequence's last token; TRL every prompt+completion), H = positions the head scored
 (nanoareal all T; TRL all but each row's last), P = causal (query, key) pairs of those positions
 (nanoareal's packed segments, bench_flops.causal_pairs; TRL's rows by their attention mask).
 Generation = 2 N_dec T + 2 N_head R + 4 L d_attn P over the generation time, counted from the
-decoder's no-grad forwards (prefill and decode: nanoareal prefills a distinct prompt once, TRL
-every row; R = rows a forward returns logits for, one each). Against two peaks the parent measures
-at the same thread count: a 2048^3 fp32 matmul (before and after the runs, the larger kept), and
-for generation also the batch's own decode matmuls ([rows, d] @ each layer weight and the head,
-weighted as one decode step runs them).
+decoder forwards that generation runs (nanoareal's engine holds a model of its own; TRL's inside
+`_generate`): prefill and decode, nanoareal prefilling a distinct prompt once and TRL every row;
+R = rows a forward returns logits for (one each: the last position); P from the attention mask.
+Against two peaks the parent measures at the same thread count just before each configuration:
+a `--peak-n`^3 fp32 matmul (the larger of two), and for generation also the batch's own decode
+matmuls ([rows, d] @ each layer weight and the head, weighted as one decode step runs them).
 
 TRL 1.16 `GRPOTrainer`, configured as bench_vs_trl.py (equivalent loss: nanoareal token_mean
 PPO-clip == loss_type "dapo", eps 0.2, beta 0 so no reference model, group-std advantages, one
@@ -185,10 +187,15 @@ class Channel:
 
     def recv(self) -> dict:
         line = sys.stdin.readline()
-        return json.loads(line) if line else {"cmd": "done"}
+        if not line:  # the parent is gone
+            os._exit(1)
+        return json.loads(line)
 
 
-def vm_hwm() -> int:
+def vm_hwm(reset: bool = False) -> int:
+    """This process's peak resident set so far (VmHWM); `reset`: from now on (clear_refs 5)."""
+    if reset:
+        Path("/proc/self/clear_refs").write_text("5")
     return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
 
 
@@ -212,11 +219,13 @@ def nano_child(args, ch: Channel) -> None:
     gen = Forwards(nano.engine.model.base_model, lambda: "gen")  # (a forked one goes uncounted)
     taken, rollout = [], nano.rollout
     nano.rollout = lambda step: taken.append(rollout(step)) or taken[-1]
-    ch.send(model_facts(nano.model) | {"micro_batch_tokens": nano.cfg.micro_batch_tokens})
+    ch.send(model_facts(nano.model) | {"micro_batch_tokens": nano.cfg.micro_batch_tokens,
+                                        "startup_hwm": vm_hwm()})
     step = 0
     while ch.recv()["cmd"] == "step":
-        train.reset(), gen.reset(), taken.clear()
+        train.reset(), gen.reset(), taken.clear(), vm_hwm(reset=True)
         m = nano.step(step)
+        hwm = vm_hwm()
         samples = taken[0]
         mbs = N.pack_microbatches(samples, nano.cfg)  # the step's own packing again, untimed
         t, g = train.counts["train"], gen.counts["gen"]
@@ -224,11 +233,11 @@ def nano_child(args, ch: Channel) -> None:
                  "generated": m["generated_tokens"], "train_positions": t["positions"],
                  "train_head": t["positions"], "train_pairs": causal_pairs(
                      torch.cat([mb.segments for mb in mbs])), "gen_positions": g["positions"],
-                 "gen_head": g["rows"], "gen_pairs": g["pairs"], "threads":
-                     torch.get_num_threads()})
+                 "gen_head": g["rows"], "gen_pairs": g["pairs"], "hwm": hwm,
+                 "threads": torch.get_num_threads()})
         step += 1
     nano.close()
-    ch.send({"vmhwm": vm_hwm()})
+    ch.send({})
 
 
 def trl_micro_batch(args) -> int:
@@ -307,7 +316,7 @@ def trl_child(args, ch: Channel) -> None:
 
     def go():
         ch.recv()
-        fwd.reset(), clock.clear(), lengths.clear()
+        fwd.reset(), clock.clear(), lengths.clear(), vm_hwm(reset=True)
         mark[0] = time.perf_counter()
 
     class Alternate(TrainerCallback):
@@ -315,38 +324,41 @@ def trl_child(args, ch: Channel) -> None:
             go()
 
         def on_step_end(self, targs, state, control, **kw):
-            step = time.perf_counter() - mark[0]
+            step, hwm = time.perf_counter() - mark[0], vm_hwm()
             t, g = fwd.counts["train"], fwd.counts["gen"]
             prepared = clock.get("_generate_and_score_completions", 0.0)
             ch.send({"step": step, "gen": clock.get("_generate", 0.0), "train": step - prepared,
                      "generated": sum(lengths),
                      "train_positions": t["positions"], "train_head": t["positions"] - t["rows"],
                      "train_pairs": t["pairs"], "gen_positions": g["positions"],
-                     "gen_head": g["rows"], "gen_pairs": g["pairs"],
+                     "gen_head": g["rows"], "gen_pairs": g["pairs"], "hwm": hwm,
                      "threads": torch.get_num_threads()})
             if state.global_step < total:
                 go()
 
     trainer.add_callback(Alternate())
-    ch.send(model_facts(trainer.model) | {"micro_batch": trl_micro_batch(args)})
+    ch.send(model_facts(trainer.model) | {"micro_batch": trl_micro_batch(args),
+                                           "startup_hwm": vm_hwm()})
     trainer.train()
     ch.recv()  # done
-    ch.send({"vmhwm": vm_hwm()})
+    ch.send({})
 
 
 # -----------------------------------------------------------------------------
 # the parent: two children alternating, their memory sampled, the peaks, the tables
-def tree_pss(pid: int) -> int:
-    """Bytes of proportional set size of pid and its descendants (0 for what has gone)."""
+def descendants_uss(pid: int) -> int:
+    """Bytes of private memory (USS: Private_Clean + Private_Dirty of smaps_rollup) of pid's
+    descendants, not pid's own: a forked rollout process's, beyond what it shares with pid."""
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
         try:
-            total += int(re.search(r"Pss:\s+(\d+) kB",
-                                   Path(f"/proc/{p}/smaps_rollup").read_text())[1]) * 1024
+            if p != pid:
+                text = Path(f"/proc/{p}/smaps_rollup").read_text()
+                total += sum(int(x) for x in re.findall(r"Private_\w+:\s+(\d+) kB", text)) * 1024
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += map(int, (task / "children").read_text().split())
-        except (OSError, TypeError):
+        except OSError:
             continue
     return total
 
@@ -381,7 +393,10 @@ class Side:
 
 
 class Sampler(threading.Thread):
-    """Samples the active side's process-tree PSS every `interval` s; peak[name] is the largest."""
+    """Samples the private memory of the active side's descendants (a forked rollout process)
+    every `interval` s; peak[name] is the largest. Reading smaps_rollup walks a process's pages
+    (0.1-0.2 s for a 1.6 GB trainer on a loaded 2-core machine), so the trainers themselves are
+    not sampled: each reports its own exact peak (VmHWM) per step."""
 
     def __init__(self, interval: float):
         super().__init__(daemon=True)
@@ -392,7 +407,8 @@ class Sampler(threading.Thread):
         while not self.stopped.wait(self.interval):
             side = self.active
             if side is not None:
-                self.peak[side.name] = max(self.peak.get(side.name, 0), tree_pss(side.proc.pid))
+                self.peak[side.name] = max(self.peak.get(side.name, 0),
+                                           descendants_uss(side.proc.pid))
 
 
 def decode_peak(shape: dict, rows: int, reps: int = 20) -> float:
@@ -479,12 +495,19 @@ def run_config(args, shape: str, tokens: int, model: Path, tmp: Path, peaks: dic
         sampler.stopped.set()
     out = {"peaks": peaks}
     for side in sides:
-        hwm = side.ask("done")["vmhwm"]
+        side.ask("done")
         side.proc.wait()
         s = summarize(facts[side.name], steps[side.name][args.warmup:], peaks)
-        out[side.name] = s | {"pss": sampler.peak.get(side.name, 0), "vmhwm": hwm,
-                              "facts": facts[side.name]}
+        out[side.name] = s | {"facts": facts[side.name], "forked": sampler.peak.get(side.name, 0),
+                              "hwm": max(r["hwm"] for r in steps[side.name])}
     return out
+
+
+def memory(r: dict) -> str:
+    """GiB: the trainer process's peak resident set over the steps, plus its forked descendants'
+    peak private memory when it has any."""
+    gib = f"{r['hwm'] / 2**30:.2f}"
+    return gib + (f" + {r['forked'] / 2**30:.2f} forked" if r["forked"] else "")
 
 
 def print_config(shape: str, tokens: int, res: dict, args) -> None:
@@ -492,10 +515,12 @@ def print_config(shape: str, tokens: int, res: dict, args) -> None:
     print(f"\n### {shape}, {args.prompts} prompts x {args.group_size} samples, {args.prompt_len}"
           f"-token prompts, {tokens} new tokens\n\nnanoareal micro-batch budget "
           f"{nano['micro_batch_tokens']} tokens; TRL micro-batch {trl['micro_batch']} sequences; "
-          f"matmul weights {nano['n'][0] / 1e6:.1f} M decoder + {nano['n'][1] / 1e6:.1f} M head\n")
+          f"matmul weights {nano['n'][0] / 1e6:.1f} M decoder + {nano['n'][1] / 1e6:.1f} M head; "
+          f"peaks: fp32 {args.peak_n}^3 matmul {res['peaks']['square'] / 1e9:.1f} GFLOP/s, "
+          f"decode-step matmuls {res['peaks']['decode'] / 1e9:.1f} GFLOP/s\n")
     print("| trainer | step s | generation s | training s | other s | trained positions | "
           "training GFLOP/s (of peak) | generation positions fed | generation GFLOP/s (of peak, "
-          "of decode-shape peak) | peak PSS GiB | VmHWM GiB |")
+          "of decode-shape peak) | peak RSS GiB, steps | start-up peak RSS GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in SIDES:
         r = res[name]
@@ -503,14 +528,14 @@ def print_config(shape: str, tokens: int, res: dict, args) -> None:
               f"{spread(r['other'], 2)} | {r['train_positions']:.0f} | {r['train_flops'] / 1e9:.1f}"
               f" ({r['train_share']:.0%}) | {r['gen_positions']:.0f} | "
               f"{r['gen_flops'] / 1e9:.1f} ({r['gen_share']:.0%}, {r['gen_decode_share']:.0%}) | "
-              f"{r['pss'] / 2**30:.2f} | {r['vmhwm'] / 2**30:.2f} |", flush=True)
+              f"{memory(r)} | {r['facts']['startup_hwm'] / 2**30:.2f} |", flush=True)
 
 
 def print_summary(results: list, args, loads: list[str]) -> None:
     print(f"\n## Summary: nanoareal vs TRL {trl_version()} GRPOTrainer, fp32, CPU, "
           f"{args.threads} threads, median (min-max) of {args.steps} steps after {args.warmup}\n")
-    print("| shape | new tokens | nanoareal step (gen / train) | TRL step (gen / train) | "
-          "speedup | nanoareal peak PSS GiB | TRL peak PSS GiB | nanoareal train / gen of peak "
+    print("| shape | new tokens | nanoareal step s (gen / train) | TRL step s (gen / train) | "
+          "speedup | nanoareal peak RSS GiB | TRL peak RSS GiB | nanoareal train / gen of peak "
           "| TRL train / gen of peak |")
     print("|---|---|---|---|---|---|---|---|---|")
     med = statistics.median
@@ -519,13 +544,11 @@ def print_summary(results: list, args, loads: list[str]) -> None:
         cell = lambda r: (f"{spread(r['step'])} ({med(r['gen']):.1f} / {med(r['train']):.1f})")
         share = lambda r: f"{r['train_share']:.0%} / {r['gen_share']:.0%}"
         print(f"| {shape} ({prompts}x{args.group_size}) | {tokens} | {cell(n)} | {cell(t)} | "
-              f"{med(t['step']) / med(n['step']):.2f}x | {n['pss'] / 2**30:.2f} | "
-              f"{t['pss'] / 2**30:.2f} | {share(n)} | {share(t)} |")
-    print("\nPeaks, measured just before each configuration at the same thread count: "
-          + "; ".join(f"{shape} {tokens}: fp32 {args.peak_n}^3 matmul "
-                      f"{res['peaks']['square'] / 1e9:.1f} GFLOP/s, decode-step matmuls "
-                      f"{res['peaks']['decode'] / 1e9:.1f}" for shape, tokens, _, res in results)
-          + f". Load average (1/5/15 min) at start and end: {loads[0]} / {loads[-1]}.")
+              f"{med(t['step']) / med(n['step']):.2f}x | {memory(n)} | {memory(t)} | {share(n)} "
+              f"| {share(t)} |")
+    print(f"\nPeak RSS: the trainer process's VmHWM over the steps (warm-up included). Peaks "
+          f"(of peak): measured just before each configuration at {args.threads} threads. Load "
+          f"average (1/5/15 min) at start and end: {loads[0]} / {loads[-1]}.")
 
 
 def trl_version() -> str:
@@ -554,7 +577,8 @@ def main():
                    "size (default: the most sequences that fit nanoareal's budget)")
     p.add_argument("--nano-set", action="append", default=[], metavar="FIELD=VALUE",
                    help="another nanoareal Config value, e.g. max_staleness=1 (repeatable)")
-    p.add_argument("--mem-interval", type=float, default=0.2, help="seconds between samples")
+    p.add_argument("--mem-interval", type=float, default=0.5,
+                   help="seconds between samples of a forked rollout process's memory")
     p.add_argument("--peak-n", type=int, default=2048, help="the square matmul of the peak")
     p.add_argument("--smoke", action="store_true", help="tiny model, 2x2, 8+4 tokens, 1 step")
     p.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
