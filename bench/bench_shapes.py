@@ -444,7 +444,8 @@ def alternate(sides: list[Side], sampler: Sampler, total: int) -> dict[str, list
             sampler.active = None
             r = out[side.name][-1]
             print(f"  step {step} {side.name}: {r['step']:.2f} s (generation {r['gen']:.2f}, "
-                  f"training {r['train']:.2f})", file=sys.stderr, flush=True)
+                  f"training {r['train']:.2f}), peak RSS {r['hwm'] / 2**30:.2f} GiB, positions "
+                  f"trained {r['train_positions']}", file=sys.stderr, flush=True)
     return out
 
 
