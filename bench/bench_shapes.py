@@ -208,7 +208,8 @@ def nano_config(args, model: str, data: str) -> N.Config:
     for item in args.nano_set:  # e.g. max_staleness=1: typed as the Config field's default
         key, _, value = item.partition("=")
         default = getattr(N.Config, key)
-        over[key] = type(default)(value) if default is not None else value
+        over[key] = value.lower() in ("1", "true") if isinstance(default, bool) else \
+            type(default)(value) if default is not None else value
     return make_config(**over)
 
 
@@ -267,7 +268,7 @@ def build_trl(args, total_steps: int):
         raise SystemExit(f"--trl-micro-batch {micro} must divide {rows_per_step}")
     accum, cfg = rows_per_step // micro, N.Config()
     tcfg = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench_trl_"), report_to="none", save_strategy="no",
+        output_dir=str(Path(args.data).parent / "trl"), report_to="none", save_strategy="no",
         disable_tqdm=True, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
         dataloader_num_workers=0, per_device_train_batch_size=micro,
         gradient_accumulation_steps=accum, steps_per_generation=accum,
