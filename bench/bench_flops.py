@@ -55,6 +55,22 @@ def matmul_peak(device, dtype, n: int, reps: int) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t)
 
 
+def matmul_weights(model) -> tuple[int, int]:
+    """(decoder, head) weights that a position multiplies: the decoder layers' 2-D weights and the
+    lm_head's (tied or not, its matmul runs; the input embedding is a lookup)."""
+    head = model.get_output_embeddings().weight
+    decoder = sum(p.numel() for n, p in model.named_parameters()
+                  if p.dim() == 2 and "embed_tokens" not in n and p is not head)
+    return decoder, head.numel()
+
+
+def causal_pairs(segments: torch.Tensor) -> int:
+    """(query, key) pairs a packed batch's attention needs: a segment of q tokens after c context
+    tokens (segments [R, 4]: start, q, ..., c) attends q*c + q(q+1)/2."""
+    q, c = segments[:, 1], segments[:, 3]
+    return int((q * c + q * (q + 1) // 2).sum())
+
+
 def model_dir(name: str, num_layers: int | None) -> str:
     if name != "qwen2.5-0.5b":
         return name
@@ -112,16 +128,11 @@ def main():
     mbs = N.pack_microbatches(samples, cfg)
     T = sum(mb.input_ids.numel() for mb in mbs)
 
-    n_matmul = sum(p.numel() for n, p in model.named_parameters()
-                   if p.dim() == 2 and "embed_tokens" not in n)
-    if getattr(hf, "tie_word_embeddings", False):
-        n_matmul += model.lm_head.weight.numel()  # tied: the lm_head matmul still runs
+    n_matmul = sum(matmul_weights(model))
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     d_attn = hf.num_attention_heads * head_dim
     L = plen + clen
-    seg = torch.cat([mb.segments for mb in mbs])
-    q, c = seg[:, 1], seg[:, 3]
-    pairs = int((q * c + q * (q + 1) // 2).sum())
+    pairs = causal_pairs(torch.cat([mb.segments for mb in mbs]))
     flops = 6 * n_matmul * T + 12 * hf.num_hidden_layers * d_attn * pairs
 
     def fwd_bwd():

@@ -110,3 +110,18 @@ def test_bench_train_phase_prints_time_share_of_peak_and_memory():
                     "--threads", "1")
     assert "train peak GiB" in out and "of peak" in out
     assert "| 8 | " in out
+
+
+def test_bench_shapes_prints_both_trainers_side_by_side():
+    """The real-shape bench's own path on a tiny model: two child processes alternating, each
+    reporting its peak memory, FLOP/s counted from hooked forwards."""
+    pytest.importorskip("trl")
+    out = run_bench("bench_shapes.py", "--smoke")
+    assert "## Summary" in out, out
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in out.splitlines()
+            if line.startswith(("| nanoareal | ", "| TRL | "))}
+    nano, trl = rows["| nanoareal"], rows["| TRL"]
+    # positions the decoder was fed: TRL 4 rows of 8 + 4 tokens; nanoareal shares each group's
+    # prompt, so fewer; both generate (prefill + decode positions counted)
+    assert trl[5] == "48" and 0 < int(nano[5]) < 48, out
+    assert int(nano[7]) > 0 and int(trl[7]) > 0 and float(nano[9].split()[0]) > 0, out
