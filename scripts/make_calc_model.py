@@ -30,7 +30,6 @@ import argparse
 import hashlib
 import json
 import os
-import random
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ import transformers
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-from make_tiny_model import CHARS, build_model, build_tokenizer, save_model  # noqa: E402
+from make_tiny_model import CHARS, build_model, build_tokenizer, save_model, sft_loop  # noqa: E402
 
 from rollout import HFEngine, SamplingParams, Tools, mix_seed, run_episodes  # noqa: E402
 from tasks import last_number, load_plugin, make_calc_task  # noqa: E402
@@ -82,29 +81,10 @@ def sft_batch(tok, rows: list[dict], tool: list[bool]) -> dict[str, torch.Tensor
 
 
 def sft_steps(model, tok, train: list[dict], args: argparse.Namespace) -> Iterator[float]:
-    """AdamW (betas 0.9/0.95, linear warm-up, grad clip 1) on shuffled batches of `train`; yields
-    each step's loss after its update. Batch order comes from torch.Generator(seed), the formats
-    from random.Random(seed + 12345): steps are a function of (seed, train) alone."""
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
-    gen = torch.Generator().manual_seed(args.seed)
-    fmt_rng = random.Random(args.seed + 12345)
-    order: list[int] = []
-    while True:
-        model.train()
-        if len(order) < args.batch_size:  # reshuffle each epoch; drop the ragged tail
-            order = torch.randperm(len(train), generator=gen).tolist()
-        idx, order = order[: args.batch_size], order[args.batch_size :]
-        rows = [train[i] for i in idx]
-        tool = [fmt_rng.random() < (args.p_prod if "*" in r["prompt"] else args.p_sum)
-                for r in rows]
-        loss = model(**sft_batch(tok, rows, tool), use_cache=False).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        yield loss.item()
+    """make_tiny_model.sft_loop on `train`, a calculator call with p_prod (products) / p_sum."""
+    return sft_loop(model, train, args, lambda rows, rng: sft_batch(
+        tok, rows, [rng.random() < (args.p_prod if "*" in r["prompt"] else args.p_sum)
+                    for r in rows]))
 
 
 def episodes(engine, tok, rows: list[dict], temperature: float, tools: Tools | None,

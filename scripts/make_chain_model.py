@@ -30,7 +30,6 @@ import argparse
 import hashlib
 import json
 import os
-import random
 import sys
 import time
 from collections.abc import Iterator
@@ -40,7 +39,13 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from make_tiny_model import build_model, build_tokenizer, greedy_complete, save_model  # noqa: E402
+from make_tiny_model import (  # noqa: E402
+    build_model,
+    build_tokenizer,
+    greedy_complete,
+    save_model,
+    sft_loop,
+)
 
 from tasks import (  # noqa: E402
     CHAIN_MAX_OPS,
@@ -79,28 +84,9 @@ def sft_batch(tok, rows: list[dict], scratch: list[bool]) -> dict[str, torch.Ten
 
 
 def sft_steps(model, tok, train: list[dict], args: argparse.Namespace) -> Iterator[float]:
-    """AdamW (betas 0.9/0.95, linear warm-up, grad clip 1) on shuffled batches of `train`; yields
-    each step's loss after its update. Batch order comes from torch.Generator(seed), the formats
-    from random.Random(seed + 12345), so steps are a function of (seed, train) alone."""
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
-    gen = torch.Generator().manual_seed(args.seed)
-    fmt_rng = random.Random(args.seed + 12345)
-    order: list[int] = []
-    while True:
-        model.train()
-        if len(order) < args.batch_size:  # reshuffle each epoch; drop the ragged tail
-            order = torch.randperm(len(train), generator=gen).tolist()
-        idx, order = order[: args.batch_size], order[args.batch_size :]
-        rows = [train[i] for i in idx]
-        scratch = [fmt_rng.random() < p_scratch(num_ops(r["prompt"]), args) for r in rows]
-        loss = model(**sft_batch(tok, rows, scratch), use_cache=False).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        yield loss.item()
+    """make_tiny_model.sft_loop on `train`, a scratchpad target with p_scratch(ops)."""
+    return sft_loop(model, train, args, lambda rows, rng: sft_batch(
+        tok, rows, [rng.random() < p_scratch(num_ops(r["prompt"]), args) for r in rows]))
 
 
 def step_accuracy(completion: str, prompt: str) -> tuple[int, int]:

@@ -21,8 +21,10 @@ import argparse
 import inspect
 import json
 import os
+import random
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -190,6 +192,30 @@ def save_model(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, out: str) 
 
 # -----------------------------------------------------------------------------
 # main
+
+
+def sft_loop(model, train: list[dict], args, make_batch) -> Iterator[float]:
+    """AdamW (betas 0.9/0.95, linear warm-up, grad clip 1) on shuffled batches of `train`; yields
+    each step's loss after its update. Batch order comes from torch.Generator(seed);
+    make_batch(rows, rng) builds a batch, drawing each row's format from rng = random.Random(seed +
+    12345), so steps are a function of (seed, train) alone. The chain and calc builders use it."""
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
+    gen = torch.Generator().manual_seed(args.seed)
+    fmt_rng = random.Random(args.seed + 12345)
+    order: list[int] = []
+    while True:
+        model.train()
+        if len(order) < args.batch_size:  # reshuffle each epoch; drop the ragged tail
+            order = torch.randperm(len(train), generator=gen).tolist()
+        idx, order = order[: args.batch_size], order[args.batch_size :]
+        loss = model(**make_batch([train[i] for i in idx], fmt_rng), use_cache=False).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        yield loss.item()
 
 
 def main() -> None:
