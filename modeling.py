@@ -579,12 +579,11 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
     return (a.to(up) @ b.to(up)).to(out_dtype)
 
 
-class HeadLogits(torch.autograd.Function):
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                ) -> torch.Tensor:
     """The sampler's logits hW^T (+ b) [n, V] in fp32 at least by a half GEMM where one runs."""
-    @staticmethod
-    def forward(ctx, hidden, weight, bias):
-        logits = _mm(hidden, weight.t(), torch.promote_types(hidden.dtype, torch.float32))
-        return logits if bias is None else logits + bias
+    logits = _mm(hidden, weight.t(), torch.promote_types(hidden.dtype, torch.float32))
+    return logits if bias is None else logits + bias
 
 
 def check_model(model, vocab_size: int) -> str | None:

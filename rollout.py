@@ -227,7 +227,7 @@ class HFEngine(Engine):
         def forward(ids, mask, pos):  # the last position's fp32 logits, as the trainer's head
             hidden = body(input_ids=ids, attention_mask=mask, position_ids=pos,
                           **kw).last_hidden_state[:, -1]
-            logits = modeling.HeadLogits.apply(hidden, head.weight, getattr(head, "bias", None))
+            logits = modeling.head_logits(hidden, head.weight, getattr(head, "bias", None))
             logits = logits * scale
             return logits if softcap is None else softcap * torch.tanh(logits / softcap)
         logits = forward(input_ids, attention[:, :L], position_ids)

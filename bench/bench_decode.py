@@ -56,14 +56,21 @@ def build_model(name: str, **overrides) -> str:
     return out
 
 
-def old_rollout(rev: str = BASELINE):
-    """rollout.py as it was at `rev`, imported as a module of its own."""
-    path = Path(tempfile.mkdtemp(prefix="bench_decode_old_")) / f"rollout_{rev}.py"
-    path.write_text(subprocess.run(["git", "show", f"{rev}:rollout.py"], cwd=ROOT, check=True,
+def old_module(name: str, rev: str):
+    """`name`.py as it was at `rev`, imported as a module of its own."""
+    path = Path(tempfile.mkdtemp(prefix="bench_decode_old_")) / f"{name}_{rev}.py"
+    path.write_text(subprocess.run(["git", "show", f"{rev}:{name}.py"], cwd=ROOT, check=True,
                                    capture_output=True, text=True).stdout)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = sys.modules[path.stem] = importlib.util.module_from_spec(spec)  # dataclasses look
     spec.loader.exec_module(module)
+    return module
+
+
+def old_rollout(rev: str = BASELINE):
+    """rollout.py as it was at `rev`, calling that revision's modeling.py (its head's API)."""
+    module = old_module("rollout", rev)
+    module.modeling = old_module("modeling", rev)
     return module
 
 

@@ -1,5 +1,5 @@
 """The head's log-probs: fp32 logits from half GEMMs in forward and backward (modeling.HeadLogprobs;
-the sampler's HeadLogits forward only).
+the sampler's head_logits).
 
 References are plain autograd on upcast copies. The GPU path (torch.mm with out_dtype, whose kernels
 are CUDA/XPU only) runs here on a CPU through a dispatch mode that supplies aten::mm.dtype with the
@@ -76,9 +76,9 @@ def test_half_head_logprobs_and_gradients_equal_an_upcast_fp32_reference(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_the_samplers_head_logits_equal_a_plain_linear_in_fp32_at_least(dtype):
-    """HeadLogits (the sampler's, forward only): fp32 logits of a half head, fp64 of an fp64."""
+    """head_logits (the sampler's, forward only): fp32 logits of a half head, fp64 of an fp64."""
     *inputs, _ = head_inputs(dtype)
-    got = modeling.HeadLogits.apply(*inputs)
+    got = modeling.head_logits(*inputs)
     want = F.linear(*[x.to(got.dtype) for x in inputs])
     assert got.dtype == torch.promote_types(dtype, torch.float32)
     tol = {torch.float64: 1e-13}.get(dtype, 2e-6)

@@ -407,7 +407,7 @@ def test_a_server_refusing_a_weight_update_session_fails_the_sync_with_its_messa
 
 
 def test_the_hf_engines_logprobs_in_bf16_are_the_trainers_fp32_head_of_the_same_weights(tmp_path):
-    """A bf16 HFEngine samples from fp32 logits, as the bf16 trainer's head (modeling.HeadLogits)
+    """A bf16 HFEngine samples from fp32 logits, as the bf16 trainer's head (modeling.head_logits)
     computes them: with a body that is exact in bf16 (layers whose outputs are zero; a real body's
     cached decode and packed forward round differently) pi/pi_behave = 1 to fp32 rounding. bf16
     logits (the model's own lm_head) were off by ~1e-2 at these logits (~30)."""
