@@ -4,6 +4,7 @@ bad input."""
 import json
 import math
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import torch
 import warm
 
 import nanoareal as N
+import packing
 import tasks
 from cli import UserError
 
@@ -166,6 +168,35 @@ def test_pack_microbatches_aligns_targets_masks_and_respects_the_token_budget():
     assert mb.behave_logprobs[2:4].tolist() == pytest.approx([-0.1, -0.2])
     assert mb.seq_ids.tolist() == [-1, -1, 0, 0, -1, -1, 1]
     assert mb.segments.tolist() == [[0, 4, 0, 0], [4, 3, 0, 0]]
+
+
+def _fed(spans, starts):
+    """Positions each micro-batch feeds: a prompt's prefix once, then every sample's tail."""
+    out = []
+    for a, b in zip(starts, starts[1:] + [len(spans)]):
+        out.append(sum(r if k in {k2 for k2, _, _ in spans[a:i]} else p + r - 1
+                       for i, (k, p, r) in enumerate(spans[a:b], a)))
+    return out
+
+
+def test_micro_batches_are_as_even_as_in_order_cuts_allow_and_no_more_of_them():
+    # 4 groups x 4 answers of 512 after 64-token prompts: greedy cuts at 4096 make 3710/3773/1087
+    samples = [_sample(g, [1 + g] * 64, [7] * 512) for g in range(4) for _ in range(4)]
+    mbs = N.pack_microbatches(samples, N.Config(micro_batch_tokens=4096))
+    assert [mb.input_ids.numel() for mb in mbs] == [3198, 3198, 2111]
+    assert sum(mb.loss_mask.sum().item() for mb in mbs) == 16 * 512
+    rng = random.Random(0)
+    for _ in range(300):  # random lengths against a plain greedy fill at the budget
+        spans = [(rng.randrange(4), rng.randint(1, 30), rng.randint(1, 30))
+                 for _ in range(rng.randint(1, 30))]
+        budget = rng.randint(20, 120)
+        greedy = [0]
+        for i in range(1, len(spans)):
+            if _fed(spans[greedy[-1] : i + 1], [0])[0] > budget:  # sample i overflows: cut
+                greedy.append(i)
+        even = packing.cuts(spans, budget)
+        assert even[0] == 0 and len(even) <= len(greedy)
+        assert max(_fed(spans, even)) <= max(_fed(spans, greedy))
 
 
 def test_mask_truncated_removes_truncated_responses_from_numerator_and_denominator():
