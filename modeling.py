@@ -27,6 +27,11 @@ ATTENTION_PATHS = ("auto", "flash_attn", "torch_varlen", "sdpa")
 # padded path: short segments sharing a context (a group's completions and their prompt) share one
 # row of at most this many slots: a CPU's sdpa costs per row, and 8 x 10 slots cost more than 32
 GROUP_ROW_SLOTS = 64
+# selective checkpointing keeps these ops' outputs (a layer's matmuls and attention kernel)
+KEPT_OPS = tuple(getattr(torch.ops.aten, op).default for op in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention") if hasattr(torch.ops.aten, op))
 # model_type prefix -> (the config field that scales its head's logits, whether it divides by it)
 HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", False),
                "hyperclovax": ("logits_scaling", False), "falcon_h1": ("lm_head_multiplier", False)}
@@ -384,7 +389,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermediate: int,
-                kv_dim: int, vocab: int, world: int, tokens: int, checkpointing: bool, *,
+                kv_dim: int, vocab: int, world: int, tokens: int, checkpointing: bool | str, *,
                 tied: bool = False, master_bytes: int = 4, frozen_bytes: int | None = None,
                 compute_bytes: int = 2, engine_generating: float = 0.0,
                 engine_training: float = 0.0, grads_unsharded: bool = False,
@@ -394,15 +399,17 @@ def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermedi
     AdamW state (fp32: `master_bytes`), the rest frozen in `frozen_bytes` (LoRA's base); `tokens`
     a micro-batch's positions on this rank (--micro-batch-tokens / --cp-size). Activations saved
     per token and layer: the two RMSNorms' fp32 inputs and outputs, q, k, v, attention output,
-    o_proj input, the MLP's gate, SiLU, up and product; checkpointed, only each layer's input,
-    plus one layer recomputed. "gathered": FSDP2's unsharded params and grads (two layers, the
-    root). `grads_unsharded`: gradients accumulate unsharded until the optimizer step. The engine
-    holds `engine_generating` while it generates (the trainer's weights and AdamW stay) and
+    o_proj input, the MLP's gate, SiLU, up and product; checkpointed, only each layer's input
+    (`checkpointing` "selective": and what its matmuls and attention return), plus one layer
+    recomputed. "gathered": FSDP2's unsharded params and grads (two layers, the root).
+    `grads_unsharded`: gradients accumulate unsharded until the optimizer step. The engine holds
+    `engine_generating` while it generates (the trainer's weights and AdamW stay) and
     `engine_training` while the trainer trains; "total" is the larger of the two phases."""
     frozen_bytes = master_bytes if frozen_bytes is None else frozen_bytes
     root = vocab * hidden * (1 if tied else 2)
     layer = tokens * (8 * hidden + compute_bytes * (5 * hidden + 2 * kv_dim + 4 * intermediate))
-    saved = layers * tokens * hidden * compute_bytes if checkpointing else layers * layer
+    kept = {"selective": 5 * hidden + 2 * kv_dim + 2 * intermediate}.get(checkpointing, hidden)
+    saved = layers * tokens * kept * compute_bytes if checkpointing else layers * layer
     plan = {"weights": (trainable * master_bytes + (params - trainable) * frozen_bytes) / world,
             "grads": trainable * master_bytes * (1 / world + grads_unsharded),
             "adamw": 2 * trainable * master_bytes / world,
@@ -416,16 +423,20 @@ def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermedi
     return plan
 
 
-def checkpoint_layers(model: torch.nn.Module) -> None:
+def checkpoint_layers(model: torch.nn.Module, selective: bool = False) -> None:
     """Activation checkpointing: each decoder layer keeps only its inputs for backward and runs
-    its forward again there. Non-reentrant, inside FSDP2's hooks (they gather the layer's weights
-    for the rerun too); a CP all-to-all inside reruns on every rank alike. Exact: no dropout."""
+    its forward again there; `selective` also keeps what KEPT_OPS return, so the rerun is the
+    elementwise work alone (norms, RoPE, activation, products). Non-reentrant, inside FSDP2's
+    hooks (they gather the layer's weights for the rerun too); a CP all-to-all inside reruns on
+    every rank alike. Exact: no dropout, and a rerun op computes what it computed before."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts as keeping
+    kw = {"context_fn": functools.partial(keeping, list(KEPT_OPS))} if selective else {}
     for layer in decoder_layers(model):
         layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward,
-                                          use_reentrant=False)
+                                          use_reentrant=False, **kw)
 
 
-def startup_memory(model, world: int, tokens: int, checkpointing: bool, mixed: bool,
+def startup_memory(model, world: int, tokens: int, checkpointing: bool | str, mixed: bool,
                    gpu: tuple[int, int] | None = None, engine_releases: bool = False,
                    frozen_copies: int = 0) -> tuple[str, bool]:
     """(the plan's line, whether gradients may accumulate unsharded until the optimizer step:

@@ -62,7 +62,9 @@ REWARD_TIMEOUT_S = 30.0  # a reward call that takes longer scores 0 and is count
 DIST_TIMEOUT_S = 1800.0  # a collective waits this long for a peer: a dead rank never hangs a run
 MAX_BAD_STEPS = 3  # stop after this many steps in a row with a non-finite gradient norm
 CKPT_MINUTES = 10.0  # save a checkpoint when this long has passed since the last one
-CHECKPOINT_LAYERS = None  # rerun decoder layers in backward (exact, ~10x less memory): None: GPU
+CHECKPOINT_LAYERS = None  # rerun in backward, exact: True every decoder layer (~10x less memory),
+# "selective" its elementwise work (~half); None: True on a GPU, selective on a CPU where a layer's
+SELECTIVE_FROM = 2**20  # micro-batch input has this many elements (below, its per-op cost shows)
 
 # -----------------------------------------------------------------------------
 # config: one flat set of flags, `--help` its documentation. A Volatile flag changes how a run is
@@ -665,21 +667,23 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
     mixed = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
     mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                             reduce_dtype=torch.float32)} if mixed else {}
-    checkpointed = trainable and (device.type == "cuda" if CHECKPOINT_LAYERS is None
-                                  else CHECKPOINT_LAYERS)
+    tokens = -(-cfg.micro_batch_tokens // ranks.cp_size)  # of a micro-batch on this rank
 
     def shard(model):
         mesh = init_device_mesh(device.type, (ranks.world,))
         for block in modeling.decoder_layers(model):
             fully_shard(block, mesh=mesh, **mp)
         fully_shard(model, mesh=mesh, **mp)
-        if checkpointed:
-            modeling.checkpoint_layers(model)
+        big = tokens * model.config.get_text_config().hidden_size >= SELECTIVE_FROM
+        model.checkpointed = trainable and (CHECKPOINT_LAYERS if CHECKPOINT_LAYERS is not None
+                                            else device.type == "cuda" or big and "selective")
+        if model.checkpointed:
+            modeling.checkpoint_layers(model, selective=model.checkpointed == "selective")
     model, attention = modeling.load_causal_lm(  # LoRA: the frozen base in the compute dtype
         cfg.model, torch.bfloat16 if cfg.lora_rank and mixed else torch.float64 if
         cfg.dtype == "float64" else torch.float32, device, ranks.cp_size, ATTENTION, mixed,
         check=trainable, shard=shard, lora=(cfg.lora_rank, cfg.lora_adapter))
-    model.mixed, model.checkpointed, model.defer_grad_sync = mixed, checkpointed, False
+    model.mixed, model.defer_grad_sync = mixed, False
     if trainable:
         compute = "bf16 (fp32 master weights)" if mixed else str(model.dtype).removeprefix("torch.")
         print0(f"{attention}; compute: {compute}")

@@ -70,12 +70,9 @@ def cuts(spans: list[tuple], budget: int) -> list[int]:
     def greedy(cap: int) -> list[int]:
         starts, used, seen = [], 0, set()
         for i, (key, p, r) in enumerate(spans):
-            cost = r if key in seen else p + r - 1
-            if not starts or used + cost > cap:
-                starts.append(i)
-                used, seen = 0, set()
-                cost = p + r - 1
-            used += cost
+            if not starts or used + (r if key in seen else p + r - 1) > cap:
+                starts, used, seen = starts + [i], 0, set()
+            used += r if key in seen else p + r - 1
             seen.add(key)
         return starts
     n, lo, hi = len(greedy(budget)), 1, budget

@@ -48,6 +48,9 @@ def test_memory_plan_parts_follow_their_formulas():
     ckpt = modeling.memory_plan(**kw, checkpointing=True)
     assert ckpt["activations"] == 2 * 5 * 8 * 2 + 2 * layer
     assert ckpt["total"] == sum(v for k, v in ckpt.items() if k != "total")
+    # selective: the input, q, k, v, attention output, o_proj's, gate, up and down_proj's outputs
+    kept = modeling.memory_plan(**kw, checkpointing="selective")
+    assert kept["activations"] == 2 * 5 * (5 * 8 + 2 * 4 + 2 * 16) * 2 + 2 * layer
     unsharded = modeling.memory_plan(**kw, checkpointing=True, grads_unsharded=True)
     assert unsharded["grads"] - ckpt["grads"] == 600 * 4  # the whole gradient on every rank
     # an engine that takes 1e6 while generating: the trainer keeps weights and AdamW meanwhile
@@ -159,13 +162,13 @@ class GradCapture:
 
 def test_checkpointed_layers_rerun_in_backward_and_leave_gradients_unchanged(monkeypatch):
     """The trainer's own path (load_model, pack_microbatches, train_minibatch: three micro-batches,
-    FSDP2 reduce-scatters deferred to the last) in float64, CHECKPOINT_LAYERS on and off."""
+    FSDP2 reduce-scatters deferred to the last) in float64, CHECKPOINT_LAYERS off, on, selective."""
     cfg = N.validate_config(replace(N.Config(), micro_batch_tokens=24, dtype="float64",
                                     entropy_coef=0.01), 1)
     samples = [N.Sample(g, [4 + g, 13, 5], N.Completion([6 + g, 7, 8 + g, 1], [-0.5] * 4, "stop"),
                         advantage=(-1.0) ** (g + k)) for g in range(6) for k in range(2)]
     grads, calls = [], []
-    for on in (False, True):
+    for on in (False, True, "selective"):
         monkeypatch.setattr(N, "CHECKPOINT_LAYERS", on)
         model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
         assert model.checkpointed == on and model.defer_grad_sync
@@ -179,9 +182,38 @@ def test_checkpointed_layers_rerun_in_backward_and_leave_gradients_unchanged(mon
                           torch.device("cpu"), N.Ranks())
         grads.append(capture.grads)
         calls.append(len(count) / len(mbs))
-    assert calls == [1, 2]  # checkpointed: every layer's forward again in backward
+    assert calls == [1, 2, 2]  # checkpointed: every layer's forward again in backward
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(grads[2][name], g, rtol=0, atol=0)  # the same ops, bit for bit
+
+
+def test_selective_checkpointing_reruns_no_matmul_in_backward(monkeypatch):
+    """Selective keeps every matmul's output: backward runs as many as without checkpointing,
+    while full checkpointing runs each layer's forward matmuls again. A CPU run picks it by size."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n = getattr(self, "n", 0) + (func in modeling.KEPT_OPS[:3])
+            return func(*args, **(kwargs or {}))
+    cfg = N.validate_config(replace(N.Config(), dtype="float64"), 1)
+    samples = [N.Sample(g, [4 + g, 13, 5], N.Completion([6, 7, 8, 1], [-0.5] * 4, "stop"),
+                        advantage=1.0) for g in range(2)]
+    counts = {}
+    for on in (False, True, "selective"):
+        monkeypatch.setattr(N, "CHECKPOINT_LAYERS", on)
+        model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
+        logprobs, _ = N.microbatch_forward(model, N.pack_microbatches(samples, cfg)[0], cfg,
+                                           torch.device("cpu"), N.Ranks(), grad=True)
+        with CountMatmuls() as mode:
+            logprobs.sum().backward()
+        counts[on] = mode.n
+    assert counts["selective"] == counts[False] < counts[True]
+    monkeypatch.setattr(N, "CHECKPOINT_LAYERS", None)  # a CPU: selective once layer inputs are big
+    for tokens, want in ((4096, False), (8192, "selective")):  # x hidden 128: 2^19, 2^20
+        big = N.validate_config(replace(N.Config(), micro_batch_tokens=tokens), 1)
+        assert N.load_models(big, torch.device("cpu"), N.Ranks())[0].checkpointed == want
 
 
 def test_the_model_loads_sharded_with_its_weights_buffers_and_ties(tmp_path):
