@@ -229,7 +229,8 @@ def main(argv: list[str]) -> None:
     # the engine first: SGLang sizes its KV cache from the GPU memory free when it starts
     engine = rollout.make_engine(cfg.rollout_backend, cfg.rollout_url, cfg.model, device,
                                  run_dir=cfg.run_dir, seed=cfg.seed, weight_sync=cfg.weight_sync,
-                                 deterministic=cfg.sglang_deterministic)
+                                 deterministic=cfg.sglang_deterministic,
+                                 share=cfg.max_staleness == 0 and ranks.world == 1)
     model, ref_model, optimizer = load_models(cfg, device, ranks, engine)
     reduction = loss.build_loss(cfg, dist.group.WORLD, cp_factor=ranks.cp_size)
     run = resume(cfg, model, optimizer, engine, ranks, resuming)  # step, updates, batches ahead
@@ -779,8 +780,8 @@ def resume(cfg: Config, model, optimizer, engine, ranks: Ranks, resuming: bool) 
         done = " (nothing left to train)" if meta["step"] >= cfg.steps > 0 else ""
         print0(f"evaluating step {meta['step']} ({path})" if cfg.steps == 0 else
                f"resumed from step {meta['step']} ({path}){done}")
-    if path is not None or cfg.lora_adapter:  # the engine loaded --model: these weights instead
-        engine.update_weights(model, run.step)
+    if path is not None or cfg.lora_adapter or engine.share:  # the engine loaded --model: these
+        engine.update_weights(model, run.step)  # weights instead (share: the trainer's tensors)
     if ranks.rank == 0:  # the run starts: its directory holds its config from now on
         checkpoint.write_config(cfg.run_dir, asdict(cfg))
         for name in ("metrics.jsonl", "samples.jsonl") if cfg.steps else ():

@@ -81,6 +81,7 @@ class Engine(Protocol):
     generate call; servers own their GPUs)."""
     version: int  # the policy version (optimizer steps) of the weights it holds
     overlaps: str  # how it generates while the trainer trains: "process", "thread" or "" (not)
+    share: bool = False  # it generates with the trainer's own tensors: update_weights copies none
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
                  seeds: list[int], groups: list | None = None) -> list[Completion]: ...
@@ -164,16 +165,19 @@ class HFEngine(Engine):
     """Rollouts on a private transformers copy of the policy (CPU default; one GPU works too). On
     a CPU its weights and version live in shared memory: a forked rollout process generates while
     the trainer trains (a thread would share the trainer's GIL: 3-12% slower training); on a GPU a
-    thread does (CUDA does not survive a fork)."""
+    thread does (CUDA does not survive a fork). `share` (one rank, nothing generated ahead):
+    update_weights points its parameters at the trainer's own, where they match, and copies none:
+    no second copy, and the trainer's in-place optimizer steps are the weight sync."""
 
     def __init__(self, model_path: str, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None, batch_size: int = 512):
+                 dtype: torch.dtype | None = None, batch_size: int = 512, share: bool = False):
         from transformers import AutoModelForCausalLM
-        self.device, self.batch_size = torch.device(device), batch_size
+        self.device, self.batch_size, self.share = torch.device(device), batch_size, share
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32)
         self.model = self.model.to(self.device).eval().requires_grad_(False)  # no autograd graph
         self.overlaps, self._version = "thread", torch.zeros((), dtype=torch.int64)
-        if self.device.type == "cpu" and "fork" in multiprocessing.get_all_start_methods():
+        if not share and self.device.type == "cpu" and "fork" in \
+                multiprocessing.get_all_start_methods():
             self.overlaps = "process"
             old = {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}
             *copies, self._version = shared_copies([*old.values(), self._version])
@@ -189,9 +193,18 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
-        own = self.model.state_dict()
-        for name, tensor in iter_full_tensors(model, self.model.dtype):
-            own[name].copy_(tensor)
+        mine = dict(self.model.named_parameters())  # (a DTensor of a mesh of one holds it whole)
+        theirs = {n: p.to_local() if hasattr(p, "to_local") else p
+                  for n, p in model.named_parameters() if n in mine}
+        if self.share and len(theirs) == len(mine) and all(
+                (t.shape, t.dtype, t.device) == (mine[n].shape, mine[n].dtype, mine[n].device)
+                for n, t in theirs.items()):
+            for n, t in theirs.items():
+                mine[n].data = t.detach()
+        else:
+            own = self.model.state_dict()
+            for name, tensor in iter_full_tensors(model, self.model.dtype):
+                own[name].copy_(tensor)
         self._version.fill_(version)
 
     def shutdown(self) -> None:
@@ -848,9 +861,10 @@ def check_rollout_config(backend: str, urls: list[str], weight_sync: str, determ
 
 def make_engine(backend: str, urls: list[str], model_path: str, device: torch.device, *,
                 run_dir: str, seed: int, deterministic: bool = False,
-                weight_sync: str = "auto") -> Engine:
+                weight_sync: str = "auto", share: bool = False) -> Engine:
     if backend == "hf":
-        return HFEngine(model_path, device, torch.bfloat16 if device.type == "cuda" else None)
+        return HFEngine(model_path, device, torch.bfloat16 if device.type == "cuda" else None,
+                        share=share)
     if urls:
         return RemoteSGLangEngine(urls, model_path, run_dir, weight_sync, deterministic)
     return SGLangEngine(model_path, gpu_id=device.index or 0, seed=seed, device=device,

@@ -81,7 +81,9 @@ SHAPES = {
                          vocab_size=49152, rope_theta=1e5, rms_norm_eps=1e-5,
                          tie_word_embeddings=True, max_position_embeddings=2048,
                          hidden_act="silu"),
-    "qwen2.5-0.5b": QWEN25_05B,
+    # as a Llama: transformers 5.x gives a qwen2 directory Qwen2's own tokenizer class, which
+    # reads the word-level tokenizer as no tokens; Qwen2 only adds q/k/v biases (0.006% of weights)
+    "qwen2.5-0.5b": QWEN25_05B | {"model_type": "llama"},
     "tiny": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                  tie_word_embeddings=True, max_position_embeddings=256, hidden_act="silu"),

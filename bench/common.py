@@ -54,8 +54,11 @@ class NanoRun:
                                     cfg.micro_batch_tokens)
         self.reward_fn = tasks.load_reward(cfg.reward)
         self.engine = rollout.make_engine(cfg.rollout_backend, cfg.rollout_url, cfg.model,
-                                          self.device, run_dir="runs/bench", seed=cfg.seed)
-        self.model, _, self.optimizer = N.load_models(cfg, self.device, self.ranks)
+                                          self.device, run_dir="runs/bench", seed=cfg.seed,
+                                          share=cfg.max_staleness == 0 and self.ranks.world == 1)
+        self.model, _, self.optimizer = N.load_models(cfg, self.device, self.ranks, self.engine)
+        if self.engine.share:  # as nanoareal.resume does: generate with the trainer's tensors
+            self.engine.update_weights(self.model, 0)
         self.reduction = L.build_loss(cfg)
         self.rollouts = rollout.Rollouts(
             lambda s: N.rollout_batch(self.engine, self.data, self.reward_fn, s, cfg, self.ranks),

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import modeling
 import nanoareal as N
+import rollout
 from cli import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,12 +192,6 @@ def test_checkpointed_layers_rerun_in_backward_and_leave_gradients_unchanged(mon
 def test_selective_checkpointing_reruns_no_matmul_in_backward(monkeypatch):
     """Selective keeps every matmul's output: backward runs as many as without checkpointing,
     while full checkpointing runs each layer's forward matmuls again. A CPU run picks it by size."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountMatmuls(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n = getattr(self, "n", 0) + (func in modeling.KEPT_OPS[:3])
-            return func(*args, **(kwargs or {}))
     cfg = N.validate_config(replace(N.Config(), dtype="float64"), 1)
     samples = [N.Sample(g, [4 + g, 13, 5], N.Completion([6, 7, 8, 1], [-0.5] * 4, "stop"),
                         advantage=1.0) for g in range(2)]
@@ -206,14 +201,34 @@ def test_selective_checkpointing_reruns_no_matmul_in_backward(monkeypatch):
         model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
         logprobs, _ = N.microbatch_forward(model, N.pack_microbatches(samples, cfg)[0], cfg,
                                            torch.device("cpu"), N.Ranks(), grad=True)
-        with CountMatmuls() as mode:
+        with CountOps() as mode:
             logprobs.sum().backward()
-        counts[on] = mode.n
+        counts[on] = sum(op in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
+                         for op in mode.ops)
     assert counts["selective"] == counts[False] < counts[True]
     monkeypatch.setattr(N, "CHECKPOINT_LAYERS", None)  # a CPU: selective once layer inputs are big
     for tokens, want in ((4096, False), (8192, "selective")):  # x hidden 128: 2^19, 2^20
         big = N.validate_config(replace(N.Config(), micro_batch_tokens=tokens), 1)
         assert N.load_models(big, torch.device("cpu"), N.Ranks())[0].checkpointed == want
+
+
+def test_a_synchronous_hf_engine_generates_with_the_trainers_own_tensors(tmp_path):
+    """K = 0 on one rank: once resume() has run, the engine's parameters are the trainer's storage
+    (no second copy; the optimizer's in-place steps are the sync; test_staleness's K = 0 run checks
+    the metrics)."""
+    cfg = N.validate_config(replace(N.Config(), run_dir=str(tmp_path)), 1)
+    engine = rollout.make_engine("hf", [], cfg.model, torch.device("cpu"), run_dir="unused",
+                                 seed=0, share=True)
+    model, _, optimizer = N.load_models(cfg, torch.device("cpu"), N.Ranks(), engine)
+    N.resume(cfg, model, optimizer, engine, N.Ranks(), resuming=False)
+    with torch.no_grad():
+        theirs = {n: p.to_local().data_ptr() for n, p in model.named_parameters()}
+    assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == theirs
+    plain = rollout.make_engine("hf", [], cfg.model, torch.device("cpu"), run_dir="unused", seed=0)
+    model = N.load_models(cfg, torch.device("cpu"), N.Ranks(), plain)[0]
+    with torch.no_grad():
+        theirs = {p.to_local().data_ptr() for p in model.parameters()}
+    assert not theirs & {p.data_ptr() for p in plain.model.parameters()}  # a copy of its own
 
 
 def test_the_model_loads_sharded_with_its_weights_buffers_and_ties(tmp_path):

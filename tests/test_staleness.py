@@ -58,6 +58,7 @@ def test_k0_is_the_synchronous_loop_it_replaced(tmp_path):
     for got, want in zip(rows, SYNCHRONOUS, strict=True):
         assert {k: got[k] for k in want} == pytest.approx(want, rel=1e-6, abs=1e-9)
         assert got["policy_version"] == got["step"] - 1 and got["staleness"] == 0
+        assert got["logprob_mismatch"] < 1e-5  # the engine samples by the updated weights
 
 
 @pytest.fixture(scope="module")
