@@ -175,6 +175,9 @@ class HFEngine(Engine):
         self.device, self.batch_size, self.share = torch.device(device), batch_size, share
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32)
         self.model = self.model.to(self.device).eval().requires_grad_(False)  # no autograd graph
+        for m in self.model.modules() if self.device.type == "cpu" else ():  # decode's few rows
+            if isinstance(m, nn.Linear):
+                m.forward = lambda x, m=m: modeling.rows_by_weight(x, m.weight, m.bias)
         self.overlaps, self._version = "thread", torch.zeros((), dtype=torch.int64)
         if not share and self.device.type == "cpu" and "fork" in \
                 multiprocessing.get_all_start_methods():

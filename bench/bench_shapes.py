@@ -44,7 +44,9 @@ decoder forwards that generation runs (nanoareal's engine holds a model of its o
 R = rows a forward returns logits for (one each: the last position); P from the attention mask.
 Against two peaks the parent measures at the same thread count just before each configuration:
 a `--peak-n`^3 fp32 matmul (the larger of two), and for generation also the batch's own decode
-matmuls ([rows, d] @ each layer weight and the head, weighted as one decode step runs them).
+matmuls ([rows, d] @ every layer's weights and the head, the attention GEMVs over the mean
+context): "streamed" runs one whole step with every layer's own tensors, as a decode reads them
+from memory (the limit a decode step has); "cache-hot" times each shape alone (an upper bound).
 
 TRL 1.16 `GRPOTrainer`, configured as bench_vs_trl.py (equivalent loss: nanoareal token_mean
 PPO-clip == loss_type "dapo", eps 0.2, beta 0 so no reference model, group-std advantages, one
@@ -414,27 +416,44 @@ class Sampler(threading.Thread):
                                            descendants_uss(side.proc.pid))
 
 
-def decode_peak(shape: dict, rows: int, reps: int = 30) -> float:
-    """FLOP/s of one decode step's matmuls at their own shapes: [rows, d] @ every layer weight
-    (q, k, v, o, gate, up, down) and the head, each call timed alone and the fastest of `reps`
-    kept (on a shared machine a 2-thread call of ~1 ms often waits out another process's time
-    slice: the fastest is what the shape allows), weighted by how often a step runs it."""
+def decode_peak(shape: dict, rows: int, context: int, reps: int = 5) -> tuple[float, float]:
+    """FLOP/s one decode step's matmuls allow at their own shapes: [rows, d] @ every layer's
+    weights (q, k, v, o, gate, up, down) and the head, and each layer's attention GEMVs (q @ K^T,
+    p @ V over `context` keys, grouped heads batched as SDPA runs them). (streamed, cache-hot):
+    streamed gives every layer its own weights and K/V, as a real step reads them (135M shape: 540
+    MB, past any cache), the fastest of `reps` whole steps; cache-hot times each shape alone on the
+    same tensors, the fastest of 6 * reps calls (an upper bound a decode cannot reach)."""
     d, i = shape["hidden_size"], shape["intermediate_size"]
     hd = shape.get("head_dim") or d // shape["num_attention_heads"]
-    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
-    layers = shape["num_hidden_layers"]
-    mats = [((q, d), layers), ((kv, d), 2 * layers), ((d, q), layers), ((i, d), 2 * layers),
-            ((d, i), layers), ((shape["vocab_size"], d), 1)]
-    work = seconds = 0.0
-    for (out, inp), count in mats:
-        w, x = torch.randn(out, inp), torch.randn(rows, inp)
-        best = float("inf")
-        for _ in range(reps + 1):  # the first call warms up
-            t = time.perf_counter()
-            torch.nn.functional.linear(x, w)
-            best = min(best, time.perf_counter() - t)
-        work, seconds = work + 2 * rows * inp * out * count, seconds + best * count
-    return work / seconds
+    heads, kvh = shape["num_attention_heads"], shape["num_key_value_heads"]
+    q, kv, layers = heads * hd, kvh * hd, shape["num_hidden_layers"]
+    x = {n: torch.randn(rows, n) for n in {d, i, q}}
+    attn = lambda: (torch.randn(rows, kvh, heads // kvh, hd), torch.randn(rows, kvh, context, hd))
+    calls = [(torch.nn.functional.linear, (x[inp], torch.randn(out, inp)), 2 * rows * inp * out)
+             for _ in range(layers) for out, inp in ((q, d), (kv, d), (kv, d), (d, q), (i, d),
+                                                     (i, d), (d, i))]
+    calls += [(torch.matmul, (a, b.transpose(-1, -2)), 2 * rows * heads * hd * context)
+              for a, b in (attn() for _ in range(2 * layers))]  # scores, then values (same FLOPs)
+    calls.append((torch.nn.functional.linear, (x[d], torch.randn(shape["vocab_size"], d)),
+                  2 * rows * d * shape["vocab_size"]))
+    work, streamed, hot, seen = sum(c[2] for c in calls), float("inf"), 0.0, {}
+    for _ in range(reps + 1):  # the first pass warms up
+        t = time.perf_counter()
+        for fn, args, _ in calls:
+            fn(*args)
+        streamed = min(streamed, time.perf_counter() - t)
+    for fn, args, _ in calls:  # one call per distinct shape, timed alone, hot
+        key = (fn, *(a.shape for a in args))
+        if key not in seen:
+            seen[key] = min(_timed_once(fn, args) for _ in range(6 * reps + 1))
+        hot += seen[key]
+    return work / streamed, work / hot
+
+
+def _timed_once(fn, args) -> float:
+    t = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t
 
 
 def alternate(sides: list[Side], sampler: Sampler, total: int) -> dict[str, list[dict]]:
@@ -470,6 +489,7 @@ def summarize(facts: dict, steps: list[dict], peaks: dict) -> dict:
             "train_flops": med(train), "gen_flops": med(gen),
             "train_share": med(train) / peaks["square"], "gen_share": med(gen) / peaks["square"],
             "gen_decode_share": med(gen) / peaks["decode"],
+            "gen_hot_share": med(gen) / peaks["decode_hot"],
             "train_positions": med(r["train_positions"] for r in steps),
             "gen_positions": med(r["gen_positions"] for r in steps),
             "generated": med(r["generated"] for r in steps),
@@ -521,17 +541,20 @@ def print_config(shape: str, tokens: int, res: dict, args) -> None:
           f"{nano['micro_batch_tokens']} tokens; TRL micro-batch {trl['micro_batch']} sequences; "
           f"matmul weights {nano['n'][0] / 1e6:.1f} M decoder + {nano['n'][1] / 1e6:.1f} M head; "
           f"peaks: fp32 {args.peak_n}^3 matmul {res['peaks']['square'] / 1e9:.1f} GFLOP/s, "
-          f"decode-step matmuls {res['peaks']['decode'] / 1e9:.1f} GFLOP/s\n")
+          f"decode-step matmuls {res['peaks']['decode'] / 1e9:.1f} GFLOP/s streamed, "
+          f"{res['peaks']['decode_hot'] / 1e9:.1f} cache-hot\n")
     print("| trainer | step s | generation s | training s | other s | trained positions | "
           "training GFLOP/s (of peak) | generation positions fed | generation GFLOP/s (of peak, "
-          "of decode-shape peak) | peak RSS GiB, steps | start-up peak RSS GiB |")
+          "of decode-step peak streamed, cache-hot) | peak RSS GiB, steps | start-up peak RSS "
+          "GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in SIDES:
         r = res[name]
         print(f"| {name} | {spread(r['step'])} | {spread(r['gen'])} | {spread(r['train'])} | "
               f"{spread(r['other'], 2)} | {r['train_positions']:.0f} | {r['train_flops'] / 1e9:.1f}"
               f" ({r['train_share']:.0%}) | {r['gen_positions']:.0f} | "
-              f"{r['gen_flops'] / 1e9:.1f} ({r['gen_share']:.0%}, {r['gen_decode_share']:.0%}) | "
+              f"{r['gen_flops'] / 1e9:.1f} ({r['gen_share']:.0%}, {r['gen_decode_share']:.0%}, "
+              f"{r['gen_hot_share']:.0%}) | "
               f"{memory(r)} | {r['facts']['startup_hwm'] / 2**30:.2f} |", flush=True)
 
 
@@ -539,14 +562,14 @@ def print_summary(results: list, args, loads: list[str]) -> None:
     print(f"\n## Summary: nanoareal vs TRL {trl_version()} GRPOTrainer, fp32, CPU, "
           f"{args.threads} threads, median (min-max) of {args.steps} steps after {args.warmup}\n")
     print("| shape | new tokens | nanoareal step s (gen / train) | TRL step s (gen / train) | "
-          "speedup | nanoareal peak RSS GiB | TRL peak RSS GiB | nanoareal train / gen of peak "
-          "| TRL train / gen of peak |")
+          "speedup | nanoareal peak RSS GiB | TRL peak RSS GiB | nanoareal train of peak / gen of "
+          "decode-step peak | TRL train / gen of the same |")
     print("|---|---|---|---|---|---|---|---|---|")
     med = statistics.median
     for shape, tokens, prompts, res in results:
         n, t = res["nanoareal"], res["TRL"]
         cell = lambda r: (f"{spread(r['step'])} ({med(r['gen']):.1f} / {med(r['train']):.1f})")
-        share = lambda r: f"{r['train_share']:.0%} / {r['gen_share']:.0%}"
+        share = lambda r: f"{r['train_share']:.0%} / {r['gen_decode_share']:.0%}"
         print(f"| {shape} ({prompts}x{args.group_size}) | {tokens} | {cell(n)} | {cell(t)} | "
               f"{med(t['step']) / med(n['step']):.2f}x | {memory(n)} | {memory(t)} | {share(n)} "
               f"| {share(t)} |")
@@ -605,7 +628,9 @@ def main():
             for tokens in map(int, args.tokens.split(",")):
                 peaks = {"square": max(matmul_peak(torch.device("cpu"), torch.float32,
                                                    args.peak_n, 3) for _ in range(2)),
-                         "decode": decode_peak(SHAPES[shape], args.prompts * args.group_size)}
+                         **dict(zip(("decode", "decode_hot"), decode_peak(
+                             SHAPES[shape], args.prompts * args.group_size,
+                             args.prompt_len + tokens // 2)))}
                 res = run_config(args, shape, tokens, model, Path(tmp), peaks)
                 print_config(shape, tokens, res, args)
                 results.append((shape, tokens, args.prompts, res))

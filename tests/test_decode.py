@@ -85,3 +85,38 @@ def test_the_in_place_hash_samples_the_out_of_place_hashs_tokens(vocab):
         got, _ = rollout.sample_tokens(logits, SamplingParams(4, 1.0), seeds, position)
         assert torch.equal(got, out_of_place_pick(logits, SamplingParams(4, 1.0), seeds, position))
     assert rollout.mix_seed(1, 2, 3) == 3252709146  # the Python-int path of the in-place fmix32
+
+
+def test_a_decodes_few_rows_by_big_weights_run_weight_first_to_float_rounding(monkeypatch,
+                                                                              tmp_path):
+    """modeling.rows_by_weight, the CPU engine's nn.Linear forward and head: (W @ x^T)^T for few
+    rows by a big weight equals F.linear to float rounding (bias or not, any leading dims); with
+    the tiny model's weights counted big, its tokens are a plain model's full-forward picks."""
+    from transformers import AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(1024, 256, generator=g), torch.randn(1024, generator=g)
+    for x in (torch.randn(16, 256, generator=g), torch.randn(4, 1, 256, generator=g)):
+        assert modeling.weight_first(x, w)
+        for bias in (None, b):
+            got = modeling.rows_by_weight(x, w, bias)
+            want = torch.nn.functional.linear(x, w, bias)  # entries ~16: fp32 rounding ~1e-5
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+            assert got.is_contiguous()
+    assert not modeling.weight_first(torch.randn(modeling.FEW_ROWS + 1, 256), w)  # a prefill
+    assert not modeling.weight_first(torch.randn(16, 256), w[:64])  # fits in cache: F.linear
+    monkeypatch.setattr(modeling, "BIG_WEIGHT", 1)
+    taken, first = [], modeling.weight_first
+    monkeypatch.setattr(modeling, "weight_first",
+                        lambda x, w: taken.append(first(x, w)) or taken[-1])
+    path = save_tiny_llama(tmp_path)
+    prompts, sampling = CASES["padded, top-p and top-k"]
+    completions = HFEngine(path).generate(prompts, sampling, [100 + i for i in range(len(prompts))])
+    assert sum(taken) > len(taken) / 2  # every decode step's linears and head
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for i, (prompt, c) in enumerate(zip(prompts, completions)):
+        with torch.no_grad():
+            logits = plain(torch.tensor([prompt + c.output_ids])).logits[0, len(prompt) - 1 : -1]
+        for t, (token, logp) in enumerate(zip(c.output_ids, c.logprobs)):
+            got, lp = rollout.sample_tokens(logits[t : t + 1], sampling, torch.tensor([100 + i]), t)
+            assert int(got) == token and abs(float(lp) - logp) < 1e-5, (i, t)
