@@ -1,11 +1,9 @@
-"""nanoareal installed (`pip install -e .`): `import nanoareal` is the trainer, nanoareal.py, and
-the environment gains that one name. The flat files import each other by plain names (`from cli
-import rank`) so that a clone runs as it is (`python nanoareal.py`); installed, those names stand
-for nanoareal's files only while the files load, as nanoareal.cli, nanoareal.loss, ...: the
-environment's own `cli`, `logs`, `tasks`, ... never shadow them, nor are shadowed. (pytest imports
-this folder too, under the folder's name: nothing happens then.)"""
+"""Installed (`pip install -e .`), `import nanoareal` is the trainer, nanoareal.py: the environment
+gains that one name. The flat files import each other by plain names (`from cli import rank`), so a
+clone runs as it is (`python nanoareal.py`); installed, those names stand for nanoareal.cli, ...
+only while the files load: the environment's own `cli`, `logs`, ... never shadow them, nor are
+shadowed. (pytest imports this folder too, by the folder's name: nothing happens.)"""
 
-import importlib
 import importlib.util
 import os
 import sys
@@ -16,8 +14,7 @@ HELPERS = ("cli", "logs", "loss", "packing", "modeling", "checkpoint", "rollout"
 
 def _trainer(name: str):
     here = os.path.dirname(os.path.abspath(__file__))
-    if here in (os.path.abspath(p or os.curdir) for p in sys.path):  # a clone on the path (its
-        # tests): the plain names are these files already
+    if here in (os.path.abspath(p or os.curdir) for p in sys.path):  # a clone on the path (tests)
         spec = importlib.util.spec_from_file_location(name, os.path.join(here, "nanoareal.py"))
         sys.modules[name] = trainer = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(trainer)

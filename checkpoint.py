@@ -123,8 +123,7 @@ def choose_resume(run_dir: str | Path, resume: str, resuming: bool) -> str | Non
 def claim_run_dir(run_dir: str | Path, config: dict, volatile: set[str], fresh: bool,
                   defaults: dict | None = None) -> bool:
     """Rank 0, before any write: True when `run_dir` holds this run (config.json equal but for
-    `volatile`; a flag it lacks, added since, equal when at its `defaults` value) to continue;
-    another run's results are an error, or with `fresh` moved to .old-N."""
+    `volatile`, new flags at their `defaults`); another run is refused, or (`fresh`) moved aside."""
     root = Path(run_dir)
     results = [p for p in ("metrics.jsonl", "checkpoints", "final") if (root / p).exists()]
     if results and fresh:
@@ -251,8 +250,7 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 
 def safe_dcp_reader(path: Path):
-    """DCP's FileSystemReader, but `.metadata` (plain pickle) is first unpickled knowing only DCP's
-    metadata classes, torch sizes and dtypes, and paths."""
+    """DCP's FileSystemReader, but `.metadata` (plain pickle) is first unpickled by an allowlist."""
     allowed = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
                ("pathlib", "WindowsPath"),
                ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}

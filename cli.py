@@ -55,8 +55,7 @@ def parse(cls: type[T], argv: list[str], preset=lambda dataset: {}) -> T:
 
 
 def as_flags(cls: type, values: dict, where: str) -> list[str]:
-    """{"max_new_tokens": 32, "mask_truncated": True} -> ["--max-new-tokens", "32",
-    "--mask-truncated"]."""
+    """{"top_k": 5, "mask_truncated": True} -> ["--top-k", "5", "--mask-truncated"]."""
     hints, flags = typing.get_type_hints(cls), []
     for key, value in values.items():
         if (name := key.replace("-", "_")) not in hints or name == "config":
@@ -78,8 +77,7 @@ def _base(hint):  # a field's type without its Optional: bool, int, float, str, 
 
 
 def check_flags(cls: type, args: list[str]) -> None:
-    """tyro's public API reports parse errors only as multi-line boxes: first refuse, in one line,
-    what it would (an unknown flag, with the nearest; a missing or extra value; a bad value)."""
+    """Refuse, in one line, what tyro would: it reports parse errors only as multi-line boxes."""
     known = {"--" + n.replace("_", "-"): _base(t) for n, t in typing.get_type_hints(cls).items()}
     known |= {"--no-" + k[2:]: bool for k, t in list(known.items()) if t is bool}
     i = 0

@@ -1,6 +1,5 @@
-"""Rollout engines: prompt ids -> completions with behaviour log-probs, SGLang's log_softmax(logits
-/ T) of each sampled token before top-p/top-k, as the trainer's (pi/pi_behave = 1 at equal weights).
-`Engine`: HFEngine, SGLangEngine, RemoteSGLangEngine (HTTP); `Rollouts`: the batches in flight."""
+"""Rollout engines and the batches in flight. Behaviour log-probs: SGLang's log_softmax(logits / T)
+of each sampled token before top-p/top-k, as the trainer's (pi/pi_behave = 1 at equal weights)."""
 
 from __future__ import annotations
 
@@ -74,11 +73,10 @@ class Completion:
 
 
 class Engine(Protocol):
-    """One completion per (prompt, seed); requests of one of `groups` (keys) share a prefix (an
-    episode's group's prompt): a server engine keeps them on one server. Every rank calls
-    update_weights (FSDP2 gathers are collectives); release/resume_memory bracket training: a
-    colocated engine frees the GPU, the others inherit these no-ops (no KV cache outlives a
-    generate call; servers own their GPUs)."""
+    """One completion per (prompt, seed); requests with one `groups` key (an episode's group) share
+    a prefix: a server engine keeps them on one server. Every rank calls update_weights (FSDP2
+    gathers are collectives); release/resume_memory bracket training: a colocated engine frees the
+    GPU, others inherit no-ops (no KV cache outlives a generate call; servers own their GPUs)."""
     version: int  # the policy version (optimizer steps) of the weights it holds
     overlaps: str  # how it generates while the trainer trains: "process", "thread" or "" (not)
     share: bool = False  # it generates with the trainer's own tensors: update_weights copies none
@@ -162,12 +160,10 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.T
 # -----------------------------------------------------------------------------
 # HF backend: batched generation with a KV cache on plain transformers
 class HFEngine(Engine):
-    """Rollouts on a private transformers copy of the policy (CPU default; one GPU works too). On
-    a CPU its weights and version live in shared memory: a forked rollout process generates while
-    the trainer trains (a thread would share the trainer's GIL: 3-12% slower training); on a GPU a
-    thread does (CUDA does not survive a fork). `share` (one rank, nothing generated ahead):
-    update_weights points its parameters at the trainer's own, where they match, and copies none:
-    no second copy, and the trainer's in-place optimizer steps are the weight sync."""
+    """Rollouts on a private transformers copy of the policy (CPU, or one GPU). On a CPU its weights
+    and version live in shared memory: a forked process generates while the trainer trains (a thread
+    shares the trainer's GIL: 3-12% slower training); on a GPU a thread does (CUDA does not survive
+    a fork). `share` (one rank, nothing generated ahead): the trainer's tensors where they match."""
 
     def __init__(self, model_path: str, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, batch_size: int = 512, share: bool = False):
@@ -203,7 +199,7 @@ class HFEngine(Engine):
                 (t.shape, t.dtype, t.device) == (mine[n].shape, mine[n].dtype, mine[n].device)
                 for n, t in theirs.items()):
             for n, t in theirs.items():
-                mine[n].data = t.detach()
+                mine[n].data = t.detach()  # the in-place optimizer steps are the sync
         else:
             own = self.model.state_dict()
             for name, tensor in iter_full_tensors(model, self.model.dtype):
@@ -243,8 +239,7 @@ class HFEngine(Engine):
         def forward(ids, mask, pos):  # the last position's fp32 logits, as the trainer's head
             hidden = body(input_ids=ids, attention_mask=mask, position_ids=pos,
                           **kw).last_hidden_state[:, -1]
-            logits = modeling.head_logits(hidden, head.weight, getattr(head, "bias", None))
-            logits = logits * scale
+            logits = modeling.head_logits(hidden, head.weight, getattr(head, "bias", None)) * scale
             return logits if softcap is None else softcap * torch.tanh(logits / softcap)
         logits = forward(input_ids, attention[:, :L], position_ids)
         cache.reorder_cache(rows)  # [unique prompts] -> [rows]
@@ -273,8 +268,7 @@ class HFEngine(Engine):
 def kv_cache(capacity: int):
     """transformers' DynamicCache whose layers, from the first reorder_cache (prompts -> rows),
     write each token into storage of `capacity` positions and return views, not torch.cat's copy."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicCache, DynamicLayer
     class Layer(DynamicLayer):  # 4.56-5.x: keys/values [B, H, L, D] are what mask code reads
         def update(self, key_states, value_states, *args, **kwargs):
             n, new, b = self.get_seq_length(), key_states.shape[-2], len(key_states)
@@ -316,17 +310,15 @@ def run_episodes(engine: Engine, prompts: list[list[int]], sampling: SamplingPar
                  seeds: list[int], tools: Tools | None = None, rows: list[dict] | None = None
                  ) -> list[Completion]:
     """engine.generate, or with tools episodes: each round one generate call continues every live
-    episode from exactly its ids so far (turn j > 0 seeded mix_seed(seed, j) >> 1); a turn ending
-    in a tool stop goes to its env and the reply's ids are appended (policy_mask 0). max_new_tokens
-    bounds the whole episode: a turn or reply cut there, or a call past max_turns, ends it with
-    "length". An env that raises, hangs or replies junk ends it as it stands, counted."""
+    episode from exactly its ids so far; a turn ending in a tool stop goes to its env, whose reply's
+    ids are appended (policy_mask 0). max_new_tokens bounds the whole episode: a turn or reply cut
+    there, or a call past max_turns, ends it ("length"); a failing env, as it stands."""
     if tools is None:
         return engine.generate(prompts, sampling, seeds)
     calls = dataclasses.replace(sampling, stop_token_ids=sorted({*sampling.stop_token_ids,
                                                                  *tools.stop_ids}))
-    eps = [Completion([], [], "stop", [], dict.fromkeys(("env/turns", "env/tool_calls",
-                                                          "env/errors", "env/seconds"), 0))
-           for _ in prompts]
+    counters = ("env/turns", "env/tool_calls", "env/errors", "env/seconds")
+    eps = [Completion([], [], "stop", [], dict.fromkeys(counters, 0)) for _ in prompts]
     envs, live = [None] * len(prompts), list(range(len(prompts)))
     for turn in range(tools.max_turns):
         room = [sampling.max_new_tokens - len(eps[i].output_ids) for i in live]
@@ -367,8 +359,7 @@ _SAID: set[str] = set()  # what was said once per process (an env's first failur
 
 def env_step(tools: Tools, env, row: dict, text: str, counts: dict) -> tuple[object, list | None]:
     """(env, the reply's ids or None: the episode is over) of env.step(text) on a daemon thread (a
-    hung call keeps it), the env made by tools.make(row) first. A call that raises, takes over
-    ENV_TIMEOUT_S or replies neither a string nor None ends the episode, counted, said once."""
+    hung call keeps it), the env made by tools.make(row) first; a failure is counted, said once."""
     out, start = [], time.perf_counter()
 
     def call() -> None:
@@ -472,8 +463,7 @@ class SGLangEngine(Engine):
     overlaps = ""  # it must free the GPU memory the trainer trains in
 
     def __init__(self, model_path: str, gpu_id: int = 0, seed: int = 0,
-                 device: torch.device | str = "cuda", deterministic: bool = False,
-                 **engine_kwargs):
+                 device: torch.device | str = "cuda", deterministic: bool = False, **engine_kwargs):
         import sglang  # lazy: an optional extra
         from sglang.srt.constants import GPU_MEMORY_TYPE_CUDA_GRAPH
         from sglang.srt.server_args import ServerArgs
@@ -522,9 +512,8 @@ class SGLangEngine(Engine):
         return [completion_from_sglang(o, sampling.stop_token_ids) for o in outs]
 
     def release_memory(self) -> None:
-        """Memory (enable_memory_saver) is released by an idle engine (generate has returned) and
-        resuming an unreleased tag raises. A step: release all -> train -> resume weights -> push
-        -> resume the rest -> flush, so the pushed buckets are freed before the KV cache returns."""
+        """An idle engine (generate has returned) releases memory (enable_memory_saver); resuming an
+        unreleased tag raises. The KV cache returns after the push: the buckets are freed first."""
         if tags := [t for t in self.tags if t not in self.released]:
             _succeeded(self.engine.release_memory_occupation(tags=tags),
                        f"release_memory_occupation({tags})")
@@ -578,7 +567,6 @@ def groupable(info: dict) -> bool:
 
 
 def weight_group_ranks(url: str, info: dict) -> int:
-    """A server's ranks in the weight group: its TP ranks."""
     tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
     if not groupable(info):
         raise UserError(f"--weight-sync nccl: the SGLang server {url} runs pp_size={pp}, "
@@ -715,8 +703,7 @@ class RemoteSGLangEngine(Engine):
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
                  seeds: list[int], groups: list | None = None) -> list[Completion]:
         assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
-        # a group on one server keeps its prefix cache hot; groups round robin, offset by rank
-        group, shift = {}, rank()  # prompt (or given group) -> its group's index
+        group, shift = {}, rank()  # group key -> its index: groups round robin, offset by rank
         url = lambda k: self.urls[(group.setdefault(k, len(group)) + shift) % len(self.urls)]
         keys = groups or [tuple(p) for p in prompt_ids]
         jobs = [self.pool.submit(self._generate_one, url(k), list(p), sampling, s)
@@ -767,9 +754,8 @@ class RemoteSGLangEngine(Engine):
             dist.barrier()  # no rank generates before rank 0 has pushed the weights
 
     def _sync_disk(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Write <run_dir>/weights_sync/step_<version> (the servers' dtype; renamed into place when
-        complete), have the servers load it, delete older syncs. Never in a begin/end session: the
-        load post-processes the weights and leaves it unmarked, so end would post-process again."""
+        """The servers load weights_sync/step_<version>. Never in a begin/end session: the load
+        post-processes the weights and leaves it unmarked, so end would post-process again."""
         from safetensors.torch import save_file
         tensors = {n: t.to("cpu", self.sync_dtype if t.is_floating_point() else None, copy=True)
                    .contiguous() for n, t in named}  # copies: tied weights share no storage
@@ -815,9 +801,7 @@ class RemoteSGLangEngine(Engine):
 
     def _init_weight_group(self) -> None:
         """Rank 0 and the servers' GPUs (from their rank_offset), outside the torchrun world, built
-        as SGLang's init_custom_process_group builds its side (its tcp:// rendezvous a client of the
-        store hosted here), so both derive the same keys: PrefixStore(group_name), torch's private
-        _new_process_group_helper."""
+        as SGLang's init_custom_process_group builds its side so that both derive the same keys."""
         from torch.distributed import distributed_c10d as c10d
         sizes, backend = self.group_sizes, self.group_backend
         host, _, port = (self.nccl_addr or f"{route_address(self.urls[0])}:0").rpartition(":")
@@ -854,8 +838,7 @@ def check_rollout_config(backend: str, urls: list[str], weight_sync: str, determ
         (local and weight_sync not in ("auto", "tensor"), "the in-process SGLang engine syncs "
          f"weights by tensor, not {weight_sync!r} (use --rollout-url for disk/nccl)"),
         (local and not cuda, "--rollout-backend sglang without --rollout-url runs SGLang "
-         "in-process and needs a GPU; none is available (pass --rollout-url, or --rollout-backend "
-         "hf)"),
+         "in-process and needs a GPU; there is none (pass --rollout-url, or --rollout-backend hf)"),
         (local and importlib.util.find_spec("sglang") is None, "--rollout-backend sglang runs "
          "SGLang in-process, but sglang is not installed (pip install -e '.[gpu]'; see README)")]:
         if bad:
@@ -881,11 +864,10 @@ IN_CHILD = "in the rollout process"  # a batch requested from the forked child, 
 
 class Rollouts:
     """Batch s is sampled by step max(0, s - K)'s weights, K = --max-staleness: take(s) starts the
-    batches up to s + K (< steps) and returns s; wait() lets those in flight finish: weights
-    change only between batches. `overlap` (the engine's): "process", a forked child (one torch
-    thread) that inherits the engine (weights in shared memory), data and reward; "thread"; ""
-    inline. A child that dies (a signal to the whole job) is replaced by the trainer making its
-    batches by the same weights: the same batches. `share` hands a batch out."""
+    batches up to s + K (< steps) and returns s (through `share`); wait() lets those in flight
+    finish: weights change only between batches. `overlap`: "process", a forked child (one torch
+    thread) inheriting the engine (weights in shared memory), data and reward; "thread"; "" inline.
+    If the child dies (a signal to the job), the trainer makes its batches by the same weights."""
     def __init__(self, make_batch, staleness: int, overlap: str, pending: dict[int, list],
                  steps: int | None = None, share=lambda batch: batch):
         self.make_batch, self.staleness, self.steps = make_batch, staleness, steps
@@ -951,9 +933,8 @@ class Rollouts:
 
 
 def _serve_batches(make_batch, conn, trainer_end) -> None:
-    """The rollout process: make_batch(step) for each step asked, until the trainer hangs up (or
-    dies: with its end of the pipe closed here, recv() then ends)."""
-    trainer_end.close()
+    """The rollout process: make_batch(step) for each step asked, until the trainer hangs up."""
+    trainer_end.close()  # so that recv() ends if the trainer dies, too
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: it saves, then closes
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a job's end: the trainer makes what it needs
     torch.set_num_threads(1)  # GNU OpenMP hangs a fork whose parent ran threads if it runs more
