@@ -105,8 +105,7 @@ def reduce_metrics(sums: dict) -> dict:
 
 def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> dict:
     """The step's metrics.jsonl line: MEANS of the summed counters, training stats, phase times."""
-    metrics = {name: sums[num] / sums[den] for name, (num, den) in MEANS.items()
-               if sums.get(den, 0) > 0}
+    metrics = {name: sums[n] / sums[d] for name, (n, d) in MEANS.items() if sums.get(d, 0) > 0}
     metrics["staleness"] = step - 1 - metrics.get("policy_version", step - 1)
     metrics |= {"importance_weight/max": sums.get("importance_weight_max", 1.0),
                 "zero_var_groups": sums.get("zero_var_groups", 0),
@@ -130,9 +129,8 @@ def sample_rows(samples: list, tokenizer) -> list[dict]:
     return [{"group": s.group, "prompt": tokenizer.decode(s.prompt_ids),
              "completion": tokenizer.decode(s.completion.output_ids), "reward": s.reward,
              "advantage": s.advantage, "correct": s.correct,
-             "finish_reason": s.completion.finish_reason,
-             "length": len(s.completion.output_ids), "version": s.version} | turns(s.completion)
-            for s in samples if s.group in groups]
+             "finish_reason": s.completion.finish_reason, "length": len(s.completion.output_ids),
+             "version": s.version} | turns(s.completion) for s in samples if s.group in groups]
 
 
 def format_line(step: int, total: int, m: dict[str, float]) -> str:

@@ -1,8 +1,7 @@
-"""nanoareal's losses: a catalogue of advantage estimators, aggregation modes, policy surrogates and
-off-policy corrections, under the LossReduction contract that makes each of them exact. It grows in
-this file only: a mode is a function and its MODES entry (plus a branch of the reference
-`aggregate`); a surrogate, a function with the common signature and its SURROGATES entry holding
-its defaults; a correction, a CORRECTIONS entry.
+"""nanoareal's losses: advantage estimators, aggregation modes, policy surrogates and off-policy
+corrections, each exact under the LossReduction contract. It grows in this file only: a mode is a
+function and its MODES entry (plus a branch of the reference `aggregate`); a surrogate, a function
+of the common signature and its SURROGATES entry (its defaults); a correction, a CORRECTIONS entry.
 
 Notation. A step's mini-batch holds prompt groups g (the responses sampled for one prompt). For
 token t of response i: l_t the policy loss (a surrogate), m_t the numerator mask, d_t >= m_t the
@@ -30,8 +29,7 @@ Rules, each tested:
 5. Z is all-reduced over every rank whose gradients are summed (DP x CP), times the CP size when
    every CP rank computes the loss of the gathered full sequences.
 6. A term's logged value is its global objective (same group, same normalizer).
-7. Entropy bonus and KL penalty are terms of the same reduction (token means).
-"""
+7. Entropy bonus and KL penalty are terms of the same reduction (token means)."""
 
 from __future__ import annotations
 
@@ -121,12 +119,11 @@ def aggregate(token_loss: Tensor, loss_mask: Tensor, *, mode: str, group_ids: Te
         raise ValueError(f"masks {tuple(m.shape)}/{tuple(d.shape)} must equal token_loss "
                          f"{tuple(token_loss.shape)}")
     num, M = (m * token_loss).sum(dim=1), d.sum(dim=1)  # per response: sum_t m l, M_i
-    active, zero = M > 0, num.sum() * 0.0  # zero: times the loss, so the graph stays finite
-    N = int(active.sum())
+    N, zero = int((M > 0).sum()), num.sum() * 0.0  # zero: times the loss, so the graph stays finite
     if mode == "token_mean":
         return num.sum() / d.sum() if d.sum() > 0 else zero
     if mode == "seq_mean":
-        return (num[active] / M[active]).sum() / N if N > 0 else zero
+        return (num[M > 0] / M[M > 0]).sum() / N if N > 0 else zero
     if mode == "constant":
         constant(M, group_ids, divisor)  # the divisor's check
         return num.sum() / (N * divisor) if N > 0 else zero
@@ -291,10 +288,9 @@ class LossReduction:
     def reported(self) -> dict[str, float]:
         """Each term's global value, 'loss' = sum_k coef_k value_k, the stats; one all_reduce."""
         names, k = sorted(self._stats), len(self.terms)
-        local = [self._numerators.get(t.name, 0.0) for t in self.terms]
-        local += [x for s in names for x in self._stats[s]]
-        vec = all_reduce_vector(torch.tensor([float(x) for x in local], dtype=torch.float64),
-                                self.group).tolist()
+        local = [float(self._numerators.get(t.name, 0.0)) for t in self.terms]
+        local += [float(x) for s in names for x in self._stats[s]]
+        vec = all_reduce_vector(torch.tensor(local, dtype=torch.float64), self.group).tolist()
         out = {t.name: v / self.Z[t.name] if self.Z.get(t.name, 0.0) > 0 else 0.0
                for t, v in zip(self.terms, vec)}
         out["loss"] = sum(t.coef * out[t.name] for t in self.terms)
@@ -312,9 +308,8 @@ def fsdp_sum_gradients(model: torch.nn.Module) -> None:
 
 
 # -----------------------------------------------------------------------------
-# policy surrogates (--policy-loss): fn(logp, prox, A, seq_ids, mask, **params) -> (loss, stats)
-# on [T] tensors (log pi, log pi_prox, advantages, response ids or -1, m); stats are {name: 0/1
-# indicator [T]}, logged as policy/<name>, a fraction of the m tokens.
+# policy surrogates (--policy-loss): fn(logp, prox, A, seq_ids, mask, **params) -> TokenLoss on
+# [T] (log pi, log pi_prox, advantages, response ids or -1, m); stats: policy/<name>, means over m
 def ppo_surrogate(logp: Tensor, prox: Tensor, A: Tensor, seq_ids: Tensor | None = None,
                   mask: Tensor | None = None, *, eps_low: float = 0.2, eps_high: float = 0.2,
                   dual_clip: float | None = None) -> TokenLoss:
@@ -430,10 +425,8 @@ CORRECTIONS: dict[str, Correction] = {
     "behave": Correction(clip_to_behaviour=True),  # PPO around the policy that sampled (AReaL's)
     "truncate": Correction(2.0, token_mode="truncate"),  # decoupled PPO, its weight capped (TIS)
     "mask": Correction(2.0, token_mode="mask"),  # AReaL's decoupled PPO: tokens over the cap out
-    # M2PO: the plain ratio to pi_behave (no clip), the tokens of extreme second moment masked
     "m2po": Correction(0.04, clip_to_behaviour=True, global_mask=m2po_mask, clip=False)}
-# --correction auto under staleness, by updates per batch (one, several): docs/studies.md's holders
-AUTO_CORRECTION = {False: "behave", True: "truncate"}
+AUTO_CORRECTION = {False: "behave", True: "truncate"}  # --correction auto, by updates_per_batch > 1
 
 
 def apply_global_mask(mbs: list[MicroBatch], correction: str, threshold: float,
@@ -449,9 +442,8 @@ def apply_global_mask(mbs: list[MicroBatch], correction: str, threshold: float,
 
 
 # -----------------------------------------------------------------------------
-# KL penalty to a reference policy (--kl-estimator). With L = log pi - log pi_ref on tokens sampled
-# from pi, each estimator's *value* estimates KL(pi || ref) (Schulman 2020); as a loss only its
-# gradient counts:
+# KL penalty to a reference policy (--kl-estimator): with L = log pi - log pi_ref on tokens from pi,
+# each estimator's *value* estimates KL(pi || ref) (Schulman 2020); a loss sees only its gradient:
 #   k1 = L             gradient E_pi[grad log pi] = 0: noise alone (verl puts it in the reward);
 #   k2 = L^2 / 2       gradient E_pi[L grad log pi] = grad KL(pi || ref)   (reverse KL);
 #   k3 = e^-L - 1 + L  gradient E_pi[(1 - pi_ref/pi) grad log pi] = grad KL(ref || pi) (forward).

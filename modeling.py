@@ -39,8 +39,7 @@ HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", Fa
 # one knob); every linear layer of the decoder, never the head (read as head.weight: bypassed)
 LORA_ALPHA, LORA_TARGETS = 32, "all-linear"
 HEAD_CHUNK, HEAD_ROWS = 1024, 16  # the head: rows of fp32 logits at once; per in-cache pass
-# a CPU decode: x @ W^T of at most this many rows by a weight of at least this many elements
-FEW_ROWS, BIG_WEIGHT = 256, 2**18  # runs as (W @ x^T)^T (rows_by_weight)
+FEW_ROWS, BIG_WEIGHT = 256, 2**18  # weight_first on a CPU: x's most rows, W's fewest elements
 
 # -----------------------------------------------------------------------------
 # attention layouts and kernels
@@ -82,9 +81,8 @@ def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.devi
                       q_start[:, None] + j - ctx_len[:, None])
     index = {"k_index": src[j < row_len[:, None]], "cu_q": F.pad(q_len.cumsum(0), (1, 0)).int(),
              "cu_k": F.pad(row_len.cumsum(0), (1, 0)).int()}
-    # padded: rows of pieces (first token, length, segment, is query); a copied context is keys
-    # only. While rows stay short, a segment whose context starts a context-free segment (its
-    # prompt) joins that segment's row instead of copying it
+    # padded: rows of pieces (first token, length, segment, is query), a copied context keys only;
+    # while rows are short, a segment whose context starts a context-free one (its prompt) joins it
     rows, size, host, short = [], [], {}, int(row_len.max()) <= GROUP_ROW_SLOTS
     for i, (qs, ql, cs, cl) in enumerate(segments.tolist()):
         r = host.get(cs) if cl and short else None
@@ -123,26 +121,23 @@ def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.devi
 
 def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropout: float = 0.0,
                       window: int | None = None, softcap: float | None = None):
-    """Attention of a packed row by segments: q [H, T, D], k/v [Hkv, T, D] -> [T, H, D]; `window`
-    as HF's sliding_window (the last `window` keys, itself included), `softcap` as Gemma 2's. A
-    varlen kernel gathers each segment's keys (context, then itself), else a padded [rows, H,
-    slots, D] batch (cost ~ rows * slots^2, not T^2); index_select sums a copied context's
-    gradients."""
+    """Attention of a packed row by segments: q [H, T, D], k/v [Hkv, T, D] -> [T, H, D]; `window` as
+    HF's sliding_window (the last `window` keys, itself included), `softcap` as Gemma 2's. A varlen
+    kernel gathers each segment's keys (context, then itself), else a padded [rows, H, slots, D]
+    batch (cost ~ rows * slots^2, not T^2); index_select sums a copied context's gradients."""
     scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
     if layout["kernel"] is not None and q.dtype in HALF:
         k, v = (x.transpose(0, 1).index_select(0, layout["k_index"]) for x in (k, v))
         return layout["kernel"](q.transpose(0, 1), k, v, layout, scaling, dropout, window, softcap)
-    rows, width, mask = layout["rows"], layout["slots"], layout["mask"]
+    rows, width, mask, pos = layout["rows"], layout["slots"], layout["mask"], layout["pos"]
     q, k, v = (x.transpose(0, 1).index_select(0, layout["grid"]).unflatten(0, (rows, width))
                .transpose(1, 2) for x in (q, k, v))  # [h, T, D] -> [rows, h, slots, D]
     if window is None and softcap is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                              dropout_p=dropout, scale=scaling, enable_gqa=True)
     else:  # a window is a band of positions: a query at p sees keys at p - window < p' <= p
-        keep = torch.ones(width, width, dtype=torch.bool, device=q.device).tril() \
-            if mask is None else mask
+        keep = q.new_ones(width, width, dtype=torch.bool).tril() if mask is None else mask
         if window is not None:
-            pos = layout["pos"]
             keep = keep & (pos[:, None, :, None] - pos[:, None, None, :] < window)
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
         scores = (q @ k.transpose(-1, -2)) * scaling
@@ -235,9 +230,8 @@ def choose_attention(requested: str, device: torch.device, half: bool, softcap: 
 
 
 class _Swap(torch.autograd.Function):
-    """Dim `split` cut into N blocks, block i sent to CP rank i, the blocks received joined along
-    dim `join`: heads for tokens [B, H, S/N, D] -> [B, H/N, S, D] is (1, 2), the way back (2, 1).
-    An exchange undoes itself, so the backward is the way back."""
+    """Dim `split` in N blocks, block i to CP rank i, those received joined along `join`: heads for
+    tokens [B, H, S/N, D] -> [B, H/N, S, D] is (1, 2); the way back, (2, 1), is the backward."""
     @staticmethod
     def forward(ctx, x, group, split: int, join: int):
         ctx.args = group, join, split
@@ -298,8 +292,7 @@ def check_model_source(name: str) -> None:
             raise bad("not a model directory (it has no config.json)")
         files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
         if not any((path / f).is_file() for f in files):
-            raise bad(f"no tokenizer files there (none of {', '.join(files)}); save the tokenizer "
-                      "with the model")
+            raise bad(f"no tokenizer files there (none of {', '.join(files)}); save the tokenizer")
         return
     if name.startswith((".", "/", "~")) or name.count("/") > 1:  # a path, not an org/name id
         raise bad("no such directory")
@@ -322,12 +315,11 @@ def check_model_source(name: str) -> None:
 def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, heads_divisor: int,
                    attention: str, half: bool, check: bool = True, shard=lambda model: None,
                    lora: tuple[int, str | None] = (0, None)):
-    """(model, which attention runs): an HF causal LM in `dtype`, dropout off (its log-probs must
-    be the sampler's), attending packed rows with the fastest kernel that can (`half`: bf16
-    compute), checked against its own forward (`check`), else a UserError on every rank. No rank
-    holds a whole copy on `device`: each builds the model on the meta device and `shard`s it
-    (FSDP2), then takes its shards of the weights rank 0 read on the host, tensor by tensor.
-    `lora`: (rank, adapter) of apply_lora, injected on rank 0's host copy and before `shard`."""
+    """(model, which attention runs): an HF causal LM in `dtype`, dropout off (its log-probs must be
+    the sampler's), on packed rows with the fastest kernel that can (`half`: bf16 compute), checked
+    against its own forward (`check`), else a UserError on every rank. No rank holds a whole copy on
+    `device`: each `shard`s a meta-device model (FSDP2), then takes its shards of the weights rank 0
+    read on the host, tensor by tensor. `lora`: apply_lora's (rank, adapter), before `shard`."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
     AttentionInterface.register("packed", packed_attention)
@@ -396,17 +388,16 @@ def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermedi
                 compute_bytes: int = 2, engine_generating: float = 0.0,
                 engine_training: float = 0.0, grads_unsharded: bool = False,
                 chunk: int = HEAD_CHUNK) -> dict[str, float]:
-    """Peak bytes per rank of one training step of a decoder LM sharded by FSDP2 over `world`
-    ranks, by part, and "total". `params` all parameters, `trainable` those with gradients and
-    AdamW state (fp32: `master_bytes`), the rest frozen in `frozen_bytes` (LoRA's base); `tokens`
-    a micro-batch's positions on this rank (--micro-batch-tokens / --cp-size). Activations saved
-    per token and layer: the two RMSNorms' fp32 inputs and outputs, q, k, v, attention output,
-    o_proj input, the MLP's gate, SiLU, up and product; checkpointed, only each layer's input
-    (`checkpointing` "selective": and what its matmuls and attention return), plus one layer
-    recomputed. "gathered": FSDP2's unsharded params and grads (two layers, the root).
-    `grads_unsharded`: gradients accumulate unsharded until the optimizer step. The engine holds
-    `engine_generating` while it generates (the trainer's weights and AdamW stay) and
-    `engine_training` while the trainer trains; "total" is the larger of the two phases."""
+    """Peak bytes per rank of one training step of a decoder LM FSDP2-sharded over `world` ranks, by
+    part, and "total". `params` all parameters, `trainable` those with gradients and AdamW state (in
+    `master_bytes`), the rest in `frozen_bytes` (LoRA's base); `tokens` a micro-batch's positions on
+    this rank (--micro-batch-tokens / --cp-size). Activations saved per token and layer: the two
+    RMSNorms' fp32 inputs and outputs, q, k, v, attention output, o_proj input, the MLP's gate,
+    SiLU, up and product; checkpointed, only each layer's input (`checkpointing` "selective": and
+    what its matmuls and attention return), plus one layer recomputed. "gathered": FSDP2's unsharded
+    params and grads (two layers, the root). `grads_unsharded`: grads accumulate unsharded until the
+    optimizer step. The engine holds `engine_generating` while it generates (the trainer's weights
+    and AdamW stay) and `engine_training` while the trainer trains; "total": the larger phase's."""
     frozen_bytes = master_bytes if frozen_bytes is None else frozen_bytes
     root = vocab * hidden * (1 if tied else 2)
     layer = tokens * (8 * hidden + compute_bytes * (5 * hidden + 2 * kv_dim + 4 * intermediate))
@@ -419,8 +410,7 @@ def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermedi
             "head": (max(4, compute_bytes) + compute_bytes % 4) * min(chunk, tokens) * vocab,
             "gathered": 2 * compute_bytes * (2 * (params - root) / layers + root)}
     plan["engine"] = max(engine_generating, engine_training)
-    resident = plan["weights"] + plan["adamw"]
-    plan["total"] = max(resident + engine_generating,
+    plan["total"] = max(plan["weights"] + plan["adamw"] + engine_generating,
                         sum(plan.values()) - plan["engine"] + engine_training)
     return plan
 
@@ -441,11 +431,10 @@ def checkpoint_layers(model: torch.nn.Module, selective: bool = False) -> None:
 def startup_memory(model, world: int, tokens: int, checkpointing: bool | str, mixed: bool,
                    gpu: tuple[int, int] | None = None, engine_releases: bool = False,
                    frozen_copies: int = 0) -> tuple[str, bool]:
-    """(the plan's line, whether gradients may accumulate unsharded until the optimizer step:
-    where that fits) for `model` (its config, parameter counts, trainable ones). `gpu`: (free,
-    total) bytes before the weights loaded (None: a CPU, print only), the rest the engine's, all
-    of it while it generates and none while we train if it `engine_releases` its memory. A
-    UserError when even reduce-scattering every micro-batch exceeds the GPU."""
+    """(the plan's line, whether gradients may accumulate unsharded until the optimizer step: where
+    that fits) for `model`. `gpu`: (free, total) bytes before the weights loaded (None: a CPU, print
+    only), the rest the engine's, all of it while it generates and none while we train if
+    `engine_releases`. A UserError when even reduce-scattering every micro-batch exceeds the GPU."""
     text, params = model.config.get_text_config(), list(model.parameters())
     capacity, engine = (gpu[1], gpu[1] - gpu[0]) if gpu else (None, 0.0)
     heads, hidden = text.num_attention_heads, text.hidden_size
@@ -461,9 +450,8 @@ def startup_memory(model, world: int, tokens: int, checkpointing: bool | str, mi
           "frozen_bytes": (frozen or params)[0].element_size(),
           "compute_bytes": 2 if mixed else master, "engine_generating": engine,
           "engine_training": 0.0 if engine_releases else engine}
-    deferred, synced, raw = (memory_plan(*shape, ck, grads_unsharded=g, **kw)
-                             for ck, g in ((checkpointing, True), (checkpointing, False),
-                                           (False, False)))
+    deferred, synced, raw = (memory_plan(*shape, ck, grads_unsharded=g, **kw) for ck, g in (
+        (checkpointing, True), (checkpointing, False), (False, False)))
     defer = capacity is None or deferred["total"] <= capacity
     plan = deferred if defer else synced  # one line, in GiB (MiB when small)
     unit, scale = ("GiB", 2**30) if plan["total"] >= 2**30 or capacity else ("MiB", 2**20)
@@ -492,9 +480,8 @@ def head_transform(config) -> tuple[float, float | None]:
 def policy_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0,
                     chunk: int = HEAD_CHUNK, segments: torch.Tensor | None = None,
                     layout: dict | None = None, entropy_grad: bool = True):
-    """log pi(target_t | prefix) and the entropy at every position of a packed row -> ([T], [T]).
-    `segments` (default: a sequence per run of positions from 0) or, under CP, the row's `layout`.
-    Without `entropy_grad` the entropy is a metric: no graph."""
+    """(log pi(target_t | prefix), entropy) [T] of a packed row by `segments` (default: one sequence
+    per run of positions from 0) or its CP `layout`; entropy_grad=False: no entropy graph."""
     if layout is None:
         segments = segments_from_positions(position_ids.cpu()) if segments is None else segments
         layout = attention_layout(segments, input_ids.shape[-1], input_ids.device,

@@ -1,14 +1,12 @@
-"""Packing: rollout samples -> micro-batches of at most a token budget, with no padding.
-
-A micro-batch is one packed row of many sequences (loss.MicroBatch): per-token tensors aligned
-with the *predicted* token (position j of a sequence predicts token j+1; a sequence's last token
-is never fed, it predicts nothing) and `segments` [R, 4] saying who attends to what (modeling.py).
-With shared prompts a micro-batch feeds each prompt prefix (the prompt minus its last token) once
-and each sample only its tail, at positions p-1.., attending to that copy. Exact: under causal
-attention the prefix's hidden states depend on the prefix alone, and backward sums every sample's
-gradient into the one copy. A sample is anything with .group, .prompt_ids, .advantage and
-.completion (.output_ids, .logprobs, .finish_reason, .policy_mask: only the policy's tokens train).
-"""
+"""Packing: rollout samples -> micro-batches of at most a token budget, with no padding. A
+micro-batch is one packed row of many sequences (loss.MicroBatch): per-token tensors aligned with
+the *predicted* token (position j of a sequence predicts token j+1; a sequence's last token is never
+fed, it predicts nothing) and `segments` [R, 4] saying who attends to what (modeling.py). With
+shared prompts a micro-batch feeds each prompt prefix (the prompt minus its last token) once and
+each sample only its tail, at positions p-1.., attending to that copy. Exact: under causal attention
+the prefix's hidden states depend on the prefix alone, and backward sums every sample's gradient
+into the one copy. A sample is anything with .group, .prompt_ids, .advantage and .completion
+(.output_ids, .logprobs, .finish_reason, .policy_mask: only policy tokens train)."""
 
 from __future__ import annotations
 
@@ -28,9 +26,8 @@ def pack_microbatches(samples: list, mode: str, divisor: float | None, budget: i
                       mask_truncated: bool = False, share_prompts: bool = True
                       ) -> list[MicroBatch]:
     """Micro-batches of at most `budget` fed positions, cut in order as evenly as `cuts` can (a
-    shared prefix costs its first sample in each). The mode's weights come from the whole mini-batch
-    before any split, so any split is exact (loss.py's rule 2); mask_truncated: a cut response
-    counts nowhere."""
+    shared prefix costs its first sample in each). The mode's weights are the whole mini-batch's, so
+    any split is exact (loss.py's rule 2); mask_truncated: a cut response counts nowhere."""
     dropped = [mask_truncated and s.completion.finish_reason == "length" for s in samples]
     masks = [[0.0 if d else float(x) for x in s.completion.policy_mask or [1] * len(
         s.completion.output_ids)] for s, d in zip(samples, dropped)]  # env tokens are context
@@ -40,8 +37,7 @@ def pack_microbatches(samples: list, mode: str, divisor: float | None, budget: i
     keys = [tuple(s.prompt_ids[:-1]) if share_prompts else i for i, s in enumerate(samples)]
     starts = set(cuts([(k, len(s.prompt_ids), len(s.completion.output_ids))
                        for k, s in zip(keys, samples)], budget)[1:])
-    mbs, cols, first = [], defaultdict(list), 0
-    prefix_at = {}  # prompt prefix -> (start, length) of its copy in this micro-batch
+    mbs, cols, first, prefix_at = [], defaultdict(list), 0, {}  # prefix_at: key -> its prefix's ctx
     for i, (s, key) in enumerate(zip(samples, keys)):
         full, p = s.prompt_ids + s.completion.output_ids, len(s.prompt_ids)
         r = len(full) - p
@@ -56,10 +52,9 @@ def pack_microbatches(samples: list, mode: str, divisor: float | None, budget: i
         n, fed_prompt = p + r - 1 - head, p - 1 - head
         if n:
             feed(cols, full, head, p + r - 1, ctx, [-1] * fed_prompt + [i - first] * r,
-                 loss_mask=[0.0] * fed_prompt + masks[i],
+                 loss_mask=[0.0] * fed_prompt + masks[i], advantages=[s.advantage] * n,
                  behave_logprobs=[0.0] * fed_prompt + s.completion.logprobs,
-                 advantages=[s.advantage] * n, loss_weight=[weights[i]] * n,
-                 norm_weight=[norm_weights[i]] * n)
+                 loss_weight=[weights[i]] * n, norm_weight=[norm_weights[i]] * n)
     return mbs + [to_microbatch(cols)] if samples else []
 
 
@@ -77,8 +72,7 @@ def cuts(spans: list[tuple], budget: int) -> list[int]:
         return starts
     n, lo, hi = len(greedy(budget)), 1, budget
     while lo < hi:  # hi always cuts into at most n
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if len(greedy(mid)) <= n else (mid + 1, hi)
+        lo, hi = (lo, mid) if len(greedy(mid := (lo + hi) // 2)) <= n else (mid + 1, hi)
     return greedy(hi)
 
 

@@ -1,12 +1,11 @@
-"""Tasks and rewards: the built-in tasks (generated, never downloaded), JSONL datasets, rewards.
-
-A row is a dict with "prompt" (a string) or "messages" (a chat), plus what the reward reads
-("answer" for the built-in ones). A reward (`--reward path/to/file.py:fn`) is any `fn(completion:
-str, row: dict) -> float | tuple[float, dict[str, float]]` given the WHOLE row; each metric's mean
-is logged as reward/<name>; its "correct" (a bool) defines accuracy, else equality with the row's
-"answer" (stripped): a shaped reward never changes what accuracy means. `--reward
-"exact_match,0.1*format"` sums weighted rewards, each term logged as reward/<name>. A reward that
-draws random numbers gets `random` and numpy seeded by its sample's (seed, step, slot, k)."""
+"""Tasks and rewards: the built-in tasks (generated, never downloaded), JSONL datasets, rewards. A
+row is a dict with "prompt" (a string) or "messages" (a chat), plus what the reward reads ("answer"
+for the built-in ones). A reward (`--reward path/to/file.py:fn`) is any `fn(completion: str, row:
+dict) -> float | tuple[float, dict[str, float]]` given the WHOLE row; each metric's mean is logged
+as reward/<name>; its "correct" (a bool) defines accuracy, else equality with the row's "answer"
+(stripped): a shaped reward never changes what accuracy means. `--reward "exact_match,0.1*format"`
+sums weighted rewards, each term logged as reward/<name>. A reward that draws random numbers gets
+`random` and numpy seeded by its sample's (seed, step, slot, k)."""
 
 from __future__ import annotations
 
@@ -280,8 +279,7 @@ def encode_prompts(rows: list[dict], tokenizer, chat_template: bool, name: str,
     if (chat_template or any("messages" in r for r in rows)) and not tokenizer.chat_template:
         what = "--chat-template" if chat_template else 'rows with "messages"'
         raise UserError(f"{name}: {what} need(s) a chat template, and the tokenizer has none; use "
-                        f'"{prompt_key}" rows without --chat-template, or a model whose tokenizer '
-                        "has one")
+                        f'"{prompt_key}" rows without --chat-template, or a model with one')
     bos, encoded = tokenizer.bos_token_id if adds_bos(tokenizer) else None, []
     for n, row in enumerate(rows, 1):
         if chat := "messages" in row or chat_template:
@@ -383,8 +381,7 @@ def load_reward(spec: str) -> Callable:
         try:
             import math_verify  # noqa: F401
         except ImportError:
-            raise UserError("--reward math needs HF math-verify: pip install -e '.[math]'"
-                            ) from None
+            raise UserError("--reward math needs math-verify: pip install -e '.[math]'") from None
         logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" etc.
     if spec in REWARDS:
         return REWARDS[spec]
