@@ -292,7 +292,8 @@ def check_model_source(name: str) -> None:
             raise bad("not a model directory (it has no config.json)")
         files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
         if not any((path / f).is_file() for f in files):
-            raise bad(f"no tokenizer files there (none of {', '.join(files)}); save the tokenizer")
+            raise bad(f"no tokenizer files there (none of {', '.join(files)}); save the tokenizer "
+                      "with the model")
         return
     if name.startswith((".", "/", "~")) or name.count("/") > 1:  # a path, not an org/name id
         raise bad("no such directory")

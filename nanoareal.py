@@ -226,11 +226,10 @@ def main(argv: list[str]) -> None:
     cfg = parse_config(argv)  # flags, TOML, the task's own flags -> resolved and checked
     ranks, device = setup_distributed(cfg.cp_size)  # torchrun's, or a world of one
     data, reward_fn, resuming = prepare_run(cfg)  # the run directory claimed, data, reward
-    # the engine first: SGLang sizes its KV cache from the GPU memory free when it starts
-    engine = rollout.make_engine(cfg.rollout_backend, cfg.rollout_url, cfg.model, device,
-                                 run_dir=cfg.run_dir, seed=cfg.seed, weight_sync=cfg.weight_sync,
-                                 deterministic=cfg.sglang_deterministic,
-                                 share=cfg.max_staleness == 0 and ranks.world == 1)
+    engine = rollout.make_engine(  # first: SGLang sizes its KV cache from the GPU memory free
+        cfg.rollout_backend, cfg.rollout_url, cfg.model, device, run_dir=cfg.run_dir, seed=cfg.seed,
+        weight_sync=cfg.weight_sync, deterministic=cfg.sglang_deterministic,
+        share=cfg.max_staleness == 0 and ranks.world == 1)  # K = 0, one rank: trainer's tensors
     model, ref_model, optimizer = load_models(cfg, device, ranks, engine)
     reduction = loss.build_loss(cfg, dist.group.WORLD, cp_factor=ranks.cp_size)
     run = resume(cfg, model, optimizer, engine, ranks, resuming)  # step, updates, batches ahead
