@@ -422,30 +422,35 @@ def decode_peak(shape: dict, rows: int, context: int, reps: int = 5) -> tuple[fl
     p @ V over `context` keys, grouped heads batched as SDPA runs them). (streamed, cache-hot):
     streamed gives every layer its own weights and K/V, as a real step reads them (135M shape: 540
     MB, past any cache), the fastest of `reps` whole steps; cache-hot times each shape alone on the
-    same tensors, the fastest of 6 * reps calls (an upper bound a decode cannot reach)."""
+    same tensors, the fastest of 6 * reps calls (an upper bound a decode cannot reach). A weight's
+    matmul is timed both ways round (x @ W^T and W @ x^T), the faster counted."""
     d, i = shape["hidden_size"], shape["intermediate_size"]
     hd = shape.get("head_dim") or d // shape["num_attention_heads"]
     heads, kvh = shape["num_attention_heads"], shape["num_key_value_heads"]
     q, kv, layers = heads * hd, kvh * hd, shape["num_hidden_layers"]
     x = {n: torch.randn(rows, n) for n in {d, i, q}}
     attn = lambda: (torch.randn(rows, kvh, heads // kvh, hd), torch.randn(rows, kvh, context, hd))
-    calls = [(torch.nn.functional.linear, (x[inp], torch.randn(out, inp)), 2 * rows * inp * out)
+    calls = [("linear", (x[inp], torch.randn(out, inp)), 2 * rows * inp * out)
              for _ in range(layers) for out, inp in ((q, d), (kv, d), (kv, d), (d, q), (i, d),
                                                      (i, d), (d, i))]
-    calls += [(torch.matmul, (a, b.transpose(-1, -2)), 2 * rows * heads * hd * context)
+    calls += [("attention", (a, b.transpose(-1, -2)), 2 * rows * heads * hd * context)
               for a, b in (attn() for _ in range(2 * layers))]  # scores, then values (same FLOPs)
-    calls.append((torch.nn.functional.linear, (x[d], torch.randn(shape["vocab_size"], d)),
+    calls.append(("linear", (x[d], torch.randn(shape["vocab_size"], d)),
                   2 * rows * d * shape["vocab_size"]))
+    # a weight's matmul either way round, the faster kept (the hf engine's is weight-first on a CPU)
+    ways = [{"linear": torch.nn.functional.linear, "attention": torch.matmul},
+            {"linear": lambda x, w: torch.mm(w, x.t()), "attention": torch.matmul}]
     work, streamed, hot, seen = sum(c[2] for c in calls), float("inf"), 0.0, {}
     for _ in range(reps + 1):  # the first pass warms up
-        t = time.perf_counter()
-        for fn, args, _ in calls:
-            fn(*args)
-        streamed = min(streamed, time.perf_counter() - t)
-    for fn, args, _ in calls:  # one call per distinct shape, timed alone, hot
-        key = (fn, *(a.shape for a in args))
+        for way in ways:
+            t = time.perf_counter()
+            for kind, args, _ in calls:
+                way[kind](*args)
+            streamed = min(streamed, time.perf_counter() - t)
+    for kind, args, _ in calls:  # one call per distinct shape, timed alone, hot
+        key = (kind, *(a.shape for a in args))
         if key not in seen:
-            seen[key] = min(_timed_once(fn, args) for _ in range(6 * reps + 1))
+            seen[key] = min(_timed_once(way[kind], args) for way in ways for _ in range(3 * reps))
         hot += seen[key]
     return work / streamed, work / hot
 
