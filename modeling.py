@@ -600,9 +600,8 @@ def rows_by_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 ) -> torch.Tensor:
     """The sampler's logits hW^T (+ b) [n, V] in fp32 at least by a half GEMM where one runs."""
-    logits = rows_by_weight(hidden, weight) if weight_first(hidden, weight) and \
-        hidden.dtype == torch.float32 else _mm(hidden, weight.t(), torch.promote_types(
-            hidden.dtype, torch.float32))
+    logits = rows_by_weight(hidden, weight) if hidden.dtype == weight.dtype == torch.float32 else \
+        _mm(hidden, weight.t(), torch.promote_types(hidden.dtype, torch.float32))
     return logits if bias is None else logits + bias
 
 

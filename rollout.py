@@ -192,10 +192,10 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
-        mine = dict(self.model.named_parameters())  # (a DTensor of a mesh of one holds it whole)
-        theirs = {n: p.to_local() if hasattr(p, "to_local") else p
+        mine = dict(self.model.named_parameters()) if self.share else {}  # none else: copies
+        theirs = {n: p.to_local() if hasattr(p, "to_local") else p  # (a mesh of one: whole)
                   for n, p in model.named_parameters() if n in mine}
-        if self.share and len(theirs) == len(mine) and all(
+        if mine and len(theirs) == len(mine) and all(
                 (t.shape, t.dtype, t.device) == (mine[n].shape, mine[n].dtype, mine[n].device)
                 for n, t in theirs.items()):
             for n, t in theirs.items():

@@ -108,11 +108,13 @@ def test_a_decodes_few_rows_by_big_weights_run_weight_first_to_float_rounding(mo
     monkeypatch.setattr(modeling, "BIG_WEIGHT", 1)
     taken, first = [], modeling.weight_first
     monkeypatch.setattr(modeling, "weight_first",
-                        lambda x, w: taken.append(first(x, w)) or taken[-1])
+                        lambda x, w: taken.append((x.shape[-1], first(x, w))) or taken[-1][1])
     path = save_tiny_llama(tmp_path)
     prompts, sampling = CASES["padded, top-p and top-k"]
-    completions = HFEngine(path).generate(prompts, sampling, [100 + i for i in range(len(prompts))])
-    assert sum(taken) > len(taken) / 2  # every decode step's linears and head
+    engine = HFEngine(path)
+    completions = engine.generate(prompts, sampling, [100 + i for i in range(len(prompts))])
+    inner = engine.model.config.intermediate_size  # down_proj's input: the decoder's own linears
+    assert (inner, True) in taken and sum(ok for _, ok in taken) > len(taken) / 2
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for i, (prompt, c) in enumerate(zip(prompts, completions)):
         with torch.no_grad():
