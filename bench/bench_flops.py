@@ -71,13 +71,14 @@ def causal_pairs(segments: torch.Tensor) -> int:
     return int((q * c + q * (q + 1) // 2).sum())
 
 
-def model_dir(name: str, num_layers: int | None) -> str:
+def model_dir(name: str, num_layers: int | None, vocab: int | None = None) -> str:
     if name != "qwen2.5-0.5b":
         return name
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = tempfile.mkdtemp(prefix="bench_qwen05_")
     layers = {"num_hidden_layers": num_layers} if num_layers else {}
+    layers |= {"vocab_size": vocab} if vocab else {}
     config = AutoConfig.for_model(**(QWEN25_05B | layers))
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)

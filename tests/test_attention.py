@@ -392,6 +392,26 @@ def test_training_step_with_shared_prompts_equals_whole_sequences(mode, one_rank
         torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-9)
 
 
+def test_the_fsdp_method_is_given_a_layout_made_on_the_host(one_rank_group, monkeypatch):
+    """On a GPU, FSDP2's root pre-forward moves every tensor argument of a registered method to the
+    device (_fsdp_state's _root_pre_forward, for cuda/xpu/hpu only, so a CPU run never sees it):
+    segments passed as such arrive there and check_segments rejects them, as the first H200 run
+    did. The trainer builds the layout from the host's segments before the call; the log-probs
+    equal the method's own from the segments."""
+    cpu = torch.device("cpu")
+    cfg = N.Config(micro_batch_tokens=64, dtype="float64", model=TINY)
+    model = N.load_model(cfg, cpu, N.Ranks())
+    (mb,) = N.pack_microbatches(random_samples(3, groups=3), cfg)
+    calls, method = [], model.policy_logprobs
+    monkeypatch.setattr(model, "policy_logprobs",
+                        lambda *a, **k: calls.append(k) or method(*a, **k))
+    got, _ = N.microbatch_forward(model, mb, cfg, cpu, N.Ranks())
+    (kwargs,) = calls
+    assert "segments" not in kwargs and kwargs["layout"]["cu_q"].device == cpu
+    want, _ = method(mb.input_ids[None], mb.position_ids[None], mb.targets, segments=mb.segments)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_bf16_head_logits_are_not_rounded_to_bf16():
     """Under bf16 compute the head's matmul returns fp32 logits: rounding logits of ~+-20 to bf16
     (8 bits of mantissa) errs by up to ~0.06 in log-prob, more than the ratio clip tolerates."""

@@ -92,6 +92,18 @@ def test_the_gpu_check_runs_its_cpu_smoke_mode_through_the_trainers_functions():
     assert "| weight sync (" in out.stdout
 
 
+def test_the_gpu_profile_runs_its_cpu_smoke_mode():
+    """bench/profile_gpu.py, small on a CPU so that it cannot rot between GPU runs: the decode and
+    its sampler, forward+backward under each checkpointing choice, both operator tables."""
+    out = run_bench("profile_gpu.py", "--device", "cpu", "--num-layers", "1", "--vocab", "1024",
+                    "--rows", "8", "--tokens", "4", "--seqs", "8", "--prompt-len", "8",
+                    "--completion-len", "8")
+    assert "| of which the sampler (sample_tokens on [8, 1024] logits) |" in out, out
+    for choice in ("False", "selective", "True"):
+        assert f"| forward+backward, checkpointing {choice} (" in out, out
+    assert out.count("Self CPU time total") == 2, out
+
+
 def test_bench_memory_prints_its_table():
     out = run_bench("bench_memory.py", "--layers", "2", "--hidden", "64", "--intermediate", "128",
                     "--heads", "4", "--kv-heads", "2", "--vocab", "512", "--tokens", "256")
