@@ -117,12 +117,14 @@ def shared_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 # -----------------------------------------------------------------------------
 # Counter-based noise: a sample depends on (seed, position), never on batch, rank or world size.
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's fmix32 on ints or int64 tensors in [0, 2^32), a tensor in place."""
-    for shift, mul in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
-        h ^= h >> shift
-        h *= mul
-        h &= _MASK32
-    h ^= h >> 16
+    """MurmurHash3's fmix32 of ints or int64 tensors in [0, 2^32), or in place of int32 tensors
+    holding the same bits, at half the memory traffic: products wrap mod 2^32 in two's complement
+    as unsigned ones do, and a right shift is masked to be logical."""
+    wide = not isinstance(h, torch.Tensor) or h.dtype == torch.int64
+    for shift, mul in ((16, 0x85EBCA6B), (13, 0xC2B2AE35), (16, 0)):
+        h ^= h >> shift if wide else (h >> shift).bitwise_and_((1 << 32 - shift) - 1)
+        if mul:
+            h = h * mul & _MASK32 if wide else h.mul_(mul - (1 << 32))
     return h
 
 
@@ -152,8 +154,9 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.T
     seeds = seeds.to(device=logits.device, dtype=torch.int64)
     key = _fmix32(seeds ^ ((position * 0x9E3779B1 + 0x7F4A7C15) & _MASK32))
     token = torch.arange(logits.shape[-1], device=seeds.device) * 0x632BE5AB & _MASK32  # [V]
-    h = _fmix32(_fmix32(key[:, None] ^ token[None, :]) ^ 0x5BD1E995)
-    minus_gumbel = h.double().add_(0.5).div_(2**32).log_().neg_().log_()  # in place: one [B, V]
+    as32 = lambda x: (x - (x >> 31 << 32)).int()  # [B, V] hashed as int32: the same 32 bits
+    h = _fmix32(_fmix32(as32(key)[:, None] ^ as32(token)[None, :]).bitwise_xor_(0x5BD1E995))
+    minus_gumbel = h.double().remainder_(2**32).add_(0.5).div_(2**32).log_().neg_().log_()
     return pick(scaled, (truncated - minus_gumbel).argmax(-1))  # = truncated + Gumbel, exactly
 
 

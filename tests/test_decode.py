@@ -80,7 +80,9 @@ def out_of_place_pick(logits: torch.Tensor, sampling: SamplingParams, seeds: tor
 @pytest.mark.parametrize("vocab", [7, 49152])
 def test_the_in_place_hash_samples_the_out_of_place_hashs_tokens(vocab):
     g = torch.Generator().manual_seed(vocab)
-    logits, seeds = torch.randn(64, vocab, generator=g), torch.arange(64) * 7919 + 13
+    seeds = torch.cat([torch.arange(60) * 7919 + 13, torch.tensor([2**31 - 1, 2**31, 2**32 - 1,
+                                                                   0])])
+    logits = torch.randn(64, vocab, generator=g)  # seeds with the top bit set: int32's sign bit
     for position in (0, 5, 511):
         got, _ = rollout.sample_tokens(logits, SamplingParams(4, 1.0), seeds, position)
         assert torch.equal(got, out_of_place_pick(logits, SamplingParams(4, 1.0), seeds, position))
