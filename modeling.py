@@ -38,7 +38,8 @@ HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", Fa
 # LoRA: alpha fixed (alpha/r shrinks as r grows: one lr suits every rank; with Adam alpha and lr are
 # one knob); every linear layer of the decoder, never the head (read as head.weight: bypassed)
 LORA_ALPHA, LORA_TARGETS = 32, "all-linear"
-HEAD_CHUNK, HEAD_ROWS = 1024, 16  # the head: rows of fp32 logits at once; per in-cache pass
+HEAD_CHUNK, HEAD_ROWS = 1024, (16, 256)  # the head: rows of fp32 logits at once; per pass on
+# a CPU (16 x 150k fp32 is 10 MB: in cache), on a GPU (a [16, V] op per launch left it host-bound)
 FEW_ROWS, BIG_WEIGHT = 256, 2**18  # weight_first on a CPU: x's most rows, W's fewest elements
 
 # -----------------------------------------------------------------------------
@@ -533,12 +534,12 @@ class HeadLogprobs(torch.autograd.Function):
 
 
 def _head_blocks(hidden, weight, bias, temperature, scale, softcap, chunk, grads=None):
-    """(rows, x) HEAD_ROWS rows at a time (16 x 150k fp32 is 10 MB: elementwise passes in cache):
-    logits x = softcap(scale z) / T in place in z = hW^T + b (fp32 at least), `chunk` rows at a
-    time in one buffer (1024 x 150k: 0.6 GB; fresh ones fault in afresh). With `grads` [hidden,
-    weight, bias]: once the caller overwrote a chunk by d/dz, its half GEMMs where they run:
-    grad_hidden (a sum over V) out in fp32 (cuBLAS may split-K a half output in bf16), grad_weight
-    (over n) in the weight's dtype (fp32/fp64 accumulated in place: no [V, d] temporary)."""
+    """(rows, x) HEAD_ROWS rows at a time: logits x = softcap(scale z) / T in place in z = hW^T + b
+    (fp32 at least), `chunk` rows at a time in one buffer (1024 x 150k: 0.6 GB; fresh ones fault
+    in afresh). With `grads` [hidden, weight, bias]: once the caller overwrote a chunk by d/dz,
+    its half GEMMs where they run: grad_hidden (a sum over V) out in fp32 (cuBLAS may split-K a
+    half output in bf16), grad_weight (over n) in the weight's dtype (fp32/fp64 accumulated in
+    place: no [V, d] temporary)."""
     up, buf = torch.promote_types(hidden.dtype, torch.float32), None
     for i in range(0, len(hidden), chunk):
         h = hidden[i : i + chunk]
@@ -546,8 +547,8 @@ def _head_blocks(hidden, weight, bias, temperature, scale, softcap, chunk, grads
             else torch.mm(h, weight.t(), out=buf[: len(h)])  # fp32/64: into the last one
         if bias is not None:
             z.add_(bias)
-        for j in range(0, len(h), HEAD_ROWS):  # the model's ops in its order, then / T
-            x = z[j : j + HEAD_ROWS].mul_(scale)
+        for j in range(0, len(h), rows := HEAD_ROWS[h.device.type != "cpu"]):  # model's ops, / T
+            x = z[j : j + rows].mul_(scale)
             x = (x.div_(softcap).tanh_().mul_(softcap) if softcap else x).div_(temperature)
             yield slice(i + j, i + j + len(x)), x
         g = z.to(hidden.dtype) if grads else None

@@ -95,7 +95,7 @@ def test_fused_head_equals_log_softmax_gather_and_entropy_values_and_gradients(
     plain autograd of log_softmax(softcap(scale (h W^T + b)) / T): the target's log-prob, the
     entropy, and the gradients of a mix of both (the entropy's only when it has one), across
     chunks (5 rows) and elementwise blocks (3 rows) that do not divide the 24 rows."""
-    monkeypatch.setattr(modeling, "HEAD_ROWS", 3)
+    monkeypatch.setattr(modeling, "HEAD_ROWS", (3, 3))
     *inputs, targets = head_inputs(dtype)
     inputs = [x.detach().clone().requires_grad_() for x in inputs]
     lp, ent = fused(*inputs, targets, *transform, entropy_grad, 5)
@@ -155,7 +155,7 @@ def test_without_an_mm_out_dtype_kernel_the_probe_says_so_and_the_head_upcasts(f
 
 def test_where_mm_out_dtype_runs_the_head_uses_it_both_ways_and_never_copies_the_weight(
         fresh_probe, monkeypatch):
-    monkeypatch.setattr(modeling, "HEAD_ROWS", 5)  # blocks [5, V]: no shape of a [D, V] tensor
+    monkeypatch.setattr(modeling, "HEAD_ROWS", (5, 5))  # blocks [5, V]: no shape of a [D, V] tensor
     *inputs, targets = head_inputs(torch.bfloat16)
     plain = run(fused, inputs, targets)  # the upcast path, as on this CPU
     modeling.mm_out_dtype_runs.cache_clear()
