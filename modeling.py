@@ -41,6 +41,7 @@ LORA_ALPHA, LORA_TARGETS = 32, "all-linear"
 HEAD_CHUNK, HEAD_ROWS = 1024, (16, 256)  # the head: rows of fp32 logits at once; per pass on
 # a CPU (16 x 150k fp32 is 10 MB: in cache), on a GPU (a [16, V] op per launch left it host-bound)
 FEW_ROWS, BIG_WEIGHT = 256, 2**18  # weight_first on a CPU: x's most rows, W's fewest elements
+NO_RERUN_UP_TO = 0.8  # a GPU checkpoints no layer where that plan is at most this share of it
 
 # -----------------------------------------------------------------------------
 # attention layouts and kernels
@@ -430,13 +431,15 @@ def checkpoint_layers(model: torch.nn.Module, selective: bool = False) -> None:
                                           use_reentrant=False, **kw)
 
 
-def startup_memory(model, world: int, tokens: int, checkpointing: bool | str, mixed: bool,
+def startup_memory(model, world: int, tokens: int, checkpointing: bool | str | None, mixed: bool,
                    gpu: tuple[int, int] | None = None, engine_releases: bool = False,
-                   frozen_copies: int = 0) -> tuple[str, bool]:
+                   frozen_copies: int = 0) -> tuple[str, bool, bool | str]:
     """(the plan's line, whether gradients may accumulate unsharded until the optimizer step: where
-    that fits) for `model`. `gpu`: (free, total) bytes before the weights loaded (None: a CPU, print
-    only), the rest the engine's, all of it while it generates and none while we train if
-    `engine_releases`. A UserError when even reduce-scattering every micro-batch exceeds the GPU."""
+    that fits, `checkpointing`; None: True unless the GPU holds the plan without it (the rerun cost
+    12% of an H200's forward+backward) for `model`. `gpu`: (free, total) bytes before the weights
+    loaded (None: a CPU, print only), the rest the engine's, all of it while it generates and none
+    while we train if `engine_releases`. A UserError when even reduce-scattering every micro-batch
+    exceeds the GPU."""
     text, params = model.config.get_text_config(), list(model.parameters())
     capacity, engine = (gpu[1], gpu[1] - gpu[0]) if gpu else (None, 0.0)
     heads, hidden = text.num_attention_heads, text.hidden_size
@@ -452,8 +455,11 @@ def startup_memory(model, world: int, tokens: int, checkpointing: bool | str, mi
           "frozen_bytes": (frozen or params)[0].element_size(),
           "compute_bytes": 2 if mixed else master, "engine_generating": engine,
           "engine_training": 0.0 if engine_releases else engine}
-    deferred, synced, raw = (memory_plan(*shape, ck, grads_unsharded=g, **kw) for ck, g in (
-        (checkpointing, True), (checkpointing, False), (False, False)))
+    raw = memory_plan(*shape, False, grads_unsharded=True, **kw)
+    if checkpointing is None:
+        checkpointing = capacity is None or raw["total"] > NO_RERUN_UP_TO * capacity
+    deferred, synced = (memory_plan(*shape, checkpointing, grads_unsharded=g, **kw) for g in (
+        True, False))
     defer = capacity is None or deferred["total"] <= capacity
     plan = deferred if defer else synced  # one line, in GiB (MiB when small)
     unit, scale = ("GiB", 2**30) if plan["total"] >= 2**30 or capacity else ("MiB", 2**20)
@@ -465,7 +471,7 @@ def startup_memory(model, world: int, tokens: int, checkpointing: bool | str, mi
         raise UserError(f"config error: this will not fit: {line}; lower --micro-batch-tokens "
                         "(activations), raise --cp-size, or use more GPUs (weights, grads and "
                         "AdamW are sharded over ranks)")
-    return f"memory per rank (plan): {line}", defer
+    return f"memory per rank (plan): {line}", defer, checkpointing
 
 
 def head_transform(config) -> tuple[float, float | None]:

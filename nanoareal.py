@@ -63,8 +63,8 @@ DIST_TIMEOUT_S = 1800.0  # a collective waits this long for a peer: a dead rank 
 MAX_BAD_STEPS = 3  # stop after this many steps in a row with a non-finite gradient norm
 CKPT_MINUTES = 10.0  # save a checkpoint when this long has passed since the last one
 CHECKPOINT_LAYERS = None  # rerun in backward, exact: True every decoder layer (~10x less memory),
-# "selective" its elementwise work (~half); None: True on a GPU, selective on a CPU where a layer's
-SELECTIVE_FROM = 2**20  # micro-batch input has this many elements (below, its per-op cost shows)
+# "selective" its elementwise work (~half); None: on a GPU True where the memory plan needs it,
+SELECTIVE_FROM = 2**20  # on a CPU selective from a micro-batch's layer input of this many elements
 
 # -----------------------------------------------------------------------------
 # config: one flat set of flags, `--help` its documentation. A Volatile flag changes how a run is
@@ -652,9 +652,11 @@ def load_models(cfg: Config, device: torch.device, ranks: Ranks, engine=None) ->
     model = load_model(cfg, device, ranks)
     ref_model = (modeling.WithoutAdapters(model) if cfg.lora_rank else load_model(
         cfg, device, ranks, trainable=False)) if cfg.kl_coef > 0 else None  # LoRA: base is free
-    line, model.defer_grad_sync = modeling.startup_memory(  # a colocated engine frees the GPU
+    line, model.defer_grad_sync, checkpointed = modeling.startup_memory(  # a colocated engine
         model, ranks.world, -(-cfg.micro_batch_tokens // ranks.cp_size), model.checkpointed,
         model.mixed, gpu, engine is not None and engine.overlaps == "", ref_model is not None)
+    if checkpointed is True and model.checkpointed is None:  # (frees the GPU while we train)
+        model.checkpointed = modeling.checkpoint_layers(model) or True  # a GPU that needs it
     print0(line)
     return model, ref_model, torch.optim.AdamW(  # fused (CPU: 33 ms a step looped, 8 foreach, 5)
         [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=ADAM_BETAS,
@@ -676,7 +678,8 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
         fully_shard(model, mesh=mesh, **mp)
         big = tokens * model.config.get_text_config().hidden_size >= SELECTIVE_FROM
         model.checkpointed = trainable and (CHECKPOINT_LAYERS if CHECKPOINT_LAYERS is not None
-                                            else device.type == "cuda" or big and "selective")
+                                            else None if device.type == "cuda" else big and
+                                            "selective")  # None: load_models's plan decides
         if model.checkpointed:
             modeling.checkpoint_layers(model, selective=model.checkpointed == "selective")
     model, attention = modeling.load_causal_lm(  # LoRA: the frozen base in the compute dtype

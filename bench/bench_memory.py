@@ -53,7 +53,7 @@ def child(model: str, tokens: int, checkpointing: bool) -> dict:
                for k in range(8)]
     mbs = N.pack_microbatches(samples, cfg)[:2]
     positions = max(len(mb.input_ids) for mb in mbs)
-    plan, defer = modeling.startup_memory(model_, 1, positions, checkpointing, False)
+    plan, defer, _ = modeling.startup_memory(model_, 1, positions, checkpointing, False)
     assert model_.defer_grad_sync and defer  # gradients accumulate unsharded, as planned
     for _ in range(2):  # the second: AdamW's state exists, as in every step after the first
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS

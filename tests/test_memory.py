@@ -91,7 +91,7 @@ def test_startup_memory_defers_gradient_sync_only_where_it_fits_and_refuses_what
     reduce-scatters keep a whole gradient per rank: only where the GPU holds it."""
     model = tiny_llama()
     args = (model, 2, 512, True, True)  # 2 ranks, 512 tokens, checkpointed, bf16 compute
-    line, defer = modeling.startup_memory(*args)  # a CPU: print, defer
+    line, defer, _ = modeling.startup_memory(*args)  # a CPU: print, defer
     assert defer and line.startswith("memory per rank (plan): weights ") and line.endswith(" MiB")
     n = sum(p.numel() for p in model.parameters())
     plan = lambda unsharded, engine=0.0, releases=False: modeling.memory_plan(
@@ -112,6 +112,13 @@ def test_startup_memory_defers_gradient_sync_only_where_it_fits_and_refuses_what
     modeling.startup_memory(*args, gpu(held - 1, 2**20), True)  # fits: no error
     frozen = modeling.startup_memory(*args, frozen_copies=1)[0]  # the KL reference's weights
     assert frozen != line
+    # None (a GPU's default): no layer reruns in backward where the plan without it fits 80%
+    unchecked = modeling.memory_plan(n, n, 2, 32, 64, 16, 64, 2, 512, False,
+                                     grads_unsharded=True)["total"]
+    choose = lambda total: modeling.startup_memory(model, 2, 512, None, True, gpu(total))[2]
+    assert choose(unchecked / 0.79) is False and choose(unchecked / 0.81) is True
+    assert "without checkpointing" in modeling.startup_memory(model, 2, 512, None, True,
+                                                              gpu(unchecked / 0.81))[0]
 
 
 class CountOps(TorchDispatchMode):
