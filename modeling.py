@@ -38,10 +38,9 @@ HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", Fa
 # LoRA: alpha fixed (alpha/r shrinks as r grows: one lr suits every rank; with Adam alpha and lr are
 # one knob); every linear layer of the decoder, never the head (read as head.weight: bypassed)
 LORA_ALPHA, LORA_TARGETS = 32, "all-linear"
-HEAD_CHUNK, HEAD_ROWS = 1024, (16, 256)  # the head: rows of fp32 logits at once; per pass on
-# a CPU (16 x 150k fp32 is 10 MB: in cache), on a GPU (a [16, V] op per launch left it host-bound)
+HEAD_CHUNK, HEAD_ROWS = 1024, (16, 256)  # the head's fp32 logits: rows at once; a pass's CPU/GPU
 FEW_ROWS, BIG_WEIGHT = 256, 2**18  # weight_first on a CPU: x's most rows, W's fewest elements
-NO_RERUN_UP_TO = 0.8  # a GPU checkpoints no layer where that plan is at most this share of it
+NO_RERUN_UP_TO = 0.8  # a GPU checkpoints no layer while the plan without it is <= this share
 
 # -----------------------------------------------------------------------------
 # attention layouts and kernels
@@ -434,12 +433,11 @@ def checkpoint_layers(model: torch.nn.Module, selective: bool = False) -> None:
 def startup_memory(model, world: int, tokens: int, checkpointing: bool | str | None, mixed: bool,
                    gpu: tuple[int, int] | None = None, engine_releases: bool = False,
                    frozen_copies: int = 0) -> tuple[str, bool, bool | str]:
-    """(the plan's line, whether gradients may accumulate unsharded until the optimizer step: where
-    that fits, `checkpointing`; None: True unless the GPU holds the plan without it (the rerun cost
-    12% of an H200's forward+backward) for `model`. `gpu`: (free, total) bytes before the weights
-    loaded (None: a CPU, print only), the rest the engine's, all of it while it generates and none
-    while we train if `engine_releases`. A UserError when even reduce-scattering every micro-batch
-    exceeds the GPU."""
+    """(the plan's line, whether gradients may accumulate unsharded until the optimizer step (where
+    that fits), `checkpointing` (if None: True unless the GPU holds the plan without it)).
+    `gpu`: (free, total) bytes before the weights loaded (None: a CPU, print only), the rest the
+    engine's: all of it while it generates, none while we train if `engine_releases`. A UserError
+    when even reduce-scattering every micro-batch exceeds the GPU."""
     text, params = model.config.get_text_config(), list(model.parameters())
     capacity, engine = (gpu[1], gpu[1] - gpu[0]) if gpu else (None, 0.0)
     heads, hidden = text.num_attention_heads, text.hidden_size

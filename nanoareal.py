@@ -29,7 +29,7 @@ import random
 import time
 import types
 import typing
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path
@@ -346,9 +346,8 @@ def validate_config(cfg: Config, world: int) -> Config:
          f"--resume {cfg.resume} is not a complete checkpoint (no directory, or a save that never "
          "finished: no meta.json); use --resume auto or fresh"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise UserError(f"config error: {message}")
+    if problem := next((message for ok, message in checks if not ok), None):
+        raise UserError(f"config error: {problem}")
     try:
         loss.check_loss_flags(cfg)
     except ValueError as e:
@@ -543,11 +542,9 @@ def set_advantages(samples: list[Sample], cfg: Config, ranks: Ranks = Ranks()) -
     adv = group_advantages(torch.tensor([s.reward for s in samples], dtype=torch.float32),
                            torch.tensor([s.group for s in samples], dtype=torch.long),
                            cfg.adv_estimator, cfg.adv_std, copies=ranks.cp_size)
-    distinct: dict[int, set[float]] = defaultdict(set)  # each group's distinct rewards
-    for s in samples:
-        distinct[s.group].add(s.reward)
+    distinct = Counter(g for g, _ in {(s.group, s.reward) for s in samples})  # per group
     for s, a in zip(samples, adv.tolist()):
-        s.advantage, s.zero_variance = a, len(distinct[s.group]) == 1
+        s.advantage, s.zero_variance = a, distinct[s.group] == 1
 
 
 # -----------------------------------------------------------------------------

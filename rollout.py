@@ -117,9 +117,8 @@ def shared_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 # -----------------------------------------------------------------------------
 # Counter-based noise: a sample depends on (seed, position), never on batch, rank or world size.
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's fmix32 of ints or int64 tensors in [0, 2^32), or in place of int32 tensors
-    holding the same bits, at half the memory traffic: products wrap mod 2^32 in two's complement
-    as unsigned ones do, and a right shift is masked to be logical."""
+    """MurmurHash3's fmix32 of ints or int64 tensors in [0, 2^32), or in place of int32 ones with
+    the same bits (half the bytes: products wrap mod 2^32; shifts are masked to be logical)."""
     wide = not isinstance(h, torch.Tensor) or h.dtype == torch.int64
     for shift, mul in ((16, 0x85EBCA6B), (13, 0xC2B2AE35), (16, 0)):
         h ^= h >> shift if wide else (h >> shift).bitwise_and_((1 << 32 - shift) - 1)
