@@ -131,8 +131,7 @@ def claim_run_dir(run_dir: str | Path, config: dict, volatile: set[str], fresh: 
             f"{root.name}.old-{n}")).exists())
         root.rename(aside)
         print(f"moved the run in {root} to {aside}", flush=True)
-        return False
-    if not results:
+    if not results or fresh:
         return False
     try:
         theirs = json.loads((root / "config.json").read_text())

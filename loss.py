@@ -380,9 +380,8 @@ def behaviour_weights(prox_logprobs: Tensor, behave_logprobs: Tensor, *, cap: fl
     """Decoupled PPO (Hilton et al. 2022): (w, rejected 0/1), w_t = sg(pi_prox / pi_behave).
     truncate: min(w, cap), none rejected; mask: w > cap rejected (m_t = 0, d_t kept), w kept."""
     w = torch.exp(log_ratio(prox_logprobs, behave_logprobs)).detach()
-    if mode == "truncate":
-        return torch.clamp(w, max=cap), torch.zeros_like(w)
-    return torch.where(w > cap, 0.0, w), (w > cap).to(w.dtype)
+    return ((torch.clamp(w, max=cap), torch.zeros_like(w)) if mode == "truncate"
+            else (torch.where(w > cap, 0.0, w), (w > cap).to(w.dtype)))
 
 
 def m2po_mask(prox_logprobs: Tensor, behave_logprobs: Tensor, loss_mask: Tensor, *,
@@ -529,7 +528,6 @@ def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
     """The trainer's loss from resolved flags: "policy" (the mode's objective; stats: the
     surrogate's, CAPPED), "entropy" and "kl" (token means, coefs -entropy_coef, kl_coef) if != 0."""
     params = surrogate_params(cfg.policy_loss, cfg.eps_low, cfg.eps_high)
-    surrogate = SURROGATES[cfg.policy_loss].fn
     corr, cap = _choice("correction", cfg.correction, CORRECTIONS), cfg.correction_threshold
     if not corr.clip:  # r in [1 - 1, 1 + inf]: never clipped
         params |= {k: v for k, v in (("eps_low", 1.0), ("eps_high", math.inf)) if k in params}
@@ -542,8 +540,8 @@ def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
         prox = mb.behave_logprobs if corr.clip_to_behaviour else mb.prox_logprobs
         # outside d: ratio 1 and advantage 0, so arbitrary prox values never make inf (nor NaN)
         prox = torch.where(active, logp.detach() if prox is None else prox, logp.detach())
-        token_loss, indicators = surrogate(logp, prox, torch.where(active, mb.advantages, 0.0),
-                                           mb.seq_ids, m, **params)
+        token_loss, indicators = SURROGATES[cfg.policy_loss].fn(
+            logp, prox, torch.where(active, mb.advantages, 0.0), mb.seq_ids, m, **params)
         weight = mb.loss_weight
         if corr.token_mode is not None:
             behave = torch.where(active, mb.behave_logprobs, prox)

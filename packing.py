@@ -23,8 +23,7 @@ FLOAT_COLUMNS = ("loss_mask", "advantages", "behave_logprobs", "loss_weight", "n
 
 
 def pack_microbatches(samples: list, mode: str, divisor: float | None, budget: int,
-                      mask_truncated: bool = False, share_prompts: bool = True
-                      ) -> list[MicroBatch]:
+                      mask_truncated: bool = False, share_prompts: bool = True) -> list[MicroBatch]:
     """Micro-batches of at most `budget` fed positions, cut in order as evenly as `cuts` can (a
     shared prefix costs its first sample in each). The mode's weights are the whole mini-batch's, so
     any split is exact (loss.py's rule 2); mask_truncated: a cut response counts nowhere."""

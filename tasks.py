@@ -204,11 +204,10 @@ class Task:
 
 
 TASKS: dict[str, Task] = {
-    "arithmetic": Task(make_arithmetic_task, "exact_match", {"model": "assets/tiny-arith"}),
-    "chain": Task(make_chain_task, "last_number", {"model": "assets/tiny-chain",
-                                                  "max_new_tokens": 32, "prompts_per_step": 32}),
-    "calc": Task(make_calc_task, "last_number", {"model": "assets/tiny-calc",
-                                                 "max_new_tokens": 16})}
+    "arithmetic": Task(make_arithmetic_task, "exact_match", dict(model="assets/tiny-arith")),
+    "chain": Task(make_chain_task, "last_number", dict(model="assets/tiny-chain",
+                                                      max_new_tokens=32, prompts_per_step=32)),
+    "calc": Task(make_calc_task, "last_number", dict(model="assets/tiny-calc", max_new_tokens=16))}
 
 
 # -----------------------------------------------------------------------------
@@ -222,9 +221,7 @@ def load_jsonl(path: str, prompt_key: str = "prompt") -> list[dict]:
     except UnicodeDecodeError:
         raise UserError(f"{path}: not a UTF-8 text file (expected JSON lines)") from None
     rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for n, line in ((n, s) for n, s in enumerate(lines, 1) if s.strip()):
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
