@@ -155,7 +155,8 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.T
     token = torch.arange(logits.shape[-1], device=seeds.device) * 0x632BE5AB & _MASK32  # [V]
     as32 = lambda x: (x - (x >> 31 << 32)).int()  # [B, V] hashed as int32: the same 32 bits
     h = _fmix32(_fmix32(as32(key)[:, None] ^ as32(token)[None, :]).bitwise_xor_(0x5BD1E995))
-    minus_gumbel = h.double().remainder_(2**32).add_(0.5).div_(2**32).log_().neg_().log_()
+    u = h.bitwise_xor_(-(2**31)).double().add_(2**31 + 0.5)  # the unsigned hash + 0.5, exactly
+    minus_gumbel = u.div_(2**32).log_().neg_().log_()  # in place: one [B, V] float64
     return pick(scaled, (truncated - minus_gumbel).argmax(-1))  # = truncated + Gumbel, exactly
 
 
