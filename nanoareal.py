@@ -649,11 +649,12 @@ def load_models(cfg: Config, device: torch.device, ranks: Ranks, engine=None) ->
     model = load_model(cfg, device, ranks)
     ref_model = (modeling.WithoutAdapters(model) if cfg.lora_rank else load_model(
         cfg, device, ranks, trainable=False)) if cfg.kl_coef > 0 else None  # LoRA: base is free
-    line, model.defer_grad_sync, checkpointed = modeling.startup_memory(  # a colocated engine
+    undecided = model.checkpointed is None  # a GPU: checkpointed only where the plan needs it
+    line, model.defer_grad_sync, model.checkpointed = modeling.startup_memory(
         model, ranks.world, -(-cfg.micro_batch_tokens // ranks.cp_size), model.checkpointed,
         model.mixed, gpu, engine is not None and engine.overlaps == "", ref_model is not None)
-    if checkpointed is True and model.checkpointed is None:  # (frees the GPU while we train)
-        model.checkpointed = modeling.checkpoint_layers(model) or True  # a GPU that needs it
+    if undecided and model.checkpointed:
+        modeling.checkpoint_layers(model)
     print0(line)
     return model, ref_model, torch.optim.AdamW(  # fused (CPU: 33 ms a step looped, 8 foreach, 5)
         [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=ADAM_BETAS,
@@ -674,9 +675,8 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
             fully_shard(block, mesh=mesh, **mp)
         fully_shard(model, mesh=mesh, **mp)
         big = tokens * model.config.get_text_config().hidden_size >= SELECTIVE_FROM
-        model.checkpointed = trainable and (CHECKPOINT_LAYERS if CHECKPOINT_LAYERS is not None
-                                            else None if device.type == "cuda" else big and
-                                            "selective")  # None: load_models's plan decides
+        model.checkpointed = trainable and (CHECKPOINT_LAYERS if CHECKPOINT_LAYERS is not None else
+                                            None if device.type == "cuda" else big and "selective")
         if model.checkpointed:
             modeling.checkpoint_layers(model, selective=model.checkpointed == "selective")
     model, attention = modeling.load_causal_lm(  # LoRA: the frozen base in the compute dtype
