@@ -142,7 +142,7 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.T
     pick = lambda x, tok: (tok, torch.log_softmax(x, -1).gather(-1, tok[:, None]).squeeze(-1))
     if sampling.temperature == 0:
         return pick(logits, logits.argmax(-1))
-    scaled = truncated = logits / sampling.temperature
+    scaled = truncated = logits / sampling.temperature if sampling.temperature != 1 else logits
     if sampling.top_k > 0 or sampling.top_p < 1.0:  # SGLang's rule, both on the full softmax
         # ("joint"): token j of the sorted ones is kept iff j < k and p_0 + ... + p_{j-1} <= p
         probs, order = torch.sort(torch.softmax(scaled, -1), dim=-1, descending=True, stable=True)

@@ -198,25 +198,36 @@ def test_checkpointed_layers_rerun_in_backward_and_leave_gradients_unchanged(mon
 
 def test_selective_checkpointing_reruns_no_matmul_in_backward(monkeypatch):
     """Selective keeps every matmul's output: backward runs as many as without checkpointing,
-    while full checkpointing runs each layer's forward matmuls again. A CPU run picks it by size."""
+    while full checkpointing runs each layer's forward matmuls again. A CPU run picks it by size;
+    a GPU loads undecided and load_models wraps the layers only where its memory plan needs it."""
     cfg = N.validate_config(replace(N.Config(), dtype="float64"), 1)
     samples = [N.Sample(g, [4 + g, 13, 5], N.Completion([6, 7, 8, 1], [-0.5] * 4, "stop"),
                         advantage=1.0) for g in range(2)]
-    counts = {}
-    for on in (False, True, "selective"):
-        monkeypatch.setattr(N, "CHECKPOINT_LAYERS", on)
-        model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
+
+    def matmuls_in_backward(model) -> int:
         logprobs, _ = N.microbatch_forward(model, N.pack_microbatches(samples, cfg)[0], cfg,
                                            torch.device("cpu"), N.Ranks(), grad=True)
         with CountOps() as mode:
             logprobs.sum().backward()
-        counts[on] = sum(op in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
-                         for op in mode.ops)
+        return sum(op in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
+                   for op in mode.ops)
+    counts = {}
+    for on in (False, True, "selective"):
+        monkeypatch.setattr(N, "CHECKPOINT_LAYERS", on)
+        counts[on] = matmuls_in_backward(N.load_models(cfg, torch.device("cpu"), N.Ranks())[0])
     assert counts["selective"] == counts[False] < counts[True]
     monkeypatch.setattr(N, "CHECKPOINT_LAYERS", None)  # a CPU: selective once layer inputs are big
     for tokens, want in ((4096, False), (8192, "selective")):  # x hidden 128: 2^19, 2^20
         big = N.validate_config(replace(N.Config(), micro_batch_tokens=tokens), 1)
         assert N.load_models(big, torch.device("cpu"), N.Ranks())[0].checkpointed == want
+    load, plan = N.load_model, modeling.startup_memory  # a GPU's (free, total): None, no limit
+    monkeypatch.setattr(N, "load_model", lambda *a, **k: setattr(
+        m := load(*a, **k), "checkpointed", None) or m)
+    for gpu, want in ((None, True), ((2**50, 2**50), False)):
+        monkeypatch.setattr(modeling, "startup_memory", lambda *a, gpu=gpu: plan(*a[:5], gpu,
+                                                                                   *a[6:]))
+        model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
+        assert model.checkpointed is want and matmuls_in_backward(model) == counts[want]
 
 
 def test_a_synchronous_hf_engine_generates_with_the_trainers_own_tensors(tmp_path):
