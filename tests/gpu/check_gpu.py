@@ -21,8 +21,9 @@ Checks (exit code 1 if one fails), then measurements, printed as markdown (and w
 2. fp32 logits from bf16 hidden states (modeling.HeadLogprobs: torch.mm out_dtype where it runs)
    against an fp32 matmul of the same bf16 values, forward and backward, and the memory it takes
    (no fp32 copy of the 152k x 896 head);
-3. training forward+backward FLOP/s and MFU (bench/bench_flops.py's count and peak);
-4. full GRPO steps (rollout -> reward -> advantages -> train -> weight sync): the step-time split,
+3. the hf engine's sampler: the same tokens on the GPU as on the CPU (its int32 hash's wrapping);
+4. training forward+backward FLOP/s and MFU (bench/bench_flops.py's count and peak);
+5. full GRPO steps (rollout -> reward -> advantages -> train -> weight sync): the step-time split,
    tokens/s, peak GPU memory and weight-sync time.
 """
 
@@ -199,6 +200,28 @@ def check_attention(model_dir: str, device: torch.device, ranks, quick: bool) ->
     return [f"attention path {p} disagrees with the HF forward" for p in failed]
 
 
+def check_sampler(device: torch.device) -> list[str]:
+    """The hf engine's counter-based sampler picks the same tokens here as on the CPU: its int32
+    hash relies on products wrapping mod 2^32, which the CPU tests check and this device must too
+    (a [64, 152k] draw at three positions, two temperatures; top-p's cumsum may round differently
+    on a GPU and move a boundary token, so it is left out)."""
+    import rollout
+
+    g = torch.Generator().manual_seed(0)
+    logits, seeds = torch.randn(64, 151936, generator=g), torch.arange(64) * 7919 + 2**31 - 64
+    rows, bad = [], 0
+    for sampling in (rollout.SamplingParams(8, 1.0), rollout.SamplingParams(8, 0.7)):
+        for position in (0, 7, 511):
+            want = rollout.sample_tokens(logits, sampling, seeds, position)[0]
+            got = rollout.sample_tokens(logits.to(device), sampling, seeds, position)[0].cpu()
+            bad += int((got != want).sum())
+        rows.append(f"| T {sampling.temperature} | "
+                    f"{3 * len(seeds)} | {bad} |")
+    print_table(f"sampler on {device.type} vs the CPU (the same seeds and logits)",
+                ["sampling", "draws", "different tokens so far"], rows)
+    return [] if bad == 0 else [f"sampler: {bad} tokens differ from the CPU's"]
+
+
 def check_fp32_logits(device: torch.device) -> list[str]:
     import modeling
 
@@ -313,9 +336,10 @@ def main() -> int:
     for name, stage in [("attention", lambda: check_attention(model_dir, device, ranks,
                                                                 args.quick)),
                         ("fp32 logits", lambda: check_fp32_logits(device)),
+                        ("sampler", lambda: check_sampler(device)),
                         ("GRPO steps", lambda: measure_grpo(model_dir, device, ranks, steps,
                                                            args.quick) or [])
-                        ][:2 if args.checks_only else 3]:
+                        ][:3 if args.checks_only else 4]:
         try:  # one stage's crash is reported and the others still run: device time is scarce
             problems += stage()
         except Exception:
