@@ -300,9 +300,11 @@ class LossReduction:
 
 def fsdp_sum_gradients(model: torch.nn.Module) -> None:
     """Make FSDP2 sum, not average, gradients: on every FSDP module (the setters act on its own
-    parameters), forced sums (a divide factor alone reduces with PREMUL_SUM, which gloo rejects)."""
+    parameters), forced sums (a divide factor alone reduces with PREMUL_SUM, which gloo rejects);
+    one rank's average is its sum, and a factor, even 1, divides every gradient: none there."""
     from torch.distributed.fsdp import FSDPModule
-    for module in (m for m in model.modules() if isinstance(m, FSDPModule)):
+    for module in (m for m in model.modules() if isinstance(m, FSDPModule)
+                   and dist.get_world_size() > 1):
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
 

@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import Tensor
 
 from cli import UserError, why
 
@@ -44,14 +45,14 @@ NO_RERUN_UP_TO = 0.8  # a GPU checkpoints no layer while the plan without it is 
 
 # -----------------------------------------------------------------------------
 # attention layouts and kernels
-def segments_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+def segments_from_positions(position_ids: Tensor) -> Tensor:
     """Segments [R, 4] (start, len, 0, 0) of a row of whole sequences (positions restart at 0)."""
     start = torch.nonzero(position_ids.flatten() == 0).flatten()
     length = torch.diff(start, append=start.new_tensor([position_ids.numel()]))
     return F.pad(torch.stack([start, length], 1), (0, 2))
 
 
-def check_segments(segments: torch.Tensor, num_tokens: int) -> None:
+def check_segments(segments: Tensor, num_tokens: int) -> None:
     """A packed row's segments [R, 4] are on the host (packing makes them there: a copy from a
     device would sync), cover its num_tokens tokens in order, and take context from earlier ones."""
     if segments.device.type != "cpu":
@@ -65,7 +66,7 @@ def check_segments(segments: torch.Tensor, num_tokens: int) -> None:
                          f"{segments.tolist()}")
 
 
-def attention_layout(segments: torch.Tensor, num_tokens: int, device: torch.device | None = None,
+def attention_layout(segments: Tensor, num_tokens: int, device: torch.device | None = None,
                      kernel=None, cp_group=None) -> dict:
     """Index tensors for segment_attention, built once per micro-batch on the CPU (no GPU sync for
     the sizes). A row (q_start, q_len, ctx_start, ctx_len) of `segments` [R, 4]: q_len tokens attend
@@ -484,7 +485,7 @@ def head_transform(config) -> tuple[float, float | None]:
 
 
 def policy_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0,
-                    chunk: int = HEAD_CHUNK, segments: torch.Tensor | None = None,
+                    chunk: int = HEAD_CHUNK, segments: Tensor | None = None,
                     layout: dict | None = None, entropy_grad: bool = True):
     """(log pi(target_t | prefix), entropy) [T] of a packed row by `segments` (default: one sequence
     per run of positions from 0) or its CP `layout`; entropy_grad=False: no entropy graph."""
@@ -577,7 +578,7 @@ def mm_out_dtype_runs(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
     """a @ b accumulated in fp32 at least, as out_dtype: a half GEMM where it runs, else upcast."""
     if a.dtype == b.dtype and mm_out_dtype_runs(a.device, a.dtype):
         return torch.mm(a, b, out_dtype=out_dtype)
@@ -585,7 +586,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
     return (a.to(up) @ b.to(up)).to(out_dtype)
 
 
-def weight_first(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def weight_first(x: Tensor, weight: Tensor) -> bool:
     """Whether x @ W^T runs faster as (W @ x^T)^T: few rows by a big weight on a CPU, where MKL
     then splits W's rows over the threads, each streaming its share of W; as x @ W^T every thread
     streams all of it (135M shape, 16 rows, 2 threads: a decode step's matmuls 108 -> 67 ms)."""
@@ -593,8 +594,7 @@ def weight_first(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.numel() <= FEW_ROWS * x.shape[-1]
 
 
-def rows_by_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+def rows_by_weight(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear(x, W, b), the hf engine's nn.Linear forward: (W @ x^T)^T where weight_first."""
     if not weight_first(x, weight):
         return F.linear(x, weight, bias)
@@ -602,8 +602,7 @@ def rows_by_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return (y if bias is None else y + bias).view(*x.shape[:-1], -1)
 
 
-def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-                ) -> torch.Tensor:
+def head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """The sampler's logits hW^T (+ b) [n, V] in fp32 at least by a half GEMM where one runs."""
     logits = rows_by_weight(hidden, weight) if hidden.dtype == weight.dtype == torch.float32 else \
         _mm(hidden, weight.t(), torch.promote_types(hidden.dtype, torch.float32))

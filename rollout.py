@@ -153,11 +153,10 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.T
     seeds = seeds.to(device=logits.device, dtype=torch.int64)
     key = _fmix32(seeds ^ ((position * 0x9E3779B1 + 0x7F4A7C15) & _MASK32))
     token = torch.arange(logits.shape[-1], device=seeds.device) * 0x632BE5AB & _MASK32  # [V]
-    as32 = lambda x: (x - (x >> 31 << 32)).int()  # [B, V] hashed as int32: the same 32 bits
+    as32 = lambda x: (x - (x >> 31 << 32)).int()  # the same 32 bits (sign flip: back to unsigned)
     h = _fmix32(_fmix32(as32(key)[:, None] ^ as32(token)[None, :]).bitwise_xor_(0x5BD1E995))
-    u = h.bitwise_xor_(-(2**31)).double().add_(2**31 + 0.5)  # the unsigned hash + 0.5, exactly
-    minus_gumbel = u.div_(2**32).log_().neg_().log_()  # in place: one [B, V] float64
-    return pick(scaled, (truncated - minus_gumbel).argmax(-1))  # = truncated + Gumbel, exactly
+    neg_gumbel = h.bitwise_xor_(-2**31).double().add_(2**31 + 0.5).div_(2**32).log_().neg_().log_()
+    return pick(scaled, (truncated - neg_gumbel).argmax(-1))  # = truncated + Gumbel, exactly
 
 
 # -----------------------------------------------------------------------------
