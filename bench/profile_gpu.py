@@ -78,26 +78,24 @@ def forward_backward(model, mbs, cfg, device, ranks) -> None:
 
 
 def train(path: str, device, ranks, seqs: int, plen: int, clen: int) -> tuple[list[str], str]:
+    from transformers import AutoConfig
     cfg = N.Config(model=path, micro_batch_tokens=16384)
+    vocab, g = AutoConfig.from_pretrained(path).vocab_size, torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, vocab, (plen,), generator=g).tolist() for _ in range(-(-seqs // 8))]
+    mbs = N.pack_microbatches([N.Sample(i // 8, prompts[i // 8], N.Completion(
+        torch.randint(2, vocab, (clen,), generator=g).tolist(), [-1.0] * clen, "length"),
+        advantage=1.0) for i in range(seqs)], cfg)
+    positions = sum(mb.input_ids.numel() for mb in mbs)
     out, table, default = [], "", N.CHECKPOINT_LAYERS
     for choice in (False, "selective", True):
         N.CHECKPOINT_LAYERS = choice
         model = N.load_model(cfg, device, ranks)
-        vocab = model.config.vocab_size
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(2, vocab, (plen,), generator=g).tolist()
-                   for _ in range(-(-seqs // 8))]
-        samples = [N.Sample(i // 8, prompts[i // 8], N.Completion(
-            torch.randint(2, vocab, (clen,), generator=g).tolist(), [-1.0] * clen, "length"),
-            advantage=1.0) for i in range(seqs)]
-        mbs = N.pack_microbatches(samples, cfg)
         fwd_bwd = functools.partial(forward_backward, model, mbs, cfg, device, ranks)
         fwd_bwd()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t = timed(fwd_bwd, device, reps=2)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0
-        positions = sum(mb.input_ids.numel() for mb in mbs)
         out.append(f"| forward+backward, checkpointing {choice} ({positions} positions in "
                    f"{len(mbs)} micro-batches) | {t:.3f} s, peak {peak:.1f} GiB |")
         if choice is False:  # the work itself, no rerun (a GPU's choice where memory allows)

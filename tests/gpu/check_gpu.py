@@ -147,7 +147,7 @@ def check_attention(model_dir: str, device: torch.device, ranks, quick: bool) ->
     """Every packed path in the compute dtype against the truth (HF's per-sequence forward and
     backward in fp32), beside HF's own per-sequence forward in the compute dtype: a path is right
     if it errs no more than 3x HF does (plus 1e-3 of the control), log-probs and gradients."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     import modeling
     import nanoareal as N
@@ -155,11 +155,11 @@ def check_attention(model_dir: str, device: torch.device, ranks, quick: bool) ->
     half = device.type == "cuda"
     dtype = torch.bfloat16 if half else torch.float32
     refs = {}
+    samples = groups(AutoConfig.from_pretrained(model_dir).vocab_size, 2 if quick else 4, 4, 64,
+                     32 if quick else 192)
     for d in dict.fromkeys((torch.float32, dtype)):
         reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=d,
                                                          attn_implementation="sdpa").to(device)
-        samples = groups(reference.config.vocab_size, 2 if quick else 4, 4, 64,
-                         32 if quick else 192)
         refs[d] = reference_logprobs(reference, samples)
         del reference
     (want, want_g), (hf, hf_g) = refs[torch.float32], refs[dtype]
