@@ -40,7 +40,7 @@ HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", Fa
 # one knob); every linear layer of the decoder, never the head (read as head.weight: bypassed)
 LORA_ALPHA, LORA_TARGETS = 32, "all-linear"
 HEAD_CHUNK, HEAD_ROWS = 1024, (16, 256)  # the head's fp32 logits: rows at once; a pass's CPU/GPU
-FEW_ROWS, BIG_WEIGHT = 256, 2**18  # weight_first on a CPU: x's most rows, W's fewest elements
+BIG_WEIGHT = 2**18  # the CPU engine packs weights of this many elements for oneDNN (pack_weights)
 NO_RERUN_UP_TO = 0.8  # a GPU checkpoints no layer while the plan without it is <= this share
 
 # -----------------------------------------------------------------------------
@@ -586,26 +586,30 @@ def _mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
     return (a.to(up) @ b.to(up)).to(out_dtype)
 
 
-def weight_first(x: Tensor, weight: Tensor) -> bool:
-    """Whether x @ W^T runs faster as (W @ x^T)^T: few rows by a big weight on a CPU, where MKL
-    then splits W's rows over the threads, each streaming its share of W; as x @ W^T every thread
-    streams all of it (135M shape, 16 rows, 2 threads: a decode step's matmuls 108 -> 67 ms)."""
-    return x.device.type == "cpu" and x.dtype == weight.dtype and weight.numel() >= BIG_WEIGHT \
-        and x.numel() <= FEW_ROWS * x.shape[-1]
+def pack_weights(weights: list[Tensor], rows: int) -> dict[int, Tensor]:
+    """{id(W): oneDNN's copy of W, reordered once for `rows`-row inputs} of the big fp32 weights of
+    the CPU engine's model for one generate call (the trainer changes them every step). A few-row
+    matmul on a plain W re-blocks W at every call, a pass over it as long as the product: 135M
+    shape, 16 rows, 2 threads: 2x the decode's matmuls. {} where oneDNN is absent: F.linear."""
+    ok = [w for w in weights if w.device.type == "cpu" and w.dtype == torch.float32
+          and w.dim() == 2 and w.numel() >= BIG_WEIGHT]
+    if not ok or not torch.backends.mkldnn.is_available():
+        return {}
+    return {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows) for w in ok}
 
 
-def rows_by_weight(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear(x, W, b), the hf engine's nn.Linear forward: (W @ x^T)^T where weight_first."""
-    if not weight_first(x, weight):
-        return F.linear(x, weight, bias)
-    y = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().contiguous()
-    return (y if bias is None else y + bias).view(*x.shape[:-1], -1)
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: dict | None = None):
+    """F.linear(x, W, b), on W's packed copy where `packed` holds one (the same rows to ~1e-6)."""
+    w = (packed or {}).get(id(weight))
+    return F.linear(x, weight, bias) if w is None or x.dtype != weight.dtype else \
+        torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
 
 
-def head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, packed: dict | None = None
+                ) -> Tensor:
     """The sampler's logits hW^T (+ b) [n, V] in fp32 at least by a half GEMM where one runs."""
-    logits = rows_by_weight(hidden, weight) if hidden.dtype == weight.dtype == torch.float32 else \
-        _mm(hidden, weight.t(), torch.promote_types(hidden.dtype, torch.float32))
+    logits = linear(hidden, weight, None, packed) if hidden.dtype == weight.dtype == torch.float32 \
+        else _mm(hidden, weight.t(), torch.promote_types(hidden.dtype, torch.float32))
     return logits if bias is None else logits + bias
 
 

@@ -173,9 +173,11 @@ class HFEngine(Engine):
         self.device, self.batch_size, self.share = torch.device(device), batch_size, share
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32)
         self.model = self.model.to(self.device).eval().requires_grad_(False)  # no autograd graph
-        for m in self.model.modules() if self.device.type == "cpu" else ():  # decode's few rows
-            if isinstance(m, nn.Linear):
-                m.forward = lambda x, m=m: modeling.rows_by_weight(x, m.weight, m.bias)
+        self.packed, self.linears = {}, []  # a generate call's packed weights (pack_weights)
+        for m in self.model.modules() if self.device.type == "cpu" else ():
+            if isinstance(m, nn.Linear):  # the head too: read as its weight
+                m.forward = lambda x, m=m: modeling.linear(x, m.weight, m.bias, self.packed)
+                self.linears.append(m)
         self.overlaps, self._version = "thread", torch.zeros((), dtype=torch.int64)
         if not share and self.device.type == "cpu" and "fork" in \
                 multiprocessing.get_all_start_methods():
@@ -216,10 +218,15 @@ class HFEngine(Engine):
         assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
         order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))  # less padding
         out: dict[int, Completion] = {}
-        for start in range(0, len(order), self.batch_size):
-            idx = order[start : start + self.batch_size]
-            out |= zip(idx, self._generate_batch([prompt_ids[i] for i in idx], sampling,
-                                                 [seeds[i] for i in idx]))
+        try:  # this call's weights, packed once for its batch's rows; freed when it returns
+            self.packed = modeling.pack_weights([m.weight for m in self.linears],
+                                                min(len(order), self.batch_size))
+            for start in range(0, len(order), self.batch_size):
+                idx = order[start : start + self.batch_size]
+                out |= zip(idx, self._generate_batch([prompt_ids[i] for i in idx], sampling,
+                                                     [seeds[i] for i in idx]))
+        finally:
+            self.packed = {}
         return [out[i] for i in range(len(prompt_ids))]
 
     @torch.inference_mode()  # no autograd bookkeeping (version counters) on the decode's tensors
@@ -241,7 +248,8 @@ class HFEngine(Engine):
         def forward(ids, mask, pos):  # the last position's fp32 logits, as the trainer's head
             hidden = body(input_ids=ids, attention_mask=mask, position_ids=pos,
                           **kw).last_hidden_state[:, -1]
-            logits = modeling.head_logits(hidden, head.weight, getattr(head, "bias", None)) * scale
+            logits = modeling.head_logits(hidden, head.weight, getattr(head, "bias", None),
+                                          self.packed) * scale
             return logits if softcap is None else softcap * torch.tanh(logits / softcap)
         logits = forward(input_ids, attention[:, :L], position_ids)
         cache.reorder_cache(rows)  # [unique prompts] -> [rows]

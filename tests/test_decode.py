@@ -89,34 +89,36 @@ def test_the_in_place_hash_samples_the_out_of_place_hashs_tokens(vocab):
     assert rollout.mix_seed(1, 2, 3) == 3252709146  # the Python-int path of the in-place fmix32
 
 
-def test_a_decodes_few_rows_by_big_weights_run_weight_first_to_float_rounding(monkeypatch,
-                                                                              tmp_path):
-    """modeling.rows_by_weight, the CPU engine's nn.Linear forward and head: (W @ x^T)^T for few
-    rows by a big weight equals F.linear to float rounding (bias or not, any leading dims); with
-    the tiny model's weights counted big, its tokens are a plain model's full-forward picks."""
+def test_the_cpu_engine_runs_big_weights_on_packed_copies_to_float_rounding(monkeypatch,
+                                                                             tmp_path):
+    """modeling.linear on pack_weights' oneDNN copies (the CPU engine's nn.Linear forward and
+    head) equals F.linear to float rounding (bias or not, any leading dims, rows other than the
+    packed count); small weights are not packed; with the tiny model's weights counted big, the
+    engine packs them and its tokens are a plain model's full-forward picks."""
     from transformers import AutoModelForCausalLM
 
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(1024, 256, generator=g), torch.randn(1024, generator=g)
-    for x in (torch.randn(16, 256, generator=g), torch.randn(4, 1, 256, generator=g)):
-        assert modeling.weight_first(x, w)
+    packed = modeling.pack_weights([w, w[:64]], 16)
+    assert list(packed) == [id(w)]  # fits in cache: F.linear
+    for x in (torch.randn(16, 256, generator=g), torch.randn(4, 1, 256, generator=g),
+              torch.randn(300, 256, generator=g)):
         for bias in (None, b):
-            got = modeling.rows_by_weight(x, w, bias)
+            got = modeling.linear(x, w, bias, packed)
             want = torch.nn.functional.linear(x, w, bias)  # entries ~16: fp32 rounding ~1e-5
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-            assert got.is_contiguous()
-    assert not modeling.weight_first(torch.randn(modeling.FEW_ROWS + 1, 256), w)  # a prefill
-    assert not modeling.weight_first(torch.randn(16, 256), w[:64])  # fits in cache: F.linear
+            assert got.is_contiguous() and got.shape == want.shape
     monkeypatch.setattr(modeling, "BIG_WEIGHT", 1)
-    taken, first = [], modeling.weight_first
-    monkeypatch.setattr(modeling, "weight_first",
-                        lambda x, w: taken.append((x.shape[-1], first(x, w))) or taken[-1][1])
+    taken, first = [], torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, w, *a: taken.append(x.shape[-1]) or first(x, w, *a),
+                        raising=False)
     path = save_tiny_llama(tmp_path)
     prompts, sampling = CASES["padded, top-p and top-k"]
     engine = HFEngine(path)
     completions = engine.generate(prompts, sampling, [100 + i for i in range(len(prompts))])
     inner = engine.model.config.intermediate_size  # down_proj's input: the decoder's own linears
-    assert (inner, True) in taken and sum(ok for _, ok in taken) > len(taken) / 2
+    assert inner in taken and not engine.packed  # packed copies live for one generate call
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for i, (prompt, c) in enumerate(zip(prompts, completions)):
         with torch.no_grad():
