@@ -77,6 +77,8 @@ import torch
 from bench_flops import QWEN25_05B, causal_pairs, matmul_peak, matmul_weights
 from common import ROOT, N, NanoRun, make_config  # noqa: I001
 
+import modeling  # noqa: E402  (common put the repository on the path)
+
 SHAPES = {
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536,
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -423,7 +425,8 @@ def decode_peak(shape: dict, rows: int, context: int, reps: int = 5) -> tuple[fl
     streamed gives every layer its own weights and K/V, as a real step reads them (135M shape: 540
     MB, past any cache), the fastest of `reps` whole steps; cache-hot times each shape alone on the
     same tensors, the fastest of 6 * reps calls (an upper bound a decode cannot reach). A weight's
-    matmul is timed both ways round (x @ W^T and W @ x^T), the faster counted."""
+    matmul is timed three ways (x @ W^T, W @ x^T, and on oneDNN's copy of W packed for `rows`
+    rows, as the hf engine runs it on a CPU), the fastest counted."""
     d, i = shape["hidden_size"], shape["intermediate_size"]
     hd = shape.get("head_dim") or d // shape["num_attention_heads"]
     heads, kvh = shape["num_attention_heads"], shape["num_key_value_heads"]
@@ -437,9 +440,11 @@ def decode_peak(shape: dict, rows: int, context: int, reps: int = 5) -> tuple[fl
               for a, b in (attn() for _ in range(2 * layers))]  # scores, then values (same FLOPs)
     calls.append(("linear", (x[d], torch.randn(shape["vocab_size"], d)),
                   2 * rows * d * shape["vocab_size"]))
-    # a weight's matmul either way round, the faster kept (the hf engine's is weight-first on a CPU)
+    # a weight's matmul three ways, the fastest kept (the hf engine's: packed, on a CPU)
+    packed = modeling.pack_weights([args[1] for kind, args, _ in calls if kind == "linear"], rows)
     ways = [{"linear": torch.nn.functional.linear, "attention": torch.matmul},
-            {"linear": lambda x, w: torch.mm(w, x.t()), "attention": torch.matmul}]
+            {"linear": lambda x, w: torch.mm(w, x.t()), "attention": torch.matmul},
+            {"linear": lambda x, w: modeling.linear(x, w, None, packed), "attention": torch.matmul}]
     work, streamed, hot, seen = sum(c[2] for c in calls), float("inf"), 0.0, {}
     for _ in range(reps + 1):  # the first pass warms up
         for way in ways:
