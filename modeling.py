@@ -40,7 +40,7 @@ HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", Fa
 # one knob); every linear layer of the decoder, never the head (read as head.weight: bypassed)
 LORA_ALPHA, LORA_TARGETS = 32, "all-linear"
 HEAD_CHUNK, HEAD_ROWS = 1024, (16, 256)  # the head's fp32 logits: rows at once; a pass's CPU/GPU
-BIG_WEIGHT = 2**18  # the CPU engine packs weights of this many elements for oneDNN (pack_weights)
+BIG_WEIGHT = 10**5  # the CPU engine packs weights of this many elements for oneDNN (pack_weights)
 NO_RERUN_UP_TO = 0.8  # a GPU checkpoints no layer while the plan without it is <= this share
 
 # -----------------------------------------------------------------------------

@@ -155,8 +155,8 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.T
     token = torch.arange(logits.shape[-1], device=seeds.device) * 0x632BE5AB & _MASK32  # [V]
     as32 = lambda x: (x - (x >> 31 << 32)).int()  # the same 32 bits (sign flip: back to unsigned)
     h = _fmix32(_fmix32(as32(key)[:, None] ^ as32(token)[None, :]).bitwise_xor_(0x5BD1E995))
-    neg_gumbel = h.bitwise_xor_(-2**31).double().add_(2**31 + 0.5).div_(2**32).log_().neg_().log_()
-    return pick(scaled, (truncated - neg_gumbel).argmax(-1))  # = truncated + Gumbel, exactly
+    u = h.bitwise_xor_(-2**31).double().add_(2**31 + 0.5).div_(2**32)  # uniform in (0, 1)
+    return pick(scaled, u.log_().neg_().log_().neg_().add_(truncated).argmax(-1))  # + Gumbel
 
 
 # -----------------------------------------------------------------------------
