@@ -83,12 +83,15 @@ def attention_layout(segments: Tensor, num_tokens: int, device: torch.device | N
                       q_start[:, None] + j - ctx_len[:, None])
     index = {"k_index": src[j < row_len[:, None]], "cu_q": F.pad(q_len.cumsum(0), (1, 0)).int(),
              "cu_k": F.pad(row_len.cumsum(0), (1, 0)).int()}
-    # padded: rows of pieces (first token, length, segment, is query), a copied context keys only;
-    # while rows are short, a segment whose context starts a context-free one (its prompt) joins it
-    rows, size, host, short = [], [], {}, int(row_len.max()) <= GROUP_ROW_SLOTS
+    # padded: rows of pieces (first token, length, segment, is query), a copied context keys only.
+    # A segment whose context starts a context-free one (its prompt) joins its row: while rows are
+    # short, several (a mask then); else the first whose context is all of it (still causal)
+    rows, size, host, short, masked = [], [], {}, int(row_len.max()) <= GROUP_ROW_SLOTS, False
     for i, (qs, ql, cs, cl) in enumerate(segments.tolist()):
-        r = host.get(cs) if cl and short else None
-        if r is not None and cl <= rows[r][0][1] and size[r] + ql <= GROUP_ROW_SLOTS:
+        r = host.get(cs) if cl else None
+        if r is not None and cl <= rows[r][0][1] and (size[r] + ql <= GROUP_ROW_SLOTS if short
+                                                      else size[r] == cl):
+            masked |= size[r] != cl  # its context is not all the row before it
             rows[r].append((qs, ql, i, True))
             size[r] += ql
             continue
@@ -108,7 +111,7 @@ def attention_layout(segments: Tensor, num_tokens: int, device: torch.device | N
     out = torch.empty(num_tokens, dtype=torch.long)
     out[tok[query]] = flat[query]
     index |= {"grid": grid, "out": out, "pos": pos.view(R, width)}
-    if R < len(segments):  # rows of several segments: a query sees its context and its own past
+    if masked:  # rows of several segments: a query sees its context and its own past
         owner = torch.full((R * width,), -1).index_put_((flat[query],), seg[query])
         own, key = owner.view(R, width, 1), grid.view(R, 1, width)
         o, of_token = own.clamp(min=0), torch.repeat_interleave(torch.arange(len(segments)), q_len)

@@ -225,7 +225,7 @@ def test_shared_prompt_logprobs_and_gradients_equal_per_sequence_forwards(family
     forward of each sequence alone (sdpa for Llama; Gemma 2 has only eager, whose softmax runs in
     float32 even for float64 inputs, hence its looser tolerance). The padded path with a group's
     completions in their prompt's row (64 slots), some of them (12: others copy the prompt into
-    rows of their own) and none (1)."""
+    rows of their own) and the first alone (1: long rows, plain causal)."""
     monkeypatch.setattr(modeling, "GROUP_ROW_SLOTS", row_slots)
     model = tiny_model(family)
     samples = random_samples(0)
@@ -288,6 +288,10 @@ def test_a_prompt_and_the_completions_sharing_it_fill_one_padded_row():
                                            7)
     assert layout["rows"] == 2 and layout["grid"].view(2, 5)[1, :4].tolist() == [0, 1, 5, 6]
     assert layout["out"][5] == 5 + 2  # token 5's query slot: after its copied prefix
+    with pytest.MonkeyPatch.context() as mp:  # long rows: the first completion joins its prompt
+        mp.setattr(modeling, "GROUP_ROW_SLOTS", 2)  # (plain causal), the next copies the prompt
+        layout = modeling.attention_layout(segments[:3], 5)
+    assert layout["mask"] is None and layout["grid"].tolist() == [0, 1, 2, 3, 0, 1, 4, 0]
     single = modeling.attention_layout(torch.tensor([[0, 3, 0, 0], [3, 2, 0, 0]]), 5)
     assert single["mask"] is None and single["rows"] == 2  # one sequence a row: plain causal
 
