@@ -29,8 +29,7 @@ _step = lambda path: int(path.name.removeprefix("step_"))
 
 def atomic_write_text(path: Path, text: str) -> None:
     """path.tmp, fsynced, renamed over `path`: readers see the old file or the new, never a part."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with open(tmp := path.with_name(path.name + ".tmp"), "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -175,8 +174,7 @@ class Interrupted(Stopped):
     """Stopped on a signal at `step`: says where a rerun resumes; exit code 128 + the signal."""
 
     def __init__(self, run_dir: str | Path, step: int, signum: int):
-        last = complete_checkpoints(run_dir)
-        at = _step(last[-1]) if last else 0
+        at = _step(last[-1]) if (last := complete_checkpoints(run_dir)) else 0
         saved = f"saved {last[-1]}" if at == step else f"the last good checkpoint is {at}"
         super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}: {saved}; "
                          f"rerun the same command to resume from step {at}", 128 + signum)
@@ -191,8 +189,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, meta: dict
                     ahead: dict | None = None) -> Path:
     """Collective: each rank's DCP shards, RNG states and batches generated ahead into step_N.tmp/,
     then rank 0's meta.json ({"step": step} | meta), the rename to step_N/ and old ones deleted."""
-    rank = dist.get_rank()
-    final = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+    rank, final = dist.get_rank(), Path(run_dir) / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
@@ -269,7 +266,6 @@ def safe_dcp_reader(path: Path):
             with open(Path(path) / ".metadata", "rb") as f:
                 MetadataUnpickler(f).load()
             return super().read_metadata(*args, **kwargs)
-
     return Reader(path)
 
 
@@ -280,7 +276,6 @@ def safe_dcp_planner():
             torch.load(value, weights_only=True)
             value.seek(0)
             super().load_bytes(read_item, value)
-
     return Planner()
 
 
@@ -295,8 +290,7 @@ def export_hf(model, tokenizer, src: str, out_dir: Path) -> None:
         return
     adapter = {k: state[k] for k in state if ".lora_" in k}  # LoRA: final/ holds the merged model
     state = dict(modeling.merge_lora(state.items(), model))
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp := out_dir.with_name(out_dir.name + ".tmp"), ignore_errors=True)
     tmp.mkdir(parents=True)
     # safetensors refuses tied weights (shared storage), from_pretrained re-ties them: keep one
     seen, tensors = set(), {}

@@ -400,7 +400,6 @@ def m2po_mask(prox_logprobs: Tensor, behave_logprobs: Tensor, loss_mask: Tensor,
         s = all_reduce_vector(torch.stack([torch.where(keep, x, 0.0).sum(),
                                            keep.sum().double()]), group)
         return bool(s[0] <= threshold * s[1])
-
     local_max = torch.cat([torch.where(valid, x, 0.0), x.new_zeros(1)]).max()[None]  # x >= 0
     x_max = all_reduce_vector(local_max, group, op=dist.ReduceOp.MAX).item()
     if kept_mean_ok(x_max):
@@ -433,8 +432,7 @@ AUTO_CORRECTION = {False: "behave", True: "truncate"}  # --correction auto, by u
 def apply_global_mask(mbs: list[MicroBatch], correction: str, threshold: float,
                       group=None) -> list[MicroBatch]:
     """A correction's keep_mask over one mini-batch's micro-batches on all of `group`, if any."""
-    mask_fn = CORRECTIONS[correction].global_mask
-    if mask_fn is None or not mbs:
+    if (mask_fn := CORRECTIONS[correction].global_mask) is None or not mbs:
         return mbs
     keep = mask_fn(*(torch.cat([getattr(mb, k) for mb in mbs]) for k in (
         "prox_logprobs", "behave_logprobs", "loss_mask")), threshold=threshold, group=group)
@@ -535,7 +533,7 @@ def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
         params |= {k: v for k, v in (("eps_low", 1.0), ("eps_high", math.inf)) if k in params}
 
     def policy(mb: MicroBatch) -> tuple[Tensor, Stats]:
-        d, logp, active = mb.denom_mask, mb.logprobs, mb.denom_mask > 0
+        d, logp, active, weight = mb.denom_mask, mb.logprobs, mb.denom_mask > 0, mb.loss_weight
         m = mb.loss_mask if mb.keep_mask is None else mb.keep_mask
         stats = {} if corr.global_mask is None else {  # the share of d the mask took from m
             CAPPED: (((mb.loss_mask - m) * d).sum(), d.sum())}
@@ -544,7 +542,6 @@ def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
         prox = torch.where(active, logp.detach() if prox is None else prox, logp.detach())
         token_loss, indicators = SURROGATES[cfg.policy_loss].fn(
             logp, prox, torch.where(active, mb.advantages, 0.0), mb.seq_ids, m, **params)
-        weight = mb.loss_weight
         if corr.token_mode is not None:
             behave = torch.where(active, mb.behave_logprobs, prox)
             w, rejected = behaviour_weights(prox, behave, cap=cap, mode=corr.token_mode)
@@ -556,13 +553,11 @@ def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
     def kl(mb: MicroBatch) -> Tensor:  # pi_ref outside d is arbitrary: ratio 1 there, exp() finite
         ref = torch.where(mb.denom_mask > 0, mb.ref_logprobs, mb.logprobs.detach())
         return masked_sum(kl_penalty(mb.logprobs, ref, cfg.kl_estimator), mb.loss_mask, name="kl")
-
     # normalizers in float64: summed over many micro-batches and ranks
     norm = lambda mb: (mb.denom_mask.double() * mb.norm_weight.double()).sum()
     tokens = lambda mb: mb.denom_mask.double().sum()
     entropy = lambda mb: masked_sum(mb.entropy, mb.loss_mask, name="entropy")
     typed = lambda fn: lambda mb: fn(as_microbatch(mb))  # a mapping works too (tests, scripts)
-    terms = [("policy", policy, norm, 1.0), ("entropy", entropy, tokens, -cfg.entropy_coef),
-             ("kl", kl, tokens, cfg.kl_coef)]
-    return LossReduction([LossTerm(name, typed(fn), typed(nf), coef)
-                          for name, fn, nf, coef in terms if coef != 0.0], group, cp_factor)
+    return LossReduction([LossTerm(name, typed(fn), typed(nf), coef) for name, fn, nf, coef in (
+        ("policy", policy, norm, 1.0), ("entropy", entropy, tokens, -cfg.entropy_coef),
+        ("kl", kl, tokens, cfg.kl_coef)) if coef != 0.0], group, cp_factor)

@@ -284,9 +284,8 @@ def encode_prompts(rows: list[dict], tokenizer, chat_template: bool, name: str,
             text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text if chat else row[prompt_key], add_special_tokens=False)["input_ids"]
         if (unk := tokenizer.unk_token_id) in ids:  # None (no unk token) is in no ids
-            text = row.get(prompt_key) or str(row.get("messages"))
-            missing = sorted({c for c in text if unk in tokenizer(c, add_special_tokens=False)
-                              ["input_ids"]})
+            missing = sorted({c for c in (row.get(prompt_key) or str(row.get("messages")))
+                              if unk in tokenizer(c, add_special_tokens=False)["input_ids"]})
             raise UserError(f"{name}: row {n}'s prompt has characters the tokenizer cannot encode "
                             f"({''.join(missing)!r} would become {tokenizer.unk_token}); the model "
                             "was not trained on them")
@@ -469,7 +468,6 @@ def evaluate(engine, data: Data, reward_fn: Callable, max_new_tokens: int, tempe
                             [r for r, _ in todo]) if todo else []
         return [s.correct for s in score_completions(reward_fn, data.tokenizer, outs,
                                                      [r for r, _ in todo], timeout, seeds)]
-
     mine = data.evalset[rank::world]
     verdicts = judge(mine, 0.0, [0] * len(mine))
     sums = Counter(judged=sum(v is not None for v in verdicts), correct=sum(map(bool, verdicts)))
@@ -540,7 +538,6 @@ def compute_rewards(reward_fn: Callable, texts: list[str], rows: list[dict], tim
                 out.put(score_one(reward_fn, texts[i], rows[i]))
             except Exception as e:
                 out.put(Score(0.0, None, {}, f"{type(e).__name__}: {e}"))
-
     scores, results = [], None
     while len(scores) < len(texts):
         if results is None:  # a worker from the first unscored call on
