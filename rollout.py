@@ -217,12 +217,10 @@ class HFEngine(Engine):
                  seeds: list[int], groups: list | None = None) -> list[Completion]:
         assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
         order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))  # less padding
-        out: dict[int, Completion] = {}
-        try:  # this call's weights, packed once for its batch's rows; freed when it returns
-            self.packed = modeling.pack_weights([m.weight for m in self.linears],
-                                                min(len(order), self.batch_size))
-            for start in range(0, len(order), self.batch_size):
-                idx = order[start : start + self.batch_size]
+        out, n, weights = {}, self.batch_size, [m.weight for m in self.linears]
+        try:  # this call's weights, packed once for its batches' rows; freed when it returns
+            self.packed = modeling.pack_weights(weights, min(len(order), n))
+            for idx in (order[i : i + n] for i in range(0, len(order), n)):
                 out |= zip(idx, self._generate_batch([prompt_ids[i] for i in idx], sampling,
                                                      [seeds[i] for i in idx]))
         finally:
