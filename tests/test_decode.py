@@ -101,6 +101,9 @@ def test_the_cpu_engine_runs_big_weights_on_packed_copies_to_float_rounding(monk
     w, b = torch.randn(1024, 256, generator=g), torch.randn(1024, generator=g)
     packed = modeling.pack_weights([w, w[:64]], 16)
     assert list(packed) == [id(w)]  # fits in cache: F.linear
+    with pytest.MonkeyPatch.context() as mp:  # a CPU build without oneDNN: F.linear throughout
+        mp.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+        assert modeling.pack_weights([w], 16) == {}
     for x in (torch.randn(16, 256, generator=g), torch.randn(4, 1, 256, generator=g),
               torch.randn(300, 256, generator=g)):
         for bias in (None, b):
