@@ -173,11 +173,11 @@ class HFEngine(Engine):
         self.device, self.batch_size, self.share = torch.device(device), batch_size, share
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32)
         self.model = self.model.to(self.device).eval().requires_grad_(False)  # no autograd graph
-        self.packed, self.linears = {}, []  # a generate call's packed weights (pack_weights)
+        self.packed, self.weights = {}, []  # the linears' weights; a generate call's packed copies
         for m in self.model.modules() if self.device.type == "cpu" else ():
             if isinstance(m, nn.Linear):  # the head too: read as its weight
                 m.forward = lambda x, m=m: modeling.linear(x, m.weight, m.bias, self.packed)
-                self.linears.append(m)
+                self.weights.append(m.weight)  # a Parameter: update_weights keeps it
         self.overlaps, self._version = "thread", torch.zeros((), dtype=torch.int64)
         if not share and self.device.type == "cpu" and "fork" in \
                 multiprocessing.get_all_start_methods():
@@ -217,9 +217,9 @@ class HFEngine(Engine):
                  seeds: list[int], groups: list | None = None) -> list[Completion]:
         assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
         order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))  # less padding
-        out, n, weights = {}, self.batch_size, [m.weight for m in self.linears]
+        out, n = {}, self.batch_size
         try:  # this call's weights, packed once for its batches' rows; freed when it returns
-            self.packed = modeling.pack_weights(weights, min(len(order), n))
+            self.packed = modeling.pack_weights(self.weights, min(len(order), n))
             for idx in (order[i : i + n] for i in range(0, len(order), n)):
                 out |= zip(idx, self._generate_batch([prompt_ids[i] for i in idx], sampling,
                                                      [seeds[i] for i in idx]))
