@@ -303,8 +303,9 @@ def fsdp_sum_gradients(model: torch.nn.Module) -> None:
     parameters), forced sums (a divide factor alone reduces with PREMUL_SUM, which gloo rejects);
     one rank's average is its sum, and a factor, even 1, divides every gradient: none there."""
     from torch.distributed.fsdp import FSDPModule
-    summing = dist.get_world_size() > 1  # asked once, not per module
-    for module in (m for m in model.modules() if summing and isinstance(m, FSDPModule)):
+    if dist.get_world_size() == 1:
+        return
+    for module in (m for m in model.modules() if isinstance(m, FSDPModule)):
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
 
