@@ -31,8 +31,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     """path.tmp, fsynced, renamed over `path`: readers see the old file or the new, never a part."""
     with open(tmp := path.with_name(path.name + ".tmp"), "w") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        f.flush(), os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -154,7 +153,6 @@ def write_config(run_dir: str | Path, config: dict) -> None:
 class Preemption:
     """While active, SIGINT and SIGTERM (a scheduler's warning) are only noted, for the loop to end
     its step, save and exit; the first wins (torchrun passes Ctrl-C on a second time)."""
-
     def __enter__(self):
         self.signals: list[int] = []
         self.previous = {s: signal.signal(s, lambda signum, _: self.signals.append(signum))
@@ -172,7 +170,6 @@ class Preemption:
 
 class Interrupted(Stopped):
     """Stopped on a signal at `step`: says where a rerun resumes; exit code 128 + the signal."""
-
     def __init__(self, run_dir: str | Path, step: int, signum: int):
         at = _step(last[-1]) if (last := complete_checkpoints(run_dir)) else 0
         saved = f"saved {last[-1]}" if at == step else f"the last good checkpoint is {at}"
@@ -200,8 +197,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, meta: dict
         if obj:  # fsynced like DCP's shards: a renamed checkpoint never holds a part of a file
             with open(tmp / f"{name}_rank{rank}.pt", "wb") as f:
                 torch.save(obj, f)
-                f.flush()
-                os.fsync(f.fileno())
+                f.flush(), os.fsync(f.fileno())
     dist.barrier()  # every rank's files are written
     if rank == 0:
         write_meta(tmp, {"step": step} | meta)
@@ -247,16 +243,14 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 def safe_dcp_reader(path: Path):
     """DCP's FileSystemReader, but `.metadata` (plain pickle) is first unpickled by an allowlist."""
-    allowed = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-               ("pathlib", "WindowsPath"),
-               ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
-
+    safe = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+            ("pathlib", "WindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
     class MetadataUnpickler(pickle.Unpickler):
         def find_class(self, module, name):
             dcp_meta = module == "torch.distributed.checkpoint.metadata" and (
                 "." not in name and name[:1].isupper() or name == "_MEM_FORMAT_ENCODING")
             dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-            if not (dcp_meta or dtype or (module, name) in allowed):
+            if not (dcp_meta or dtype or (module, name) in safe):
                 raise pickle.UnpicklingError(f"{path}/.metadata: refusing to unpickle "
                                              f"{module}.{name}")
             return super().find_class(module, name)

@@ -24,7 +24,6 @@ class UserError(Exception):
 
 class Stopped(Exception):
     """The run stopped early on purpose (a signal, bad steps): its message, then exit `code`."""
-
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code

@@ -33,7 +33,6 @@ def print0(*args, **kwargs) -> None:
 
 class Logger:
     """JSON lines appended; a progress bar only on a terminal, so a log file gets clean lines."""
-
     def __init__(self, run_dir: str | Path, total_steps: int, start_step: int,
                  wandb_project: str | None = None, config: dict | None = None):
         self.run_dir, self.total, self.active = Path(run_dir), total_steps, rank() == 0

@@ -1,11 +1,10 @@
-"""Tasks and rewards: the built-in tasks (generated, never downloaded), JSONL datasets, rewards. A
-row is a dict with "prompt" (a string) or "messages" (a chat), plus what the reward reads ("answer"
-for the built-in ones). A reward (`--reward path/to/file.py:fn`) is any `fn(completion: str, row:
-dict) -> float | tuple[float, dict[str, float]]` given the WHOLE row; each metric's mean is logged
-as reward/<name>; its "correct" (a bool) defines accuracy, else equality with the row's "answer"
-(stripped): a shaped reward never changes what accuracy means. `--reward "exact_match,0.1*format"`
-sums weighted rewards, each term logged as reward/<name>. A reward that draws random numbers gets
-`random` and numpy seeded by its sample's (seed, step, slot, k)."""
+"""Built-in tasks (generated, never downloaded), JSONL datasets and rewards. A row is a dict with
+"prompt" (a string) or "messages" (a chat), plus what the reward reads ("answer" for the built-in
+ones). A reward (`--reward path/to/file.py:fn`) is any `fn(completion: str, row: dict) -> float |
+tuple[float, dict[str, float]]` given the WHOLE row; each metric's mean is logged as reward/<name>;
+its "correct" (a bool) defines accuracy, else equality with the row's "answer" (stripped): a shaped
+reward never changes what accuracy means. `--reward "exact_match,0.1*format"` sums weighted rewards,
+each logged too. A reward's `random` and numpy are seeded by its sample's (seed, step, slot, k)."""
 
 from __future__ import annotations
 
@@ -136,14 +135,12 @@ def make_arithmetic_task(seed: int = 0, max_operand: int = 50,
 # the chain task's operations; no "*0": it would reset the chain, making every earlier step moot
 CHAIN_OPS = [f"+{d}" for d in range(10)] + [f"*{d}" for d in range(1, 10)]
 CHAIN_MAX_OPS = 8
-# every body padded to the longest (a digit, 8 operations): a scratchpad's j-th value is then a
-# fixed distance after the j-th operand, no k-dependent offsets to learn
+# bodies padded to the longest: a scratchpad's j-th value is a fixed distance after the j-th operand
 CHAIN_WIDTH = 2 * CHAIN_MAX_OPS + 1
 
 
 def chain_values(prompt: str) -> list[int]:
-    """The running values of a chain prompt (or bare body), the start digit first: v_0 = d_0 and
-    v_j = (v_{j-1} + d_j) or (v_{j-1} * d_j) mod 10, left to right: "3+4*2" -> [3, 7, 4]."""
+    """The running values mod 10 of a chain prompt or body, left to right: "3+4*2" -> [3, 7, 4]."""
     body = prompt.rstrip("=").rstrip()
     values = [int(body[0])]
     for op, d in zip(body[1::2], body[2::2]):
@@ -313,13 +310,12 @@ def stop_token_ids(tokenizer, model: str, chat: bool) -> list[int]:
 
 def end_of_turn_id(tokenizer) -> int | None:
     """The special token closing an assistant turn in the chat template (<|im_end|>...) or None."""
-    mark = "XQZ7"
     try:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {
-            "role": "assistant", "content": mark}], tokenize=False)
+            "role": "assistant", "content": "XQZ7"}], tokenize=False)
     except Exception:  # a template that refuses this conversation: no end-of-turn to add
         return None
-    after = text[text.rfind(mark) + len(mark):] if mark in text else ""
+    after = text.rpartition("XQZ7")[2] if "XQZ7" in text else ""
     ids = tokenizer(after.lstrip(), add_special_tokens=False)["input_ids"][:1]
     # Llama 3's <|eot_id|> is a special added token missing from all_special_ids
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
