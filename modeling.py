@@ -267,18 +267,22 @@ class GatherSequence(torch.autograd.Function):
         return grad.chunk(dist.get_world_size(ctx.group), -1)[dist.get_rank(ctx.group)], None
 
 
-def ulysses_chunk(ids, pos, targets, segments, group, device, kernel=None) -> tuple[tuple, dict]:
-    """This CP rank's 1/N of a packed row -> ((ids, positions [1, T/N], targets [T/N]) on `device`,
-    the whole row's layout), padded to a multiple of N by a segment of its own (gather_row cuts)."""
-    T, n, r = len(ids), dist.get_world_size(group), dist.get_rank(group)
+def row_inputs(ids, pos, targets, segments, device, kernel=None, group=None) -> tuple[dict, dict]:
+    """A packed row -> (policy_logprobs' ids, positions [1, T], targets [T] and scored index on
+    `device`, the row's layout), built on the host. A CP `group` (Ulysses): this rank's contiguous
+    1/N of the row, padded to a multiple of N by a segment of its own (gather_row cuts). A target
+    of -1 is read by nothing: not scored (a prompt's prefix), so the head skips it."""
+    T, n, r = len(ids), *((dist.get_world_size(group), dist.get_rank(group)) if group else (1, 0))
     pad = -T % n
-    ids, targets = F.pad(ids, (0, pad)), F.pad(targets, (0, pad))
+    ids, targets = F.pad(ids, (0, pad)), F.pad(targets, (0, pad), value=-1)
     pos = torch.cat([pos, torch.arange(pad)])
     if pad:
         segments = torch.cat([segments, segments.new_tensor([[T, pad, 0, 0]])])
     mine = slice(r * (T + pad) // n, (r + 1) * (T + pad) // n)
-    chunk = (ids[mine][None].to(device), pos[mine][None].to(device), targets[mine].to(device))
-    return chunk, attention_layout(segments, T + pad, device, kernel=kernel, cp_group=group)
+    chunk = {"input_ids": ids[mine][None], "position_ids": pos[mine][None],
+             "targets": targets[mine], "scored": (targets[mine] >= 0).nonzero()[:, 0]}
+    return ({k: v.to(device) for k, v in chunk.items()},
+            attention_layout(segments, T + pad, device, kernel=kernel, cp_group=group))
 
 
 def gather_row(logprobs, entropy, group, num_tokens: int) -> tuple:
@@ -489,18 +493,24 @@ def head_transform(config) -> tuple[float, float | None]:
 
 def policy_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0,
                     chunk: int = HEAD_CHUNK, segments: Tensor | None = None,
-                    layout: dict | None = None, entropy_grad: bool = True):
+                    layout: dict | None = None, entropy_grad: bool = True,
+                    scored: Tensor | None = None):
     """(log pi(target_t | prefix), entropy) [T] of a packed row by `segments` (default: one sequence
-    per run of positions from 0) or its CP `layout`; entropy_grad=False: no entropy graph."""
+    per run of positions from 0) or its CP `layout`; entropy_grad=False: no entropy graph.
+    `scored`: the positions read (an index, default all): the head runs there alone, the rest 0."""
     if layout is None:
         segments = segments_from_positions(position_ids.cpu()) if segments is None else segments
         layout = attention_layout(segments, input_ids.shape[-1], input_ids.device,
                                   kernel=getattr(model, "attention_kernel", None))
     hidden = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                               layout=layout).last_hidden_state[0]
+    if scored is not None:  # TRL's logits_to_keep: a shared prompt's prefix predicts nothing read
+        hidden, targets = hidden[scored], targets[scored]
     head = model.get_output_embeddings()
-    return HeadLogprobs.apply(hidden, head.weight, getattr(head, "bias", None), targets,
-                              temperature, *head_transform(model.config), chunk, entropy_grad)
+    out = HeadLogprobs.apply(hidden, head.weight, getattr(head, "bias", None), targets,
+                             temperature, *head_transform(model.config), chunk, entropy_grad)
+    return out if scored is None else tuple(
+        x.new_zeros(input_ids.shape[-1]).index_copy(0, scored, x) for x in out)
 
 
 class HeadLogprobs(torch.autograd.Function):

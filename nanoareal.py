@@ -698,20 +698,17 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
 def microbatch_forward(model, mb: MicroBatch, cfg: Config, device: torch.device, ranks: Ranks,
                        grad: bool = False):
     """(log-probs, entropy) [T] of a packed micro-batch's positions at --temperature."""
-    ids, pos, targets, segments = mb.input_ids, mb.position_ids, mb.targets, mb.segments
+    targets = mb.targets if mb.seq_ids is None else mb.targets.masked_fill(mb.seq_ids < 0, -1)
     kw = {"temperature": cfg.temperature, "entropy_grad": cfg.entropy_coef != 0}  # else a metric
-    kernel = getattr(model, "attention_kernel", None)
-    with torch.set_grad_enabled(grad):  # the layout is made here, from the host's segments: on a
-        if ranks.cp_size == 1:  # GPU, FSDP2 moves its method's tensor arguments to the device
-            layout = modeling.attention_layout(segments, len(ids), device, kernel=kernel)
-            return model.policy_logprobs(ids[None].to(device), pos[None].to(device),
-                                         targets.to(device), layout=layout, **kw)
-        # Ulysses: this rank's contiguous 1/N of the row goes through the model; the log-probs of
-        # the whole row are gathered on every CP rank
-        inputs, layout = modeling.ulysses_chunk(ids, pos, targets, segments, ranks.cp_group,
-                                                device, kernel)
-        logprobs, entropy = model.policy_logprobs(*inputs, layout=layout, **kw)
-        return modeling.gather_row(logprobs, entropy, ranks.cp_group, len(ids))
+    with torch.set_grad_enabled(grad):  # inputs and layout made on the host (a GPU: FSDP2 moves
+        # its method's tensor arguments to the device); Ulysses: this rank's contiguous 1/N of the
+        # row goes through the model, the log-probs of the whole row gathered on every CP rank
+        inputs, layout = modeling.row_inputs(mb.input_ids, mb.position_ids, targets, mb.segments,
+                                             device, getattr(model, "attention_kernel", None),
+                                             ranks.cp_group)
+        out = model.policy_logprobs(**inputs, layout=layout, **kw)
+        return out if ranks.cp_size == 1 else modeling.gather_row(*out, ranks.cp_group,
+                                                                  len(targets))
 
 
 # -----------------------------------------------------------------------------

@@ -36,7 +36,8 @@ sampled by the parent every `--mem-interval` s while its trainer computes.
 FLOP/s: training = 6 N_dec T + 6 N_head H + 12 L d_attn P over the training phase's time, where
 T = positions the decoder computed with autograd on (hooked: nanoareal feeds a group's prompt
 once and no sequence's last token; TRL every prompt+completion), H = positions the head scored
-(nanoareal all T; TRL all but each row's last), P = causal (query, key) pairs of those positions
+(nanoareal the responses' alone: a shared prompt's prefix predicts nothing read; TRL all but
+each row's last), P = causal (query, key) pairs of those positions
 (nanoareal's packed segments, bench_flops.causal_pairs; TRL's rows by their attention mask).
 Generation = 2 N_dec T + 2 N_head R + 4 L d_attn P over the generation time, counted from the
 decoder forwards that generation runs (nanoareal's engine holds a model of its own; TRL's inside
@@ -238,7 +239,8 @@ def nano_child(args, ch: Channel) -> None:
         t, g = train.counts["train"], gen.counts["gen"]
         ch.send({"step": m["time/step"], "gen": samples[0].gen_s, "train": m["time/train"],
                  "generated": m["generated_tokens"], "train_positions": t["positions"],
-                 "train_head": t["positions"], "train_pairs": causal_pairs(
+                 "train_head": sum(int((mb.seq_ids >= 0).sum()) for mb in mbs),
+                 "train_pairs": causal_pairs(
                      torch.cat([mb.segments for mb in mbs])), "gen_positions": g["positions"],
                  "gen_head": g["rows"], "gen_pairs": g["pairs"], "hwm": hwm,
                  "threads": torch.get_num_threads()})

@@ -11,10 +11,11 @@ builds a random-init model of the shape (hidden 576, 30 layers, 9/3 heads, vocab
 Qwen2.5-0.5B's, vocab 151936), and times `train_on_samples` (packing, pi_theta forward + backward of
 every micro-batch, clip, AdamW) on `--prompts` x `--group` synthetic samples: `--prompt-len`-token
 prompts, answers of every `--lengths` value run to the length, behaviour log-probs -log V (a
-random-init model is near-uniform: ratios ~1). FLOPs counted as bench_flops.py counts them:
-6 N T + 12 n_layers d_attn P (T positions fed, P causal pairs). Peak: square fp32 matmuls of
-`--peak-n` on the same thread count. Memory: the child's VmHWM over the whole run (loading
-included) and over the timed steps alone (the mark reset through /proc/self/clear_refs first).
+random-init model is near-uniform: ratios ~1). FLOPs: 6 N_body T + 6 N_head H + 12 n_layers
+d_attn P (T positions fed, H of them scored by the head: a prompt's prefix is not, P causal
+pairs). Peak: square fp32 matmuls of `--peak-n` on the same thread count. Memory: the child's
+VmHWM over the whole run (loading included) and over the timed steps alone (the mark reset
+through /proc/self/clear_refs first).
 """
 
 from __future__ import annotations
@@ -87,11 +88,13 @@ def child(a) -> dict:
     T = sum(len(mb.input_ids) for mb in mbs)
     seg = torch.cat([mb.segments for mb in mbs])
     pairs = int((seg[:, 1] * seg[:, 3] + seg[:, 1] * (seg[:, 1] + 1) // 2).sum())
-    n_mm = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2
-               and "embed_tokens" not in n) + (hf.tie_word_embeddings and vocab * hf.hidden_size)
+    n_body = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2
+                 and "embed_tokens" not in n and "lm_head" not in n)
+    scored = sum(int((mb.seq_ids >= 0).sum()) for mb in mbs)  # the head's rows (not a prefix's)
     d_attn = hf.num_attention_heads * (getattr(hf, "head_dim", None)
                                        or hf.hidden_size // hf.num_attention_heads)
-    flops = 6 * n_mm * T + 12 * hf.num_hidden_layers * d_attn * pairs
+    flops = 6 * n_body * T + 6 * vocab * hf.hidden_size * scored + \
+        12 * hf.num_hidden_layers * d_attn * pairs
     times, load_peak, saved = [], vm("VmHWM"), saved_bytes(N)
     state = sum(p.numel() * p.element_size() for p in model.parameters())
     for i in range(a.warmup + a.steps):

@@ -401,7 +401,7 @@ def test_the_fsdp_method_is_given_a_layout_made_on_the_host(one_rank_group, monk
     device (_fsdp_state's _root_pre_forward, for cuda/xpu/hpu only, so a CPU run never sees it):
     segments passed as such arrive there and check_segments rejects them, as the first H200 run
     did. The trainer builds the layout from the host's segments before the call; the log-probs
-    equal the method's own from the segments."""
+    equal the method's own from the segments where a response is scored, 0 on a prompt's prefix."""
     cpu = torch.device("cpu")
     cfg = N.Config(micro_batch_tokens=64, dtype="float64", model=TINY)
     model = N.load_model(cfg, cpu, N.Ranks())
@@ -413,7 +413,9 @@ def test_the_fsdp_method_is_given_a_layout_made_on_the_host(one_rank_group, monk
     (kwargs,) = calls
     assert "segments" not in kwargs and kwargs["layout"]["cu_q"].device == cpu
     want, _ = method(mb.input_ids[None], mb.position_ids[None], mb.targets, segments=mb.segments)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got, want.where(mb.seq_ids >= 0, 0.0), rtol=1e-14, atol=0)
+    assert (mb.seq_ids < 0).sum() > 0 and kwargs["scored"].tolist() == \
+        (mb.seq_ids >= 0).nonzero()[:, 0].tolist()
 
 
 def test_bf16_head_logits_are_not_rounded_to_bf16():

@@ -180,7 +180,8 @@ def test_where_mm_out_dtype_runs_the_head_uses_it_both_ways_and_never_copies_the
 def test_policy_logprobs_of_an_fp32_model_equal_its_own_forward_values_and_gradients():
     """Log-probs, entropies and their gradients through the chunked, fused head of a tiny
     fp32 Llama with tied embeddings (the head's weight gradient adds to the embedding's), against
-    its own per-sequence forward's log_softmax."""
+    its own per-sequence forward's log_softmax; with `scored`, the head on those positions alone
+    (the rest 0, read by nothing): the same values there and the same gradients."""
     config = AutoConfig.for_model("llama", vocab_size=V, hidden_size=D, intermediate_size=32,
                                   num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, tie_word_embeddings=True)
@@ -198,16 +199,20 @@ def test_policy_logprobs_of_an_fp32_model_equal_its_own_forward_values_and_gradi
         ((lp * mix[0]).sum() + (ent * mix[1]).sum()).backward()
         return [p.grad.clone() for p in model.parameters()]
 
-    model.set_attn_implementation("packed")
-    lp, ent = modeling.policy_logprobs(model, torch.tensor([ids]), torch.tensor([pos]), targets,
-                                       temperature=0.8, chunk=5)
-    grads = objective(lp, ent)
-    model.set_attn_implementation("eager")
-    logp = torch.cat([model(input_ids=torch.tensor([s[:-1]]), use_cache=False).logits[0]
-                      for s in seqs]).div(0.8).log_softmax(-1)
-    want = (logp.gather(-1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1))
-    assert lp.dtype == ent.dtype == torch.float32
-    torch.testing.assert_close(lp, want[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent, want[1], rtol=1e-5, atol=1e-5)
-    for g, w in zip(grads, objective(*want)):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    for scored in (None, torch.tensor([2, 3, 4, 9, 10, 12])):
+        keep = torch.ones(len(ids)) if scored is None else \
+            torch.zeros(len(ids)).index_fill_(0, scored, 1.0)
+        mix.mul_(keep)
+        model.set_attn_implementation("packed")
+        lp, ent = modeling.policy_logprobs(model, torch.tensor([ids]), torch.tensor([pos]),
+                                           targets, temperature=0.8, chunk=5, scored=scored)
+        grads = objective(lp, ent)
+        model.set_attn_implementation("eager")
+        logp = torch.cat([model(input_ids=torch.tensor([s[:-1]]), use_cache=False).logits[0]
+                          for s in seqs]).div(0.8).log_softmax(-1)
+        want = (logp.gather(-1, targets[:, None])[:, 0] * keep, -(logp.exp() * logp).sum(-1) * keep)
+        assert lp.dtype == ent.dtype == torch.float32
+        torch.testing.assert_close(lp, want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent, want[1], rtol=1e-5, atol=1e-5)
+        for g, w in zip(grads, objective(*want)):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
