@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 ADV_EPS = 1e-6  # added to a group's reward std before dividing: a tiny spread cannot explode
+ADVANTAGES = ("grpo", "rloo")  # --adv-estimator's choices (group_advantages)
 LOG_RATIO_BOUND = 20.0  # |log-ratio| clamp before any exp(): exp(20) ~ 5e8 overflows nothing
 K3_CAP = 10.0  # k3's value explodes where pi_ref >> pi; cap it like verl's low_var_kl
 CAPPED = "policy/behave_capped_frac"  # the share of d tokens a correction capped or masked
@@ -137,9 +138,6 @@ def aggregate(token_loss: Tensor, loss_mask: Tensor, *, mode: str, group_ids: Te
 # -----------------------------------------------------------------------------
 # advantages (--adv-estimator): a sample's reward against its GRPO group's; the std it is divided
 # by (--adv-std): fn(rewards, group_ids, group, copies) -> each sample's std, None for no division
-ADVANTAGES = ("grpo", "rloo")
-
-
 def group_std(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
     """Each sample's group's unbiased reward std (GRPO)."""
     n, total = _group_sums(torch.ones_like(rewards), group_ids), _group_sums(rewards, group_ids)
@@ -248,7 +246,6 @@ def all_reduce_vector(vec: Tensor, group=None, op=None) -> Tensor:
 class LossReduction:
     """The contract's reduction. `group`: the ranks whose gradients are summed (None: the default
     group), which together see each token once; `cp_factor`: rule 5's CP size, else 1."""
-
     def __init__(self, terms: list[LossTerm], group=None, cp_factor: int = 1):
         if len({t.name for t in terms}) != len(terms) or cp_factor < 1:
             raise ValueError(f"need unique term names and cp_factor >= 1, got "
@@ -395,7 +392,6 @@ def m2po_mask(prox_logprobs: Tensor, behave_logprobs: Tensor, loss_mask: Tensor,
     cut over float64's bit patterns (monotone for x >= 0): ~64 all_reduces of (sum, count)."""
     x = sanitize_log_ratio(prox_logprobs.detach() - behave_logprobs.detach()).double() ** 2
     valid = loss_mask > 0
-
     def kept_mean_ok(cut: float) -> bool:
         keep = valid & (x <= cut)
         s = all_reduce_vector(torch.stack([torch.where(keep, x, 0.0).sum(),
@@ -532,7 +528,6 @@ def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
     corr, cap = _choice("correction", cfg.correction, CORRECTIONS), cfg.correction_threshold
     if not corr.clip:  # r in [1 - 1, 1 + inf]: never clipped
         params |= {k: v for k, v in (("eps_low", 1.0), ("eps_high", math.inf)) if k in params}
-
     def policy(mb: MicroBatch) -> tuple[Tensor, Stats]:
         d, logp, active, weight = mb.denom_mask, mb.logprobs, mb.denom_mask > 0, mb.loss_weight
         m = mb.loss_mask if mb.keep_mask is None else mb.keep_mask
@@ -550,7 +545,6 @@ def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
             m, weight = m * (1.0 - rejected), weight * w
         stats |= {f"policy/{k}": ((v * m).sum(), m.sum()) for k, v in indicators.items()}
         return masked_sum(token_loss, m, weight, "policy"), stats
-
     def kl(mb: MicroBatch) -> Tensor:  # pi_ref outside d is arbitrary: ratio 1 there, exp() finite
         ref = torch.where(mb.denom_mask > 0, mb.ref_logprobs, mb.logprobs.detach())
         return masked_sum(kl_penalty(mb.logprobs, ref, cfg.kl_estimator), mb.loss_mask, name="kl")

@@ -48,10 +48,13 @@ SGLANG_MEM_FRACTION = 0.5  # in-process engine: its share of the GPU (weights + 
 ENV_TIMEOUT_S = 30.0  # an --env step that takes longer ends its episode and is counted
 # torchrun's variables, hidden from SGLang's scheduler processes: with them its process group (a
 # tcp:// rendezvous) looks for torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) and waits
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
-                 "MASTER_PORT")
+TORCHRUN_VARS = tuple("RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE "
+                      "ROLE_RANK ROLE_WORLD_SIZE ROLE_NAME MASTER_ADDR MASTER_PORT".split())
 _MASK32 = 0xFFFFFFFF
+_SAID: set[str] = set()  # what was said once per process (an env's first failure)
+_DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float": torch.float32, "float32": torch.float32}
+IN_CHILD = "in the rollout process"  # a batch requested from the forked child, not yet received
 
 
 @dataclasses.dataclass
@@ -80,7 +83,6 @@ class Engine(Protocol):
     version: int  # the policy version (optimizer steps) of the weights it holds
     overlaps: str  # how it generates while the trainer trains: "process", "thread" or "" (not)
     share: bool = False  # it generates with the trainer's own tensors: update_weights copies none
-
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
                  seeds: list[int], groups: list | None = None) -> list[Completion]: ...
     def update_weights(self, model: nn.Module, version: int) -> None: ...
@@ -166,7 +168,6 @@ class HFEngine(Engine):
     and version live in shared memory: a forked process generates while the trainer trains (a thread
     shares the trainer's GIL: 3-12% slower training); on a GPU a thread does (CUDA does not survive
     a fork). `share` (one rank, nothing generated ahead): the trainer's tensors where they match."""
-
     def __init__(self, model_path: str, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, batch_size: int = 512, share: bool = False):
         from transformers import AutoModelForCausalLM
@@ -199,9 +200,8 @@ class HFEngine(Engine):
         mine = dict(self.model.named_parameters()) if self.share else {}  # none else: copies
         theirs = {n: p.to_local() if hasattr(p, "to_local") else p  # (a mesh of one: whole)
                   for n, p in model.named_parameters() if n in mine}
-        if mine and len(theirs) == len(mine) and all(
-                (t.shape, t.dtype, t.device) == (mine[n].shape, mine[n].dtype, mine[n].device)
-                for n, t in theirs.items()):
+        same = lambda t, m: (t.shape, t.dtype, t.device) == (m.shape, m.dtype, m.device)
+        if mine and len(theirs) == len(mine) and all(same(t, mine[n]) for n, t in theirs.items()):
             for n, t in theirs.items():
                 mine[n].data = t.detach()  # the in-place optimizer steps are the sync
         else:
@@ -242,7 +242,6 @@ class HFEngine(Engine):
         params = inspect.signature(body.forward).parameters  # 5.2x: past_key_values -> cache
         kw = {"use_cache": True, ("cache" if "cache" in params else "past_key_values"): cache}
         scale, softcap = modeling.head_transform(self.model.config)
-
         def forward(ids, mask, pos):  # the last position's fp32 logits, as the trainer's head
             hidden = body(input_ids=ids, attention_mask=mask, position_ids=pos,
                           **kw).last_hidden_state[:, -1]
@@ -261,8 +260,7 @@ class HFEngine(Engine):
                 tokens, logps = tokens[:, : t + 1], logps[:, : t + 1]
                 break
             if not bool(running.all()):  # finished rows leave the batch and the cache
-                keep = running.nonzero().flatten()
-                cache.reorder_cache(keep)
+                cache.reorder_cache(keep := running.nonzero().flatten())
                 live, tok = live[keep.cpu()], tok[keep]
                 attention, step_pos = attention[keep], step_pos[keep]
             step_pos = step_pos + 1
@@ -295,7 +293,6 @@ def kv_cache(capacity: int):
             for s, x in zip(self.store, old):  # rows leaving: gathered (a copy), then written over
                 s[:b, :, :n] = x[beam_idx.to(x.device)]
             self.keys, self.values = (s[:b, :, :n] for s in self.store)
-
     cache = DynamicCache()  # 4.56-5.x: a layer_class_to_replicate() made per layer at its update
     cache.layer_class_to_replicate = Layer
     return cache
@@ -362,14 +359,10 @@ def _append(e: Completion, ids: list[int], logprobs: list[float], policy: int) -
     e.policy_mask = e.policy_mask + [policy] * len(ids)
 
 
-_SAID: set[str] = set()  # what was said once per process (an env's first failure)
-
-
 def env_step(tools: Tools, env, row: dict, text: str, counts: dict) -> tuple[object, list | None]:
     """(env, the reply's ids or None: the episode is over) of env.step(text) on a daemon thread (a
     hung call keeps it), the env made by tools.make(row) first; a failure is counted, said once."""
     out, start = [], time.perf_counter()
-
     def call() -> None:
         try:
             made = tools.make(row) if env is None else env
@@ -398,12 +391,11 @@ def env_step(tools: Tools, env, row: dict, text: str, counts: dict) -> tuple[obj
 def completion_from_sglang(out: dict, stop_ids: list[int]) -> Completion:
     """Ids from output_token_logprobs [(logprob, id, None)], never misaligned. A stop sampled as
     the last allowed token is "length" in SGLang <= 0.5.17, "stop" from 0.5.18: tokens decide."""
-    meta = out["meta_info"]
-    pairs = meta.get("output_token_logprobs") or []
+    pairs = out["meta_info"].get("output_token_logprobs") or []
     if not pairs and out.get("output_ids"):
         raise RuntimeError("SGLang returned output_ids without output_token_logprobs: send "
                            "return_logprob=True")
-    ids, reason = [int(p[1]) for p in pairs], meta.get("finish_reason")
+    ids, reason = [int(p[1]) for p in pairs], out["meta_info"].get("finish_reason")
     reason = reason.get("type", "abort") if isinstance(reason, dict) else reason or "abort"
     return Completion(ids, [float(p[0]) for p in pairs],
                       "stop" if ids and ids[-1] in stop_ids else reason)
@@ -419,10 +411,6 @@ def _check_logprob_env() -> None:
     if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
         raise RuntimeError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return T=1 "
                            "log-probs, the trainer's are log_softmax(logits / T). Unset it.")
-
-
-_DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float": torch.float32, "float32": torch.float32}
 
 
 def engine_dtype(model_path: str, requested: str | None = "auto",
@@ -469,7 +457,6 @@ class SGLangEngine(Engine):
     """One in-process `sglang.Engine` (tp=1) on this rank's GPU, shared with the trainer. Make it
     before the trainer allocates: SGLang sizes its KV cache from the GPU memory free at start."""
     overlaps = ""  # it must free the GPU memory the trainer trains in
-
     def __init__(self, model_path: str, gpu_id: int = 0, seed: int = 0,
                  device: torch.device | str = "cuda", deterministic: bool = False, **engine_kwargs):
         import sglang  # lazy: an optional extra
@@ -605,7 +592,6 @@ def route_address(url: str) -> str:
 class RemoteSGLangEngine(Engine):
     """SGLang servers over HTTP: every rank generates; rank 0 alone pushes weights, others wait."""
     overlaps = "thread"  # the servers generate while the trainer trains
-
     def __init__(self, urls: list[str], model_path: str, run_dir: str = "runs/remote",
                  weight_sync: str = "auto", deterministic: bool = False, nccl_addr: str = "",
                  group_backend: str = "nccl"):
@@ -713,9 +699,8 @@ class RemoteSGLangEngine(Engine):
         assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
         group, shift = {}, rank()  # group key -> its index: groups round robin, offset by rank
         url = lambda k: self.urls[(group.setdefault(k, len(group)) + shift) % len(self.urls)]
-        keys = groups or [tuple(p) for p in prompt_ids]
         jobs = [self.pool.submit(self._generate_one, url(k), list(p), sampling, s)
-                for p, s, k in zip(prompt_ids, seeds, keys)]
+                for p, s, k in zip(prompt_ids, seeds, groups or [tuple(p) for p in prompt_ids])]
         return [j.result() for j in jobs]
 
     def _generate_one(self, url: str, prompt: list[int], sampling: SamplingParams,
@@ -735,7 +720,6 @@ class RemoteSGLangEngine(Engine):
     def _post_generate(self, url: str, input_ids: list[int], params: dict) -> dict:
         payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True,
                    "rid": uuid.uuid4().hex}
-
         def abort_and_renew():  # a timed-out request may still run there: abort it first
             with suppress(RuntimeError):  # best effort: a dead server has nothing left to abort
                 self._request(url, "/abort_request", {"rid": payload["rid"]}, retries=0,
@@ -867,9 +851,6 @@ def make_engine(backend: str, urls: list[str], model_path: str, device: torch.de
 
 # -----------------------------------------------------------------------------
 # the batches in flight (--max-staleness)
-IN_CHILD = "in the rollout process"  # a batch requested from the forked child, not yet received
-
-
 class Rollouts:
     """Batch s is sampled by step max(0, s - K)'s weights, K = --max-staleness: take(s) starts the
     batches up to s + K (< steps) and returns s (through `share`); wait() lets those in flight
