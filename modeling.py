@@ -98,30 +98,50 @@ def attention_layout(segments: Tensor, num_tokens: int, device: torch.device | N
         host.update({} if cl else {qs: len(rows)})
         rows.append([(cs, cl, i, False)] * (cl > 0) + [(qs, ql, i, True)])
         size.append(cl + ql)
-    size = torch.tensor(size)
+    # rows longest first in buckets (first slot, rows, width), one kernel call each: a row of L
+    # slots in a bucket W wide costs W^2, not L^2, so a bucket takes rows down to W / sqrt(2)
+    # (short rows cost per call: one bucket)
+    rows, size = zip(*sorted(zip(rows, size), key=lambda r: -r[1]))
+    buckets = []
+    for width in size:
+        if not buckets or 2 * width * width < (w := buckets[-1][2]) ** 2 and w > GROUP_ROW_SLOTS:
+            buckets.append((sum(n * w for _, n, w in buckets), 0, width))
+        buckets[-1] = (buckets[-1][0], buckets[-1][1] + 1, buckets[-1][2])
+    size, slots = torch.tensor(size), sum(n * w for _, n, w in buckets)
     start, length, seg, query = (torch.tensor(x) for x in zip(*sum(rows, [])))
-    R, width, n = len(rows), int(size.max()), torch.arange(int(length.sum()))
+    n = torch.arange(int(length.sum()))
     tok = torch.repeat_interleave(start - torch.cumsum(length, 0) + length, length) + n
     seg, query, row = (torch.repeat_interleave(x, y) for x, y in (
-        (seg, length), (query, length), (torch.arange(R), size)))
-    flat = row * width + n - (torch.cumsum(size, 0) - size)[row]
-    grid, pos = torch.zeros(2, R * width, dtype=torch.long)  # padding slots read token 0
+        (seg, length), (query, length), (torch.arange(len(rows)), size)))
+    first = torch.tensor([f + i * w for f, k, w in buckets for i in range(k)])  # a row's 1st slot
+    flat = first[row] + n - (torch.cumsum(size, 0) - size)[row]
+    grid, pos = torch.zeros(2, slots, dtype=torch.long)  # padding slots read token 0
     grid[flat] = tok
     pos[flat] = torch.where(query, ctx_len[seg] + tok - q_start[seg], tok - ctx_start[seg])
     out = torch.empty(num_tokens, dtype=torch.long)
     out[tok[query]] = flat[query]
-    index |= {"grid": grid, "out": out, "pos": pos.view(R, width)}
+    index |= {"grid": grid, "out": out, "pos": pos}
     if masked:  # rows of several segments: a query sees its context and its own past
-        owner = torch.full((R * width,), -1).index_put_((flat[query],), seg[query])
-        own, key = owner.view(R, width, 1), grid.view(R, 1, width)
-        o, of_token = own.clamp(min=0), torch.repeat_interleave(torch.arange(len(segments)), q_len)
-        real = torch.zeros(R * width, dtype=torch.bool).index_fill_(0, flat, True).view(R, 1, -1)
-        sees = ((of_token[key] == own) & (key <= grid.view(R, width, 1))
-                | (key >= ctx_start[o]) & (key < ctx_start[o] + ctx_len[o])) & real & (own >= 0)
-        index["mask"] = (sees | torch.eye(width, dtype=torch.bool))[:, None]  # others: themselves
-    return {"mask": None} | {k: v.to(device, non_blocking=True) for k, v in index.items()} | {
-        "rows": R, "slots": width, "max_q": int(q_len.max()), "max_k": int(row_len.max()),
-        "kernel": kernel, "cp_group": cp_group}
+        owner = torch.full((slots,), -1).index_put_((flat[query],), seg[query])
+        of_token = torch.repeat_interleave(torch.arange(len(segments)), q_len)
+        real = torch.zeros(slots, dtype=torch.bool).index_fill_(0, flat, True)
+        index["mask"] = [_row_mask(owner[f : f + k * w].view(k, w, 1), grid[f : f + k * w].view(
+            k, 1, w), real[f : f + k * w].view(k, 1, w), of_token, ctx_start, ctx_len)
+                         for f, k, w in buckets]
+    return {"mask": None} | {k: [m.to(device, non_blocking=True) for m in v] if k == "mask" else
+                             v.to(device, non_blocking=True) for k, v in index.items()} | {
+        "rows": len(rows), "slots": int(size.max()), "buckets": buckets,
+        "max_q": int(q_len.max()), "max_k": int(row_len.max()), "kernel": kernel,
+        "cp_group": cp_group}
+
+
+def _row_mask(own, key, real, of_token, ctx_start, ctx_len) -> Tensor:
+    """[rows, 1, slots, slots]: a query slot (of segment `own`) sees its context and its own past;
+    padding and a copied context's slots see themselves alone."""
+    o = own.clamp(min=0)
+    sees = ((of_token[key] == own) & (key <= key.transpose(1, 2))
+            | (key >= ctx_start[o]) & (key < ctx_start[o] + ctx_len[o])) & real & (own >= 0)
+    return (sees | torch.eye(key.shape[-1], dtype=torch.bool))[:, None]
 
 
 def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropout: float = 0.0,
@@ -134,8 +154,17 @@ def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropo
     if layout["kernel"] is not None and q.dtype in HALF:
         k, v = (x.transpose(0, 1).index_select(0, layout["k_index"]) for x in (k, v))
         return layout["kernel"](q.transpose(0, 1), k, v, layout, scaling, dropout, window, softcap)
-    rows, width, mask, pos = layout["rows"], layout["slots"], layout["mask"], layout["pos"]
-    q, k, v = (x.transpose(0, 1).index_select(0, layout["grid"]).unflatten(0, (rows, width))
+    outs = [_padded_attention(q, k, v, layout["grid"][f : f + n * w], layout["pos"][
+        f : f + n * w].view(n, w), mask, scaling, dropout, window, softcap) for (f, n, w), mask in
+        zip(layout["buckets"], layout["mask"] or [None] * len(layout["buckets"]))]
+    return (outs[0] if len(outs) == 1 else torch.cat(outs)).index_select(0, layout["out"])
+
+
+def _padded_attention(q, k, v, grid, pos, mask, scaling, dropout, window, softcap) -> Tensor:
+    """One bucket of rows of slots (`grid`: slot -> token, `pos` [rows, slots]): q [H, T, D], k/v
+    [Hkv, T, D] -> [rows * slots, H, D]."""
+    rows, width = pos.shape
+    q, k, v = (x.transpose(0, 1).index_select(0, grid).unflatten(0, (rows, width))
                .transpose(1, 2) for x in (q, k, v))  # [h, T, D] -> [rows, h, slots, D]
     if window is None and softcap is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
@@ -149,7 +178,7 @@ def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropo
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         out = F.dropout(scores.masked_fill(~keep, float("-inf")).softmax(-1), dropout) @ v
-    return out.transpose(1, 2).flatten(0, 1).index_select(0, layout["out"])
+    return out.transpose(1, 2).flatten(0, 1)
 
 
 def packed_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0, layout=None,

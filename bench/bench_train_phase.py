@@ -4,6 +4,7 @@ FLOP/s against the measured matmul peak, and peak resident memory, one child pro
     python bench/bench_train_phase.py                        # SmolLM2-135M shape, 32/128/512 tokens
     python bench/bench_train_phase.py --shape qwen2.5-0.5b --lengths 64 --prompts 2
     python bench/bench_train_phase.py --roots /tmp/base .    # two checkouts, runs alternating
+    python bench/bench_train_phase.py --lengths 512 --uneven # answers of 64-512 tokens
     python bench/bench_train_phase.py --tiny --steps 1 --warmup 0     # smoke run
 
 Each run is a fresh child process (`--child`) that imports nanoareal from one `--roots` checkout,
@@ -81,9 +82,12 @@ def child(a) -> dict:
     prompts = [torch.randint(2, vocab, (a.prompt_len,), generator=g).tolist()
                for _ in range(a.prompts)]
     lp = -float(torch.tensor(vocab).log())
+    lengths = [a.length if not a.uneven else int(torch.randint(a.length // 8, a.length + 1, (),
+                                                               generator=g))
+               for _ in range(a.prompts * a.group)]
     samples = [N.Sample(i // a.group, prompts[i // a.group], N.Completion(
-        torch.randint(2, vocab, (a.length,), generator=g).tolist(), [lp] * a.length, "length"),
-        advantage=float(torch.randn((), generator=g))) for i in range(a.prompts * a.group)]
+        torch.randint(2, vocab, (n,), generator=g).tolist(), [lp] * n, "length"),
+        advantage=float(torch.randn((), generator=g))) for i, n in enumerate(lengths)]
     mbs = N.pack_microbatches(samples, cfg)
     T = sum(len(mb.input_ids) for mb in mbs)
     seg = torch.cat([mb.segments for mb in mbs])
@@ -152,6 +156,8 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="child runs per (root, length)")
+    p.add_argument("--uneven", action="store_true", help="answers of seeded random lengths from "
+                   "1/8 of each --lengths value to it (real answers stop at different lengths)")
     p.add_argument("--peak-n", type=int, default=2048)
     p.add_argument("--roots", nargs="+", default=[str(Path(__file__).resolve().parents[1])])
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -171,7 +177,7 @@ def main():
                         "peak_n")
                 cmd = [sys.executable, __file__, "--child", "--root", str(Path(root).resolve()),
                        "--length", str(length)] + [f"--{k.replace('_', '-')}={getattr(a, k)}"
-                                                   for k in keys]
+                                                   for k in keys] + ["--uneven"] * a.uneven
                 env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), WANDB_MODE="disabled")
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)

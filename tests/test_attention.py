@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 import loss as L
@@ -277,8 +278,9 @@ def test_a_prompt_and_the_completions_sharing_it_fill_one_padded_row():
     layout = modeling.attention_layout(segments, 10)
     assert (layout["rows"], layout["slots"]) == (2, 5)
     assert layout["grid"].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
-    assert layout["pos"].tolist() == [[0, 1, 2, 3, 2], [0, 1, 2, 3, 4]]
-    assert layout["mask"][0, 0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0],
+    assert layout["pos"].view(2, 5).tolist() == [[0, 1, 2, 3, 2], [0, 1, 2, 3, 4]]
+    assert layout["buckets"] == [(0, 2, 5)] and len(layout["mask"]) == 1
+    assert layout["mask"][0][0, 0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0],
                                                    [1, 1, 1, 0, 0], [1, 1, 1, 1, 0],
                                                    [1, 1, 0, 0, 1]]
     # rows of 5 slots: a third completion copies the prefix into a row of its own
@@ -294,6 +296,28 @@ def test_a_prompt_and_the_completions_sharing_it_fill_one_padded_row():
     assert layout["mask"] is None and layout["grid"].tolist() == [0, 1, 2, 3, 0, 1, 4, 0]
     single = modeling.attention_layout(torch.tensor([[0, 3, 0, 0], [3, 2, 0, 0]]), 5)
     assert single["mask"] is None and single["rows"] == 2  # one sequence a row: plain causal
+
+
+def test_long_rows_of_uneven_lengths_go_in_buckets_of_similar_widths(monkeypatch):
+    """Padded rows of 40, 12 and 3 slots (past GROUP_ROW_SLOTS): three buckets, 55 slots instead
+    of 3 x 40, one SDPA call each; the output equals each sequence's own causal attention."""
+    monkeypatch.setattr(modeling, "GROUP_ROW_SLOTS", 8)
+    lengths = (12, 40, 3)
+    segments = torch.tensor([[s, n, 0, 0] for s, n in zip((0, 12, 52), lengths)])
+    layout = modeling.attention_layout(segments, 55)
+    assert layout["buckets"] == [(0, 1, 40), (40, 1, 12), (52, 1, 3)] and layout["mask"] is None
+    assert layout["grid"].tolist() == [*range(12, 52), *range(12), 52, 53, 54]
+    q, k, v = torch.randn(4, 55, 8, dtype=torch.float64), *torch.randn(2, 2, 55, 8,
+                                                                       dtype=torch.float64)
+    calls, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(
+        a[0].shape) or sdpa(*a, **kw))
+    out = modeling.segment_attention(q, k, v, layout)
+    cu = F.pad(torch.tensor(lengths).cumsum(0), (1, 0))
+    want = _reference(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), cu, cu, 8**-0.5,
+                      (-1, 0))
+    assert [c[2] for c in calls] == [40, 12, 3]
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
 
 
 def test_attention_layout_rejects_segments_that_do_not_tile_the_row():
