@@ -102,12 +102,13 @@ def attention_layout(segments: Tensor, num_tokens: int, device: torch.device | N
     # slots in a bucket W wide costs W^2, not L^2, so a bucket takes rows down to W / sqrt(2)
     # (short rows cost per call: one bucket)
     rows, size = zip(*sorted(zip(rows, size), key=lambda r: -r[1]))
-    buckets = []
+    buckets, slots = [], 0
     for width in size:
-        if not buckets or 2 * width * width < (w := buckets[-1][2]) ** 2 and w > GROUP_ROW_SLOTS:
-            buckets.append((sum(n * w for _, n, w in buckets), 0, width))
-        buckets[-1] = (buckets[-1][0], buckets[-1][1] + 1, buckets[-1][2])
-    size, slots = torch.tensor(size), sum(n * w for _, n, w in buckets)
+        wide = buckets[-1][2] if buckets else 0
+        if not buckets or 2 * width * width < wide * wide and wide > GROUP_ROW_SLOTS:
+            buckets.append([slots, 0, width])
+        buckets[-1][1], slots = buckets[-1][1] + 1, slots + buckets[-1][2]
+    size, buckets = torch.tensor(size), [tuple(b) for b in buckets]
     start, length, seg, query = (torch.tensor(x) for x in zip(*sum(rows, [])))
     n = torch.arange(int(length.sum()))
     tok = torch.repeat_interleave(start - torch.cumsum(length, 0) + length, length) + n
