@@ -380,7 +380,7 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, heads_di
     model.set_attn_implementation("packed")
     described = apply_lora(model, *lora)
     shard(model)
-    model.to_empty(device=device).eval()  # tied weights stay tied; dropout off
+    model.to_empty(device=device).eval().tie_weights()  # to_empty unties a plain model; no dropout
     set_model_state_dict(model, {} if full is None else full.state_dict(), options=StateDictOptions(
         full_state_dict=True, broadcast_from_rank0=True))
     mine = {} if full is None else dict(full.named_buffers())
@@ -428,27 +428,29 @@ def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermedi
                 compute_bytes: int = 2, engine_generating: float = 0.0,
                 engine_training: float = 0.0, grads_unsharded: bool = False,
                 chunk: int = HEAD_CHUNK) -> dict[str, float]:
-    """Peak bytes per rank of one training step of a decoder LM FSDP2-sharded over `world` ranks, by
-    part, and "total". `params` all parameters, `trainable` those with gradients and AdamW state (in
-    `master_bytes`), the rest in `frozen_bytes` (LoRA's base); `tokens` a micro-batch's positions on
-    this rank (--micro-batch-tokens / --cp-size). Activations saved per token and layer: the two
-    RMSNorms' fp32 inputs and outputs, q, k, v, attention output, o_proj input, the MLP's gate,
-    SiLU, up and product; checkpointed, only each layer's input (`checkpointing` "selective": and
-    what its matmuls and attention return), plus one layer recomputed. "gathered": FSDP2's unsharded
-    params and grads (two layers, the root). `grads_unsharded`: grads accumulate unsharded until the
-    optimizer step. The engine holds `engine_generating` while it generates (the trainer's weights
-    and AdamW stay) and `engine_training` while the trainer trains; "total": the larger phase's."""
+    """Peak bytes per rank of one training step of a decoder LM FSDP2-sharded over `world` ranks
+    (one in full precision: plain), by part, and "total". `params` all parameters, `trainable` those
+    with gradients and AdamW state (in `master_bytes`), the rest in `frozen_bytes` (LoRA's base);
+    `tokens` a micro-batch's positions on this rank (--micro-batch-tokens / --cp-size). Activations
+    saved per token and layer: the two RMSNorms' fp32 inputs and outputs, q, k, v, attention output,
+    o_proj input, the MLP's gate, SiLU, up and product; checkpointed, only each layer's input
+    (`checkpointing` "selective": and what its matmuls and attention return), plus one layer
+    recomputed. "gathered": FSDP2's unsharded params and grads (two layers, the root).
+    `grads_unsharded`: grads accumulate unsharded until the optimizer step. The engine holds
+    `engine_generating` while it generates (the trainer's weights and AdamW stay) and
+    `engine_training` while the trainer trains; "total": the larger phase's."""
     frozen_bytes = master_bytes if frozen_bytes is None else frozen_bytes
+    fsdp = world > 1 or compute_bytes != master_bytes  # as load_model shards
     root = vocab * hidden * (1 if tied else 2)
     layer = tokens * (8 * hidden + compute_bytes * (5 * hidden + 2 * kv_dim + 4 * intermediate))
     kept = {"selective": 5 * hidden + 2 * kv_dim + 2 * intermediate}.get(checkpointing, hidden)
     saved = layers * tokens * kept * compute_bytes if checkpointing else layers * layer
     plan = {"weights": (trainable * master_bytes + (params - trainable) * frozen_bytes) / world,
-            "grads": trainable * master_bytes * (1 / world + grads_unsharded),
+            "grads": trainable * master_bytes * (1 / world + (grads_unsharded and fsdp)),
             "adamw": 2 * trainable * master_bytes / world,
             "activations": saved + layer * (2 if checkpointing else 1),
             "head": (max(4, compute_bytes) + compute_bytes % 4) * min(chunk, tokens) * vocab,
-            "gathered": 2 * compute_bytes * (2 * (params - root) / layers + root)}
+            "gathered": fsdp * 2 * compute_bytes * (2 * (params - root) / layers + root)}
     plan["engine"] = max(engine_generating, engine_training)
     plan["total"] = max(plan["weights"] + plan["adamw"] + engine_generating,
                         sum(plan.values()) - plan["engine"] + engine_training)

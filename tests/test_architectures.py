@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from reference import whole
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import loss as L
@@ -100,7 +101,7 @@ class GradCapture:
         self.model, self.grads = model, {}
 
     def step(self):
-        self.grads = {n: p.grad.full_tensor().clone() for n, p in self.model.named_parameters()
+        self.grads = {n: whole(p.grad).clone() for n, p in self.model.named_parameters()
                       if p.grad is not None}
 
     def zero_grad(self, set_to_none=True):

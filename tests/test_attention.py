@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from reference import whole
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 import loss as L
@@ -402,11 +403,11 @@ def test_training_step_with_shared_prompts_equals_whole_sequences(mode, one_rank
                        grad_clip=1e9, dtype="float64", model=TINY, eps_high=0.28,
                        entropy_coef=0.01)
         model = N.load_model(cfg, torch.device("cpu"), N.Ranks())
-        before = [p.detach().full_tensor().clone() for p in model.parameters()]
+        before = [whole(p.detach()).clone() for p in model.parameters()]
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # parameter change = -gradient
         sums, stats = N.train_on_samples(model, None, optimizer, L.build_loss(cfg), samples, cfg,
                                          torch.device("cpu"), N.Ranks())
-        grads = [b - p.detach().full_tensor() for b, p in zip(before, model.parameters())]
+        grads = [b - whole(p.detach()) for b, p in zip(before, model.parameters())]
         results[share] = (sums, stats, grads)
     (plain, plain_stats, g_plain), (shared, shared_stats, g_shared) = results[False], results[True]
     assert shared["positions"] < plain["positions"]

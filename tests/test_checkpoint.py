@@ -190,9 +190,9 @@ def noisy(completion, row):
 
 def test_a_reward_drawing_random_numbers_gives_identical_runs_resumes_and_two_ranks(tmp_path):
     """A reward that calls random.random() and numpy (weighted with a format term): two runs of
-    one command, a run killed mid-step and resumed, and 2 ranks all log the same rewards: its
-    random state is seeded per sample by (seed, step, slot, k) (unseeded, each warm run's own
-    reseeded random would differ from step 1 on)."""
+    one command, a run killed mid-step and resumed, and runs moving between 1 and 2 ranks all log
+    the same rewards and gradient norms: its random state is seeded per sample by (seed, step,
+    slot, k) (unseeded, each warm run's own reseeded random would differ from step 1 on)."""
     (tmp_path / "noisy.py").write_text(NOISY_REWARD)
     args = [*FAST, "--reward", f"{tmp_path}/noisy.py:noisy,0.5*format"]
     ref, again, run_dir, two = (tmp_path / n for n in ("ref", "again", "run", "two"))
@@ -209,11 +209,17 @@ def test_a_reward_drawing_random_numbers_gives_identical_runs_resumes_and_two_ra
     for r in rows:  # each term logged apart, their weighted sum the reward
         assert r["reward"] == pytest.approx(r["reward/noisy"] + 0.5 * r["reward/format"])
         assert 0.5 < r["reward/noisy"] < 1.5
-    run(args, two, nproc=2)
-    for a, b in zip(rows, [r for r in metrics(two) if "reward" in r], strict=True):
-        assert {k: b[k] for k in ("reward", "reward/noisy", "reward/format", "accuracy")} == \
-            pytest.approx({k: a[k] for k in ("reward", "reward/noisy", "reward/format",
-                                              "accuracy")}, rel=1e-6)
+    # across world sizes: one rank holds a plain model, two an FSDP2-sharded one (DTensors); a
+    # checkpoint of either resumes on the other
+    back = tmp_path / "back"
+    for run_dir, nprocs in ((two, (1, 2)), (back, (2, 1))):
+        run([*args, "--steps", "2"], run_dir, nproc=nprocs[0])
+        run(args, run_dir, nproc=nprocs[1])
+        assert "resumed from" in log_of(run_dir)
+        for a, b in zip(rows, [r for r in metrics(run_dir) if "reward" in r], strict=True):
+            assert {k: b[k] for k in ("reward", "reward/noisy", "reward/format", "accuracy",
+                                      "grad_norm")} == pytest.approx({k: a[k] for k in (
+                "reward", "reward/noisy", "reward/format", "accuracy", "grad_norm")}, rel=1e-5)
 
 
 @pytest.fixture(scope="module")

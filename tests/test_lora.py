@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import policy_token_loss
+from reference import policy_token_loss, whole
 from test_checkpoint import assert_same_run, finish, kill_9, start, wait_for
 from test_nanoareal import TINY, _sample, read_metrics, run_cli
 
@@ -90,7 +90,7 @@ def test_adapter_gradients_equal_a_plain_peft_models_padded_objective(one_rank_g
     adapters = random_adapters(model)
     params = dict(model.named_parameters())
     assert {n for n, p in params.items() if p.requires_grad} == set(adapters)
-    before = {n: p.detach().full_tensor().clone() for n, p in params.items()}
+    before = {n: whole(p.detach()).clone() for n, p in params.items()}
     optimizer = torch.optim.SGD([p for p in params.values() if p.requires_grad], lr=1.0)
     N.train_on_samples(model, None, optimizer, L.build_loss(cfg), samples, cfg,
                        torch.device("cpu"), N.Ranks())
@@ -106,7 +106,7 @@ def test_adapter_gradients_equal_a_plain_peft_models_padded_objective(one_rank_g
              if p.grad is not None}
     assert set(grads) == set(adapters)
     for name, p in params.items():
-        moved = before[name] - p.detach().full_tensor()
+        moved = before[name] - whole(p.detach())
         if name in grads:
             assert grads[name].abs().sum() > 0, name
             # the trainer's advantages and mode weights are fp32: ~2e-8 (a wrong weight: ~1)

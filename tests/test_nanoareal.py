@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import warm
+from reference import whole
 
 import nanoareal as N
 import packing
@@ -385,12 +386,12 @@ def _one_step(cfg: N.Config, optimizer_cls=torch.optim.SGD, lr: float = 1.0) -> 
     import loss as L
 
     model = N.load_model(cfg, torch.device("cpu"), N.Ranks())
-    before = [p.detach().full_tensor().clone() for p in model.parameters()]
+    before = [whole(p.detach()).clone() for p in model.parameters()]
     optimizer = optimizer_cls(model.parameters(), lr=lr)
     samples = [_sample(g, [4 + g, 13, 5], [6 + g, 1], adv=(-1) ** g) for g in range(4)]
     N.train_on_samples(model, None, optimizer, L.build_loss(cfg), samples, cfg,
                        torch.device("cpu"), N.Ranks())
-    return [p.detach().full_tensor() - b for p, b in zip(model.parameters(), before)]
+    return [whole(p.detach()) - b for p, b in zip(model.parameters(), before)]
 
 
 def test_grad_clip_zero_turns_clipping_off(one_rank_group):
@@ -423,14 +424,14 @@ def test_a_step_with_nothing_to_learn_from_moves_neither_the_weights_nor_adamw(o
     _, stats = N.train_on_samples(model, None, optimizer, reduction, ok, cfg,
                                   torch.device("cpu"), N.Ranks())
     assert stats["updated"] == 1
-    before = [p.detach().full_tensor().clone() for p in model.parameters()]
+    before = [whole(p.detach()).clone() for p in model.parameters()]
     steps = [float(s["step"]) for s in optimizer.state.values()]
     cut = [_sample(g, [4 + g, 13, 5], [6 + g, 7], "length", adv=(-1) ** g) for g in range(4)]
     for samples in (cut, []):  # all masked; or every group filtered away
         _, stats = N.train_on_samples(model, None, optimizer, reduction, samples, cfg,
                                       torch.device("cpu"), N.Ranks())
         assert stats["updated"] == 0 and stats["grad_norm"] == 0
-    assert all(torch.equal(b, p.detach().full_tensor()) for b, p in zip(before,
+    assert all(torch.equal(b, whole(p.detach())) for b, p in zip(before,
                                                                          model.parameters()))
     assert [float(s["step"]) for s in optimizer.state.values()] == steps
 

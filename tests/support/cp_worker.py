@@ -23,6 +23,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 torch.set_num_threads(1)
 
+from reference import whole  # noqa: E402
+
 import loss as L  # noqa: E402
 import modeling  # noqa: E402
 import nanoareal as na  # noqa: E402
@@ -66,7 +68,7 @@ class GradCapture:
         self.model, self.grads = model, {}
 
     def step(self):  # full_tensor is a collective: every rank calls it, in the same order
-        self.grads = {n: p.grad.full_tensor().detach().clone() for n,
+        self.grads = {n: whole(p.grad).detach().clone() for n,
                       p in self.model.named_parameters()}
 
     def zero_grad(self, set_to_none=True):

@@ -67,3 +67,9 @@ def policy_token_loss(case: dict, logp, prox, behave, advantages, seq_ids, mask)
         else:
             token_loss, mask = token_loss * w, mask * (w <= cap).to(mask.dtype)
     return token_loss, mask
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A parameter or gradient as one tensor: FSDP2's DTensor gathered (a collective: every rank,
+    in the same order), a plain model's as it is (one rank in full precision: load_model)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
