@@ -254,7 +254,6 @@ def safe_dcp_reader(path: Path):
                 raise pickle.UnpicklingError(f"{path}/.metadata: refusing to unpickle "
                                              f"{module}.{name}")
             return super().find_class(module, name)
-
     class Reader(dcp.FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             with open(Path(path) / ".metadata", "rb") as f:

@@ -93,8 +93,7 @@ def reduce_metrics(sums: dict) -> dict:
     """All ranks' counters (keys may differ) summed in ONE collective (MAXIMA: max; str: first)."""
     gathered = [sums]
     if dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, sums)
+        dist.all_gather_object(gathered := [None] * dist.get_world_size(), sums)
     total: dict = {}
     for k, v in (item for part in gathered for item in part.items()):
         total[k] = (total.get(k, v) if isinstance(v, str) else max(total.get(k, v), v)

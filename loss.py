@@ -162,9 +162,8 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: 
     """Per-sample advantages from rewards and group ids (any sizes, any order; a group of one gets
     0): grpo A_i = (R_i - mean_g R) / (std_i + eps), std_i from ADV_STDS[std] (none: no division);
     rloo's baseline is the mean of the group's other samples, never divided."""
-    rewards = rewards.double()
+    rewards, std_fn = rewards.double(), _choice("adv-std", std, ADV_STDS)
     n, total = _group_sums(torch.ones_like(rewards), group_ids), _group_sums(rewards, group_ids)
-    std_fn = _choice("adv-std", std, ADV_STDS)
     if estimator == "grpo":
         adv = rewards - total / n
         adv = adv / (std_fn(rewards, group_ids, group, copies) + eps) if std_fn else adv
@@ -320,8 +319,7 @@ def ppo_surrogate(logp: Tensor, prox: Tensor, A: Tensor, seq_ids: Tensor | None 
     loss = torch.maximum(unclipped, clipped)
     stats = {"clip_frac": (clipped > unclipped).detach().to(logp.dtype)}
     if dual_clip is not None:
-        dual = (A < 0) & (loss > -dual_clip * A)
-        loss = torch.where(dual, -dual_clip * A, loss)
+        loss = torch.where(dual := (A < 0) & (loss > -dual_clip * A), -dual_clip * A, loss)
         stats["dual_clip_frac"] = dual.detach().to(logp.dtype)
     return loss, stats
 
@@ -331,8 +329,7 @@ def gspo_surrogate(logp: Tensor, prox: Tensor, A: Tensor, seq_ids: Tensor, mask:
     """GSPO (Zheng et al. 2025), per token (GSPO-token): l = max(-A r_t, -A clip(r_t, 1-eps_low,
     1+eps_high)), r_t = sg(s_i) pi_t / sg(pi_t) (value s_i, gradient s_i grad logp_t), s_i =
     exp(mean_{t in i, mask} log(pi_t / pi_prox_t)). Needs whole responses in the micro-batch."""
-    is_resp = (seq_ids >= 0) & (mask > 0)
-    token = torch.where(is_resp, log_ratio(logp, prox).detach(), 0.0)
+    token = torch.where(is_resp := (seq_ids >= 0) & (mask > 0), log_ratio(logp, prox).detach(), 0.0)
     mean = _group_sums(token, seq_ids) / _group_sums(is_resp.to(token.dtype), seq_ids).clamp(min=1)
     ratio = torch.exp(torch.where(seq_ids >= 0, mean, 0.0)) * torch.exp(logp - logp.detach())
     unclipped, clipped = -A * ratio, -A * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
@@ -398,8 +395,7 @@ def m2po_mask(prox_logprobs: Tensor, behave_logprobs: Tensor, loss_mask: Tensor,
                                            keep.sum().double()]), group)
         return bool(s[0] <= threshold * s[1])
     local_max = torch.cat([torch.where(valid, x, 0.0), x.new_zeros(1)]).max()[None]  # x >= 0
-    x_max = all_reduce_vector(local_max, group, op=dist.ReduceOp.MAX).item()
-    if kept_mean_ok(x_max):
+    if kept_mean_ok(x_max := all_reduce_vector(local_max, group, op=dist.ReduceOp.MAX).item()):
         return loss_mask.clone()
     value = lambda b: struct.unpack("<d", struct.pack("<q", b))[0]  # the float64 of bit pattern b
     lo, hi = 0, struct.unpack("<q", struct.pack("<d", x_max))[0]  # 0: 0.0's bits (keeps x = 0)

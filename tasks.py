@@ -167,8 +167,7 @@ def make_chain_task(seed: int = 0, heldout_size: int = 256,
         if per_k >= want:
             raise ValueError(f"heldout_size {heldout_size} leaves no train rows with {k} ops")
         if space <= 4 * per_length:  # small: enumerate and shuffle (rejection would crawl)
-            bodies = ["".join(b) for b in product("0123456789", *[CHAIN_OPS] * k)]
-            rng.shuffle(bodies)
+            rng.shuffle(bodies := ["".join(b) for b in product("0123456789", *[CHAIN_OPS] * k)])
             bodies = bodies[:want]
         else:  # large: draw until `want` distinct (a dict keeps the order of first draws)
             bodies = {}
@@ -301,8 +300,7 @@ def stop_token_ids(tokenizer, model: str, chat: bool) -> list[int]:
            end_of_turn_id(tokenizer) if chat else None]
     with suppress(OSError):  # no generation_config.json
         ids.append(GenerationConfig.from_pretrained(model).eos_token_id)
-    flat = [i for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None]
-    if not flat:
+    if not (flat := [i for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None]):
         raise UserError(f"--model {model}: its tokenizer and configs name no end-of-sequence "
                         "token, so no response could ever stop; set eos_token in its tokenizer")
     return sorted(set(flat))
@@ -464,8 +462,7 @@ def evaluate(engine, data: Data, reward_fn: Callable, max_new_tokens: int, tempe
                             [r for r, _ in todo]) if todo else []
         return [s.correct for s in score_completions(reward_fn, data.tokenizer, outs,
                                                      [r for r, _ in todo], timeout, seeds)]
-    mine = data.evalset[rank::world]
-    verdicts = judge(mine, 0.0, [0] * len(mine))
+    verdicts = judge(mine := data.evalset[rank::world], 0.0, [0] * len(mine))
     sums = Counter(judged=sum(v is not None for v in verdicts), correct=sum(map(bool, verdicts)))
     if k:
         seeds = [mix_seed(seed, EVAL_SEED, i, j) for i in range(rank, len(data.evalset), world)
@@ -512,9 +509,8 @@ def score_completions(reward_fn: Callable, tokenizer, completions: list, rows: l
     plus soft_overlong_penalty with an overlong_buffer, logged as reward/overlong."""
     texts = tokenizer.batch_decode([c.output_ids for c in completions], skip_special_tokens=True)
     scores = compute_rewards(reward_fn, texts, rows, timeout, seeds)
-    for sc, c in zip(scores, completions) if overlong_buffer else ():
-        sc.metrics["overlong"] = soft_overlong_penalty(len(c.output_ids), max_tokens,
-                                                       overlong_buffer)
+    for sc, n in zip(scores, (len(c.output_ids) for c in completions)) if overlong_buffer else ():
+        sc.metrics["overlong"] = soft_overlong_penalty(n, max_tokens, overlong_buffer)
         sc.reward += sc.metrics["overlong"]
     return scores
 
