@@ -64,7 +64,7 @@ MAX_BAD_STEPS = 3  # stop after this many steps in a row with a non-finite gradi
 CKPT_MINUTES = 10.0  # save a checkpoint when this long has passed since the last one
 CHECKPOINT_LAYERS = None  # rerun in backward, exact: True every decoder layer (~10x less memory),
 # "selective" its elementwise work (~half); None: on a GPU True where the memory plan needs it,
-SELECTIVE_FROM = 2**20  # on a CPU selective from a micro-batch's layer input of this many elements
+SELECTIVE_FROM = 2**20  # on a CPU selective for a micro-batch's layer input of this many elements
 
 # -----------------------------------------------------------------------------
 # config: one flat set of flags, `--help` its documentation. A Volatile flag changes how a run is
@@ -665,8 +665,7 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
     """An HF causal LM sharded with FSDP2 over every rank as it loads (one rank in full precision:
     plain), a unit per (checkpointed) decoder layer + the root. Master weights, AdamW in fp32/64."""
     mixed = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
-    mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                            reduce_dtype=torch.float32)} if mixed else {}
+    mp = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if mixed else {}
     tokens = -(-cfg.micro_batch_tokens // ranks.cp_size)  # of a micro-batch on this rank
 
     def shard(model):  # one rank in full precision: FSDP2 would only copy every weight and
@@ -681,7 +680,8 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
         model.checkpointed = trainable and (CHECKPOINT_LAYERS if CHECKPOINT_LAYERS is not None else
                                             None if device.type == "cuda" else big and "selective")
         if model.checkpointed:
-            modeling.checkpoint_layers(model, selective=model.checkpointed == "selective")
+            modeling.checkpoint_layers(model, model.checkpointed == "selective",
+                                       SELECTIVE_FROM if CHECKPOINT_LAYERS is None else 0)
     model, attention = modeling.load_causal_lm(  # LoRA: the frozen base in the compute dtype
         cfg.model, torch.bfloat16 if cfg.lora_rank and mixed else torch.float64 if
         cfg.dtype == "float64" else torch.float32, device, ranks.cp_size, ATTENTION, mixed,

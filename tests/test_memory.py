@@ -262,6 +262,31 @@ def test_selective_checkpointing_reruns_no_matmul_in_backward(monkeypatch):
         assert model.checkpointed is want and matmuls_in_backward(model) == counts[want]
 
 
+def test_a_cpu_micro_batch_under_selective_from_reruns_nothing(monkeypatch):
+    """A CPU run checkpoints selectively by --micro-batch-tokens at start (the plan), then each
+    micro-batch by its own layer input: one under SELECTIVE_FROM runs its layers once, one at it
+    runs each again in backward; the gradients are the same bit for bit."""
+    from transformers import AutoConfig
+    cfg = N.validate_config(replace(N.Config(), dtype="float64"), 1)
+    samples = [N.Sample(g, [4 + g, 13, 5], N.Completion([6, 7, 8, 1], [-0.5] * 4, "stop"),
+                        advantage=1.0) for g in range(2)]
+    mb, runs, grads = N.pack_microbatches(samples, cfg)[0], [], []
+    elements = len(mb.input_ids) * AutoConfig.from_pretrained(cfg.model).hidden_size
+    for threshold in (elements + 1, elements):
+        monkeypatch.setattr(N, "SELECTIVE_FROM", threshold)
+        model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
+        assert model.checkpointed == "selective"
+        count, mlp = [], modeling.decoder_layers(model)[0].mlp
+        forward = mlp.forward
+        mlp.forward = lambda *a, _f=forward, _n=count, **k: _n.append(1) or _f(*a, **k)
+        N.microbatch_forward(model, mb, cfg, torch.device("cpu"), N.Ranks(), grad=True)[0].sum(
+            ).backward()
+        runs.append(len(count))
+        grads.append([p.grad for p in model.parameters()])
+    assert runs == [1, 2]
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
 def test_a_synchronous_hf_engine_generates_with_the_trainers_own_tensors(tmp_path):
     """K = 0 on one rank: once resume() has run, the engine's parameters are the trainer's storage
     (no second copy; the optimizer's in-place steps are the sync; test_staleness's K = 0 run checks
