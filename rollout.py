@@ -263,8 +263,7 @@ class HFEngine(Engine):
                 cache.reorder_cache(keep := running.nonzero().flatten())
                 live, tok = live[keep.cpu()], tok[keep]
                 attention, step_pos = attention[keep], step_pos[keep]
-            step_pos = step_pos + 1
-            logits = forward(tok[:, None], attention[:, : L + t + 1], step_pos)
+            logits = forward(tok[:, None], attention[:, : L + t + 1], step_pos := step_pos + 1)
         stops, rows = set(sampling.stop_token_ids), tokens.tolist()
         ends = [next((j + 1 for j, t in enumerate(r) if t in stops), len(r)) for r in rows]
         return [Completion(r[:n], lps[:n], "stop" if set(r[n - 1 : n]) & stops else "length")
@@ -285,7 +284,6 @@ def kv_cache(capacity: int):
                 key_states, value_states = (s[:b, :, : n + new] for s in self.store)
             self.keys, self.values = key_states, value_states
             return key_states, value_states
-
         def reorder_cache(self, beam_idx: torch.Tensor) -> None:
             n, b, old = self.get_seq_length(), len(beam_idx), (self.keys, self.values)
             self.store = getattr(self, "store", None) or tuple(
@@ -372,8 +370,7 @@ def env_step(tools: Tools, env, row: dict, text: str, counts: dict) -> tuple[obj
             out.append((made, None if reply is None else tools.encode(reply), None))
         except Exception as e:
             out.append((env, None, f"{type(e).__name__}: {e}"))
-    worker = threading.Thread(target=call, daemon=True)
-    worker.start()
+    (worker := threading.Thread(target=call, daemon=True)).start()
     worker.join(ENV_TIMEOUT_S)
     env, reply, error = out[0] if out else (env, None, f"a call took over {ENV_TIMEOUT_S:g}s")
     counts["env/seconds"] += time.perf_counter() - start
@@ -502,9 +499,8 @@ class SGLangEngine(Engine):
             return []
         self._resume(*self.tags)  # never without a KV cache
         params = [_sampling_dict(sampling, sampling.max_new_tokens, s) for s in seeds]
-        outs = self.engine.generate(input_ids=[list(p) for p in prompt_ids],
-                                    sampling_params=params, return_logprob=True)
-        return [completion_from_sglang(o, sampling.stop_token_ids) for o in outs]
+        return [completion_from_sglang(o, sampling.stop_token_ids) for o in self.engine.generate(
+            input_ids=[list(p) for p in prompt_ids], sampling_params=params, return_logprob=True)]
 
     def release_memory(self) -> None:
         """An idle engine (generate has returned) releases memory (enable_memory_saver); resuming an
@@ -573,8 +569,7 @@ def weight_group_ranks(url: str, info: dict) -> int:
 def free_ports(n: int) -> list[int]:
     """n distinct ports free now, chosen by the OS (held together while choosing)."""
     with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
+        for s in (socks := [stack.enter_context(socket.socket()) for _ in range(n)]):
             s.bind(("", 0))
         return [s.getsockname()[1] for s in socks]
 
@@ -867,8 +862,7 @@ class Rollouts:
                 torch.get_num_threads(),))
         elif self.overlap == "process":
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # else a warning per fork
-            fork = multiprocessing.get_context("fork")
-            self.conn, child = fork.Pipe()
+            self.conn, child = (fork := multiprocessing.get_context("fork")).Pipe()
             fork.Process(target=_serve_batches, args=(make_batch, child, self.conn),
                          daemon=True).start()
             child.close()
@@ -906,10 +900,8 @@ class Rollouts:
         return self.make_batch(step)
 
     def _made(self, step: int, batch):
-        if isinstance(batch, Future):
-            return batch.result()
         if batch is not IN_CHILD:
-            return batch
+            return batch.result() if isinstance(batch, Future) else batch
         try:  # batches come back in the order they were asked for: this one is the oldest
             if self.conn is not None:
                 s, batch, error = self.conn.recv()
