@@ -262,9 +262,9 @@ def test_selective_checkpointing_reruns_no_matmul_in_backward(monkeypatch):
         assert model.checkpointed is want and matmuls_in_backward(model) == counts[want]
 
 
-def test_a_cpu_micro_batch_under_selective_from_reruns_nothing(monkeypatch):
+def test_a_cpu_micro_batch_under_rerun_from_reruns_nothing(monkeypatch):
     """A CPU run checkpoints selectively by --micro-batch-tokens at start (the plan), then each
-    micro-batch by its own layer input: one under SELECTIVE_FROM runs its layers once, one at it
+    micro-batch by its own layer input: one under RERUN_FROM runs its layers once, one at it
     runs each again in backward; the gradients are the same bit for bit."""
     from transformers import AutoConfig
     cfg = N.validate_config(replace(N.Config(), dtype="float64"), 1)
@@ -273,7 +273,8 @@ def test_a_cpu_micro_batch_under_selective_from_reruns_nothing(monkeypatch):
     mb, runs, grads = N.pack_microbatches(samples, cfg)[0], [], []
     elements = len(mb.input_ids) * AutoConfig.from_pretrained(cfg.model).hidden_size
     for threshold in (elements + 1, elements):
-        monkeypatch.setattr(N, "SELECTIVE_FROM", threshold)
+        monkeypatch.setattr(N, "SELECTIVE_FROM", 1)  # wrapped at start, whatever the budget
+        monkeypatch.setattr(N, "RERUN_FROM", threshold)
         model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
         assert model.checkpointed == "selective"
         count, mlp = [], modeling.decoder_layers(model)[0].mlp
