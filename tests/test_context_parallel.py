@@ -82,7 +82,12 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
 def reference(tiny_models, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("cp_ref") / "ref.pt"
     models = [tiny_models[m] for m in ("gqa", "kv1", "kv3", "gemma2")]
-    _load_worker().main(["--models", *models, "--cp", "1", "--out", str(out)])
+    worker = _load_worker()
+    default = worker.na.CHECKPOINT_LAYERS  # main sets the trainer's: this process's other tests
+    try:  # (same worker) must find its default again
+        worker.main(["--models", *models, "--cp", "1", "--out", str(out)])
+    finally:
+        worker.na.CHECKPOINT_LAYERS = default
     return torch.load(out)["models"]
 
 

@@ -273,6 +273,7 @@ def test_a_cpu_micro_batch_under_rerun_from_reruns_nothing(monkeypatch):
     mb, runs, grads = N.pack_microbatches(samples, cfg)[0], [], []
     elements = len(mb.input_ids) * AutoConfig.from_pretrained(cfg.model).hidden_size
     for threshold in (elements + 1, elements):
+        monkeypatch.setattr(N, "CHECKPOINT_LAYERS", None)  # the CPU's default
         monkeypatch.setattr(N, "SELECTIVE_FROM", 1)  # wrapped at start, whatever the budget
         monkeypatch.setattr(N, "RERUN_FROM", threshold)
         model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
