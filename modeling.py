@@ -439,7 +439,7 @@ def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermedi
     `grads_unsharded` grads accumulate unsharded until the optimizer step. The engine holds
     `engine_generating` while it generates (weights and AdamW stay), `engine_training` else."""
     frozen_bytes = master_bytes if frozen_bytes is None else frozen_bytes
-    fsdp = world > 1 or compute_bytes != master_bytes  # as load_model shards
+    fsdp = world > 1 or compute_bytes != master_bytes  # load_model's rule: ranks, or bf16 compute
     root = vocab * hidden * (1 if tied else 2)
     layer = tokens * (8 * hidden + compute_bytes * (5 * hidden + 2 * kv_dim + 4 * intermediate))
     kept = {"selective": 5 * hidden + 2 * kv_dim + 2 * intermediate}.get(checkpointing, hidden)

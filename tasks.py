@@ -167,7 +167,8 @@ def make_chain_task(seed: int = 0, heldout_size: int = 256,
         if per_k >= want:
             raise ValueError(f"heldout_size {heldout_size} leaves no train rows with {k} ops")
         if space <= 4 * per_length:  # small: enumerate and shuffle (rejection would crawl)
-            rng.shuffle(bodies := ["".join(b) for b in product("0123456789", *[CHAIN_OPS] * k)])
+            bodies = ["".join(b) for b in product("0123456789", *[CHAIN_OPS] * k)]
+            rng.shuffle(bodies)
             bodies = bodies[:want]
         else:  # large: draw until `want` distinct (a dict keeps the order of first draws)
             bodies = {}
@@ -462,7 +463,8 @@ def evaluate(engine, data: Data, reward_fn: Callable, max_new_tokens: int, tempe
                             [r for r, _ in todo]) if todo else []
         return [s.correct for s in score_completions(reward_fn, data.tokenizer, outs,
                                                      [r for r, _ in todo], timeout, seeds)]
-    verdicts = judge(mine := data.evalset[rank::world], 0.0, [0] * len(mine))
+    mine = data.evalset[rank::world]
+    verdicts = judge(mine, 0.0, [0] * len(mine))
     sums = Counter(judged=sum(v is not None for v in verdicts), correct=sum(map(bool, verdicts)))
     if k:
         seeds = [mix_seed(seed, EVAL_SEED, i, j) for i in range(rank, len(data.evalset), world)
