@@ -217,10 +217,9 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
     """Collective: loads model, optimizer and RNGs; returns meta and every rank's batches generated
     ahead, merged (step -> samples), to share out (a run may resume on another number of ranks)."""
     meta = json.loads((path / "meta.json").read_text())
-    state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
-    dcp.load(state, storage_reader=safe_dcp_reader(path), planner=safe_dcp_planner())
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+    dcp.load(sd, storage_reader=safe_dcp_reader(path), planner=safe_dcp_planner())
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     rng = path / f"rng_rank{dist.get_rank()}.pt"  # absent on more ranks than saved: rank 0's
     set_rng_states(torch.load(rng if rng.exists() else path / "rng_rank0.pt", weights_only=True))
     ahead: dict[int, list] = {}

@@ -439,8 +439,7 @@ def apply_global_mask(mbs: list[MicroBatch], correction: str, threshold: float,
 #   k1 = L             gradient E_pi[grad log pi] = 0: noise alone (verl puts it in the reward);
 #   k2 = L^2 / 2       gradient E_pi[L grad log pi] = grad KL(pi || ref)   (reverse KL);
 #   k3 = e^-L - 1 + L  gradient E_pi[(1 - pi_ref/pi) grad log pi] = grad KL(ref || pi) (forward).
-KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
-    "k1": lambda L: L, "k2": lambda L: 0.5 * L**2,
+KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": lambda L: L, "k2": lambda L: L**2 / 2,
     "k3": lambda L: (torch.exp(-L) - 1.0 + L).clamp(max=K3_CAP)}
 
 

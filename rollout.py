@@ -24,7 +24,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack, suppress
+from contextlib import suppress
 from datetime import timedelta
 from typing import Protocol
 
@@ -466,7 +466,9 @@ class SGLangEngine(Engine):
         # SGLang probes for free ports, binding them later: engines started together (torchrun's
         # ranks, two jobs on one host) may pick the same. In-process it binds nccl_port (its
         # scheduler's store) and port (DP attention's TCP ZMQ): two free ones, picked by the OS.
-        port, nccl_port = free_ports(2)
+        with socket.socket() as a, socket.socket() as b:  # both held while the OS picks: distinct
+            a.bind(("", 0)), b.bind(("", 0))
+            port, nccl_port = a.getsockname()[1], b.getsockname()[1]
         # an fp32 lm_head (0.5.10 has it): bf16 logits would make pi/pi_behave != 1 at equal weights
         optional = {"port": port, "nccl_port": nccl_port, "enable_fp32_lm_head": True}
         fields = getattr(ServerArgs, "__struct_fields__", None) or [  # msgspec from 0.5.20
@@ -566,14 +568,6 @@ def weight_group_ranks(url: str, info: dict) -> int:
     return tp
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct ports free now, chosen by the OS (held together while choosing)."""
-    with ExitStack() as stack:
-        for s in (socks := [stack.enter_context(socket.socket()) for _ in range(n)]):
-            s.bind(("", 0))
-        return [s.getsockname()[1] for s in socks]
-
-
 def route_address(url: str) -> str:
     """This host's address on the route to `url` (a UDP connect sends nothing), not 127.0.1.1."""
     parts = urllib.parse.urlsplit(url)
@@ -592,9 +586,8 @@ class RemoteSGLangEngine(Engine):
                  group_backend: str = "nccl"):
         assert urls and weight_sync in ("auto", "disk", "nccl"), "servers, synced by disk or nccl"
         _check_logprob_env()
-        self.urls = [u.rstrip("/") for u in urls]
-        self.model_path, self.run_dir = model_path, run_dir
-        self.nccl_addr, self.group_backend, self.group = nccl_addr, group_backend, None
+        self.urls, self.run_dir, self.group = [u.rstrip("/") for u in urls], run_dir, None
+        self.model_path, self.nccl_addr, self.group_backend = model_path, nccl_addr, group_backend
         self.pool = ThreadPoolExecutor(max_workers=HTTP_THREADS, thread_name_prefix="sglang-http")
         self.send_seed, self.version, self.sessionless = True, 0, set()  # SGLang < 0.5.21
         self.wait_healthy(HEALTH_TIMEOUT_S)
@@ -802,9 +795,8 @@ class RemoteSGLangEngine(Engine):
             "master_address": host, "master_port": store.port, "rank_offset": 1 + sum(sizes[:i]),
             "world_size": world, "group_name": self.group_name, "backend": backend}, 0)
             for i, u in enumerate(self.urls)]
-        self.group, _ = c10d._new_process_group_helper(
-            world, 0, [], c10d.Backend(backend), c10d.PrefixStore(self.group_name, store),
-            group_name=self.group_name, timeout=timeout)
+        self.group, _ = c10d._new_process_group_helper(world, 0, [], c10d.Backend(backend),
+            c10d.PrefixStore(self.group_name, store), group_name=self.group_name, timeout=timeout)
         c10d._world.pg_group_ranks[self.group] = {i: i for i in range(world)}
         [p.result() for p in posts]
 
@@ -840,8 +832,7 @@ def make_engine(backend: str, urls: list[str], model_path: str, device: torch.de
                         share=share)
     if urls:
         return RemoteSGLangEngine(urls, model_path, run_dir, weight_sync, deterministic)
-    return SGLangEngine(model_path, gpu_id=device.index or 0, seed=seed, device=device,
-                        deterministic=deterministic)
+    return SGLangEngine(model_path, device.index or 0, seed, device, deterministic)
 
 
 # -----------------------------------------------------------------------------

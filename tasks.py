@@ -33,6 +33,7 @@ EVAL_SEED = 0xE7A1  # eval samples' seeds: the same noise at every eval, so only
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+(?:/\d+)?")  # 1,234 | -3.5 | .5 | 3/4
 _INTEGER = re.compile(r"-?\d+")
 OVERLONG_FACTOR = 1.0  # DAPO's (and verl's default) penalty at --max-new-tokens, in reward units
+PROBE_CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "XQZ7"}]
 
 # -----------------------------------------------------------------------------
 # built-in rewards
@@ -169,14 +170,13 @@ def make_chain_task(seed: int = 0, heldout_size: int = 256,
         if space <= 4 * per_length:  # small: enumerate and shuffle (rejection would crawl)
             bodies = ["".join(b) for b in product("0123456789", *[CHAIN_OPS] * k)]
             rng.shuffle(bodies)
-            bodies = bodies[:want]
         else:  # large: draw until `want` distinct (a dict keeps the order of first draws)
             bodies = {}
             while len(bodies) < want:
                 digit = str(rng.randrange(10))  # then the ops: the draws of the shipped split
                 bodies[digit + "".join(rng.choice(CHAIN_OPS) for _ in range(k))] = None
         rows = [{"prompt": b.ljust(CHAIN_WIDTH) + "=", "answer": str(chain_values(b)[-1])}
-                for b in bodies]
+                for b in list(bodies)[:want]]  # the first `want` (the dict holds exactly that many)
         held_by_k.append(rows[:per_k])
         train += rows[per_k:]
     random.Random(seed + 1).shuffle(train)
@@ -310,8 +310,7 @@ def stop_token_ids(tokenizer, model: str, chat: bool) -> list[int]:
 def end_of_turn_id(tokenizer) -> int | None:
     """The special token closing an assistant turn in the chat template (<|im_end|>...) or None."""
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {
-            "role": "assistant", "content": "XQZ7"}], tokenize=False)
+        text = tokenizer.apply_chat_template(PROBE_CHAT, tokenize=False)
     except Exception:  # a template that refuses this conversation: no end-of-turn to add
         return None
     after = text.rpartition("XQZ7")[2] if "XQZ7" in text else ""
@@ -428,10 +427,9 @@ def load_env(spec: str | None, tokenizer, chat: bool, max_turns: int) -> Tools |
 def tool_turn(tokenizer) -> tuple[str, str] | None:
     """The text the chat template writes before and after a tool's reply to an assistant turn, up
     to the next assistant turn, if it renders one that leaves the turns before unchanged."""
-    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "XQZ7"}]
     try:
-        before = tokenizer.apply_chat_template(turns, tokenize=False)
-        after = tokenizer.apply_chat_template(turns + [{"role": "tool", "content": "ZQX9"}],
+        before = tokenizer.apply_chat_template(PROBE_CHAT, tokenize=False)
+        after = tokenizer.apply_chat_template(PROBE_CHAT + [{"role": "tool", "content": "ZQX9"}],
                                               add_generation_prompt=True, tokenize=False)
     except Exception:  # a template without a tool role may refuse one
         return None
