@@ -362,7 +362,7 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, heads_di
     read on the host, tensor by tensor. `lora`: apply_lora's (rank, adapter), before `shard`."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
-    AttentionInterface.register("packed", packed_attention)
+    AttentionInterface.register("packed", torch.compiler.disable(packed_attention))
     full, error = None, [None]
     if not dist.is_initialized() or dist.get_rank() == 0:  # (a config error: no group needed)
         try:
@@ -435,9 +435,9 @@ def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermedi
     saved per token and layer: the two RMSNorms' fp32 inputs and outputs, q, k, v, attention output,
     o_proj input, the MLP's gate, SiLU, up and product; checkpointed, only each layer's input
     (`checkpointing` "selective": and what its matmuls and attention return), plus one layer
-    recomputed. "gathered": FSDP2's unsharded params and grads (two layers, the root). With
-    `grads_unsharded` grads accumulate unsharded until the optimizer step. The engine holds
-    `engine_generating` while it generates (weights and AdamW stay), `engine_training` else."""
+    recomputed (compiled layers: as "selective"). "gathered": FSDP2's unsharded params and grads
+    (two layers, the root); `grads_unsharded`: whole grads until the optimizer step. The engine
+    holds `engine_generating` while it generates (weights, AdamW stay), `engine_training` else."""
     frozen_bytes = master_bytes if frozen_bytes is None else frozen_bytes
     fsdp = world > 1 or compute_bytes != master_bytes  # load_model's rule: ranks, or bf16 compute
     root = vocab * hidden * (1 if tied else 2)
@@ -469,6 +469,23 @@ def checkpoint_layers(model: torch.nn.Module, selective: bool = False, from_elem
         layer.forward = functools.partial(_maybe_rerun, layer.forward, from_elements, kw)
 
 
+def compile_layers(model: torch.nn.Module, device: torch.device, from_params: int) -> str | None:
+    """torch.compile each decoder layer, shapes dynamic: inductor fuses the elementwise work and
+    reruns it in backward, keeping what selective checkpointing keeps; attention stays eager (its
+    layouts). Exact to float rounding. None, or why not: layers under `from_params`, no compiler."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    if sum(p.numel() for m in decoder_layers(model) for p in m.parameters()) < from_params:
+        return f"eager (decoder layers under {from_params / 1e6:g}M parameters)"
+    try:  # a CPU's C++ compiler (CXX, else g++; raises if none); a GPU's triton ships with torch
+        if device.type == "cpu":
+            get_cpp_compiler()
+    except Exception as e:
+        return f"eager ({e})"
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+    return None
+
+
 def _maybe_rerun(forward, from_elements: int, kw: dict, *args, **kwargs):
     if (args[0] if args else kwargs["hidden_states"]).numel() < from_elements:
         return forward(*args, **kwargs)
@@ -498,11 +515,12 @@ def startup_memory(model, world: int, tokens: int, checkpointing: bool | str | N
           "frozen_bytes": (frozen or params)[0].element_size(),
           "compute_bytes": 2 if mixed else master, "engine_generating": engine,
           "engine_training": 0.0 if engine_releases else engine}
-    raw = memory_plan(*shape, False, grads_unsharded=True, **kw)
+    plain = getattr(model, "why_eager", "") is None and "selective"  # compiled: as selective
+    raw = memory_plan(*shape, plain, grads_unsharded=True, **kw)
     if checkpointing is None:
         checkpointing = capacity is None or raw["total"] > NO_RERUN_UP_TO * capacity
-    deferred, synced = (memory_plan(*shape, checkpointing, grads_unsharded=g, **kw) for g in (
-        True, False))
+    deferred, synced = (memory_plan(*shape, checkpointing or plain, grads_unsharded=g, **kw)
+                        for g in (True, False))
     defer = capacity is None or deferred["total"] <= capacity
     plan = deferred if defer else synced  # one line, in GiB (MiB when small)
     unit, scale = ("GiB", 2**30) if plan["total"] >= 2**30 or capacity else ("MiB", 2**20)

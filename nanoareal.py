@@ -66,6 +66,7 @@ CHECKPOINT_LAYERS = None  # rerun in backward, exact: True every decoder layer (
 # "selective" its elementwise work (~half); None: on a GPU True where the memory plan needs it,
 SELECTIVE_FROM = 2**20  # a CPU: selective if a whole micro-batch's layer input has this many
 RERUN_FROM = 2**19  # elements; yet a micro-batch's own under this many runs as is (135M: -12%)
+COMPILE_FROM = 5 * 10**7  # --compile: decoder layers' parameters; fewer gain less than it costs
 
 # -----------------------------------------------------------------------------
 # config: one flat set of flags, `--help` its documentation. A Volatile flag changes how a run is
@@ -200,11 +201,12 @@ class Config:
     """Compute precision; bfloat16 keeps fp32 master weights; auto: bf16 on a GPU, fp32 on a CPU."""
     cp_size: Volatile[int] = 1
     """Context parallel (Ulysses): ranks that split each micro-batch's tokens (exact, same run)."""
+    compile: Volatile[bool] = True
+    """torch.compile the decoder layers where they hold 50M parameters or more (fused, exact)."""
 
     def __post_init__(self):
-        # the defaults that depend on other flags, filled once, when the config is made (from the
-        # command line or in code). Given values stay: a replace() that changes --policy-loss
-        # keeps the clip range already filled in.
+        # defaults that depend on other flags, filled once when the config is made (command line
+        # or code); given values stay: a replace() of --policy-loss keeps the clip range filled in
         if self.reward == "auto":  # the built-in task's own reward, exact_match for a JSONL file
             task = tasks.TASKS.get(self.dataset)
             self.reward = task.reward if task else "exact_match"
@@ -326,6 +328,7 @@ def validate_config(cfg: Config, world: int) -> Config:
                  cfg.max_staleness) >= 0,
          "--prompts-per-step, --max-new-tokens, --micro-batch-tokens, --max-turns >= 1; --steps, "
          "--eval-every, --eval-k, --warmup-steps, --ckpt-every and --max-staleness >= 0"),
+        (cfg.ppo_epochs >= 1, f"--ppo-epochs {cfg.ppo_epochs}: must be >= 1"),
         (cfg.group_size >= 2, f"--group-size {cfg.group_size}: a sample alone in its group has no "
          "baseline (every advantage would be 0); use --group-size >= 2"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature}: rollouts must sample (> 0; "
@@ -334,7 +337,6 @@ def validate_config(cfg: Config, world: int) -> Config:
         (cfg.grad_clip >= 0, f"--grad-clip {cfg.grad_clip}: must be > 0, or 0 for no clipping"),
         (1 <= cfg.num_minibatches <= cfg.prompts_per_step,
          "--num-minibatches must be in [1, --prompts-per-step]"),
-        (cfg.ppo_epochs >= 1, f"--ppo-epochs {cfg.ppo_epochs}: must be >= 1"),
         (0 <= cfg.overlong_buffer <= cfg.max_new_tokens, f"--overlong-buffer "
          f"{cfg.overlong_buffer}: must be in [0, --max-new-tokens ({cfg.max_new_tokens})]"),
         (0 < cfg.top_p <= 1 and (cfg.top_k >= 1 or cfg.top_k == -1), f"--top-p {cfg.top_p} "
@@ -380,8 +382,7 @@ def setup_distributed(cp_size: int = 1) -> tuple[Ranks, torch.device]:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=DIST_TIMEOUT_S),
                             **alone)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else \
-        torch.device("cpu")
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
     elif platform.libc_ver()[0] == "glibc":  # freed blocks went back to the OS, so each step's
@@ -676,7 +677,10 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
             fully_shard(model, mesh=mesh, **mp)
         else:
             model.set_requires_gradient_sync = lambda sync: None  # no gradient to reduce
-        big = tokens * model.config.get_text_config().hidden_size >= SELECTIVE_FROM
+        model.why_eager = modeling.compile_layers(model, device, COMPILE_FROM) if cfg.compile \
+            else "eager (--no-compile)"
+        elements = tokens * model.config.get_text_config().hidden_size  # a layer input's
+        big = model.why_eager is not None and elements >= SELECTIVE_FROM  # compiled (None): as is
         model.checkpointed = trainable and (CHECKPOINT_LAYERS if CHECKPOINT_LAYERS is not None else
                                             None if device.type == "cuda" else big and "selective")
         if model.checkpointed:
@@ -689,7 +693,7 @@ def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool 
     model.mixed, model.defer_grad_sync = mixed, False
     if trainable:
         compute = "bf16 (fp32 master weights)" if mixed else str(model.dtype).removeprefix("torch.")
-        print0(f"{attention}; compute: {compute}")
+        print0(f"{attention}; compute: {compute}; {model.why_eager or 'layers compiled'}")
     model.policy_logprobs = types.MethodType(modeling.policy_logprobs, model)
     fsdp_method(model, "policy_logprobs")  # the root's parameters are gathered for it
     loss.fsdp_sum_gradients(model)  # LossReduction divides by the *global* normalizer: sum ranks
@@ -703,9 +707,8 @@ def microbatch_forward(model, mb: MicroBatch, cfg: Config, device: torch.device,
     """(log-probs, entropy) [T] of a packed micro-batch's positions at --temperature."""
     targets = mb.targets if mb.seq_ids is None else mb.targets.masked_fill(mb.seq_ids < 0, -1)
     kw = {"temperature": cfg.temperature, "entropy_grad": cfg.entropy_coef != 0}  # else a metric
-    with torch.set_grad_enabled(grad):  # inputs and layout made on the host (a GPU: FSDP2 moves
-        # its method's tensor arguments to the device); Ulysses: this rank's contiguous 1/N of the
-        # row goes through the model, the log-probs of the whole row gathered on every CP rank
+    with torch.set_grad_enabled(grad):  # inputs, layout made on the host (FSDP2 moves them to a
+        # GPU); Ulysses: this rank's 1/N of the row runs, the whole row's log-probs are gathered
         inputs, layout = modeling.row_inputs(mb.input_ids, mb.position_ids, targets, mb.segments,
                                              device, getattr(model, "attention_kernel", None),
                                              ranks.cp_group)
@@ -763,10 +766,8 @@ def resume(cfg: Config, model, optimizer, engine, ranks: Ranks, resuming: bool) 
     """Restore --resume's checkpoint, or this run's newest readable one (a broken one set aside),
     into model, optimizer, RNGs, engine and batches made ahead; cut metrics.jsonl and samples.jsonl
     back to its step. Evaluating (--steps 0) touches no run's checkpoints or lines."""
-    if cfg.steps == 0:
-        path = None if cfg.resume in ("auto", "fresh") else cfg.resume
-    else:
-        path = on_rank0(checkpoint.choose_resume, cfg.run_dir, cfg.resume, resuming)
+    path = (None if cfg.resume in ("auto", "fresh") else cfg.resume) if cfg.steps == 0 else \
+        on_rank0(checkpoint.choose_resume, cfg.run_dir, cfg.resume, resuming)
     run = RunState()
     if path is not None:
         try:  # passed the cheap checks (sizes, meta.json), yet unreadable: say which one

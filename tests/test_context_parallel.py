@@ -138,6 +138,21 @@ def test_cp2_logits_grads_and_reported_losses_equal_one_process_for_every_mode(n
             assert mode["num_microbatches"] > 1 and mode["reduce_scatters"] == units, mode
 
 
+def test_compiled_layers_under_fsdp2_and_ulysses_give_one_eager_process_results(tiny_models,
+                                                                               reference,
+                                                                               tmp_path):
+    """--compile on 2 ranks, CP=2: each rank compiles its decoder layers (FSDP2's hooks and the
+    all-to-alls run outside the compiled code, attention as is); logits, log-probs, gradients and
+    reported terms equal the eager one-process run to float rounding, Gemma 2's extra norms and
+    softcaps too."""
+    out, names = tmp_path / "compiled.pt", ("gqa", "gemma2")
+    torchrun(2, "tests/support/cp_worker.py", "--models", *[tiny_models[m] for m in names],
+             "--cp", "2", "--out", str(out), "--compile")
+    result = torch.load(out)["models"]
+    assert all(result[m]["compiled"] for m in names) and not reference["gqa"]["compiled"]
+    assert_matches_reference(result, {m: reference[m] for m in names}, "2 ranks, compiled")
+
+
 def test_cp2_episodes_grads_and_reported_losses_equal_one_process_for_every_mode(tiny_models,
                                                                                 tmp_path):
     """Multi-turn responses (environment spans inside them, policy_mask 0 there) packed by the

@@ -9,6 +9,7 @@ the optimizer would step), the reported loss terms and FSDP2's reduce-scatters i
 how many whole copies of a model each rank loaded (rank 0's, on the host, which others shard).
 --checkpoint-layers: activation checkpointing of the decoder layers. --episodes: multi-turn
 responses, environment spans inside (what the loss must leave out of every sum and count).
+--compile: the decoder layers compiled (--compile, however small the model).
 """
 
 import argparse
@@ -128,8 +129,7 @@ def run(cfg0, device, ranks, model_dir: str, dtype, modes: list[str], episodes: 
                        segments=modeling.segments_from_positions(pos))
     logprobs, entropy = na.microbatch_forward(model, row, cfg0, device, ranks)
     result = {"logits": row_logits(model, model_dir, dtype, ranks), "logprobs": logprobs,
-              "entropy": entropy,
-              "modes": {}}
+              "entropy": entropy, "modes": {}, "compiled": model.why_eager is None}
     samples = make_samples(vocab, episodes)
     # as main(): whole groups per DP rank
     groups = sorted({s.group for s in samples})[ranks.dp_rank :: ranks.dp_size]
@@ -156,8 +156,11 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--checkpoint-layers", action="store_true")
     ap.add_argument("--episodes", action="store_true", help="responses with environment spans")
+    ap.add_argument("--compile", action="store_true", help="compile the tiny models' layers")
     args = ap.parse_args(argv)
     na.CHECKPOINT_LAYERS = args.checkpoint_layers
+    if args.compile:  # (a torchrun child only: pytest's own process keeps the trainer's default)
+        na.COMPILE_FROM = 0
     dtype = getattr(torch, args.dtype)
     cfg0 = na.parse_config(["--micro-batch-tokens", "16", "--entropy-coef", "0.01", "--grad-clip",
                             "1e9", "--max-new-tokens", "6", "--cp-size", str(args.cp),

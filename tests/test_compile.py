@@ -1,0 +1,121 @@
+"""Issue 28, compiled decoder layers (--compile, modeling.compile_layers): the trainer's own path
+(load_models, pack_microbatches, train_minibatch) gives eager's gradients to float rounding, with
+and without every layer checkpointed around the compiled forward, for packed rows of changing
+length without recompiling; a CPU adds no selective checkpointing to compiled layers (inductor
+keeps about what it would); where it cannot or should not compile, the layers stay eager and the
+start-up line says why. Multi-rank (FSDP2 and Ulysses) compiled runs: test_context_parallel.py."""
+
+import os
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from reference import whole
+
+import modeling
+import nanoareal as N
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    """A world of one; and the environment as it was: inductor writes its own variables into
+    os.environ, which would turn this worker's later CLI runs cold (tests/support/warm.py)."""
+    environ = dict(os.environ)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+class GradCapture:
+    """The optimizer inside train_minibatch: `step` keeps the gradients."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, {}
+
+    def step(self):
+        self.grads = {n: whole(p.grad).clone() for n, p in self.model.named_parameters()}
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def train_grads(cfg, samples) -> tuple[object, dict, int]:
+    """(model, gradients of one train_minibatch, distinct micro-batch lengths); no recompile."""
+    model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
+    mbs = N.pack_microbatches(samples, cfg)
+    capture = GradCapture(model)
+    first = mbs[0]  # compiled here; the later, shorter rows must reuse it (dynamic shapes)
+    N.microbatch_forward(model, first, cfg, torch.device("cpu"), N.Ranks(), grad=True)[0].sum(
+        ).backward()
+    model.zero_grad(set_to_none=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        N.train_minibatch(model, capture, N.loss.build_loss(cfg), mbs, cfg, torch.device("cpu"),
+                          N.Ranks())
+    return model, capture.grads, len({len(mb.input_ids) for mb in mbs})
+
+
+def rel_error(got: dict, want: dict) -> float:
+    """The largest |got - want| of a parameter's gradient, over that gradient's largest |want|."""
+    return max(float((got[n].double() - w).abs().max() / w.abs().max()) for n, w in want.items())
+
+
+def test_compiled_layers_are_as_exact_as_eager_ones_with_and_without_checkpointing(
+        monkeypatch):
+    """Float rounding is all that differs (inductor fuses and reorders float32 work, HF's norms
+    too): compiled float32 gradients are as far from the float64 eager ones as eager float32's."""
+    cfg = N.validate_config(replace(N.Config(), micro_batch_tokens=24, entropy_coef=0.01), 1)
+    samples = [N.Sample(g, [4 + g, 13, 5][: 2 + g % 2], N.Completion(
+        [6 + g, 7, 8 + g, 1][: 2 + g % 3], [-0.5] * (2 + g % 3), "stop"),
+        advantage=(-1.0) ** (g + k)) for g in range(6) for k in range(2)]
+    monkeypatch.setattr(N, "CHECKPOINT_LAYERS", False)
+    exact = train_grads(replace(cfg, dtype="float64"), samples)[1]
+    eager, grads32, _ = train_grads(replace(cfg, compile=False), samples)
+    assert eager.why_eager == "eager (--no-compile)"
+    rounding = rel_error(grads32, exact)
+    assert 0 < rounding < 1e-4
+    monkeypatch.setattr(N, "COMPILE_FROM", 0)  # the shipped model is far under 50M parameters
+    for checkpointing in (False, True):
+        monkeypatch.setattr(N, "CHECKPOINT_LAYERS", checkpointing)
+        model, grads, lengths = train_grads(cfg, samples)
+        assert model.why_eager is None and model.checkpointed == checkpointing and lengths >= 2
+        layer = modeling.decoder_layers(model)[0]
+        compiled = layer.forward.args[0] if checkpointing else layer.forward  # (rerun's partial)
+        assert hasattr(compiled, "_torchdynamo_orig_callable"), "the layer is not compiled"
+        assert rel_error(grads, exact) < 2 * rounding, (rel_error(grads, exact), rounding)
+
+
+def test_a_cpu_adds_no_selective_checkpointing_to_compiled_layers_and_plans_them_as_such(
+        monkeypatch):
+    """Inductor keeps what selective checkpointing would (the matmuls' outputs) and reruns the
+    rest in backward itself: a CPU does not checkpoint compiled layers, and the start-up plan
+    counts them as selective, without the "without checkpointing" alternative."""
+    monkeypatch.setattr(N, "CHECKPOINT_LAYERS", None)
+    monkeypatch.setattr(N, "SELECTIVE_FROM", 1)  # every budget counts as big
+    cfg = N.validate_config(N.Config(), 1)
+    eager = N.load_model(cfg, torch.device("cpu"), N.Ranks())
+    monkeypatch.setattr(N, "COMPILE_FROM", 0)
+    compiled = N.load_model(cfg, torch.device("cpu"), N.Ranks())
+    assert eager.checkpointed == "selective" and eager.why_eager is not None
+    assert compiled.checkpointed is False and compiled.why_eager is None
+    plan = lambda m: modeling.startup_memory(m, 1, cfg.micro_batch_tokens, m.checkpointed,
+                                             False)[0]
+    assert re.sub(r" \([0-9.]+ without checkpointing\)", "", plan(eager)) == plan(compiled)
+    assert "without checkpointing" in plan(eager)
+
+
+def test_layers_stay_eager_where_compiling_cannot_run_or_would_not_pay(monkeypatch, capsys):
+    cfg = N.validate_config(N.Config(), 1)
+    model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
+    assert model.why_eager == "eager (decoder layers under 50M parameters)"
+    assert "eager (decoder layers under 50M parameters)" in capsys.readouterr().out
+    monkeypatch.setattr(N, "COMPILE_FROM", 0)
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/g++",))
+    model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
+    assert model.why_eager.startswith("eager (") and "C++ compiler" in model.why_eager
+    assert not hasattr(modeling.decoder_layers(model)[0].forward, "_torchdynamo_orig_callable")
