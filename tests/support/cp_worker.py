@@ -122,6 +122,7 @@ class CountReduceScatters:
 def run(cfg0, device, ranks, model_dir: str, dtype, modes: list[str], episodes: bool = False
         ) -> dict:
     model = na.load_models(cfg0, device, ranks)[0]
+    torch._dynamo.config.suppress_errors = False  # compiled: a failure fails, never runs eager
     vocab = model.config.vocab_size
     pos = torch.tensor(ROW_POS[0])
     row = L.MicroBatch(input_ids=torch.tensor(ROW_IDS[0]), position_ids=pos,
