@@ -328,7 +328,6 @@ def validate_config(cfg: Config, world: int) -> Config:
                  cfg.max_staleness) >= 0,
          "--prompts-per-step, --max-new-tokens, --micro-batch-tokens, --max-turns >= 1; --steps, "
          "--eval-every, --eval-k, --warmup-steps, --ckpt-every and --max-staleness >= 0"),
-        (cfg.ppo_epochs >= 1, f"--ppo-epochs {cfg.ppo_epochs}: must be >= 1"),
         (cfg.group_size >= 2, f"--group-size {cfg.group_size}: a sample alone in its group has no "
          "baseline (every advantage would be 0); use --group-size >= 2"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature}: rollouts must sample (> 0; "
@@ -337,6 +336,7 @@ def validate_config(cfg: Config, world: int) -> Config:
         (cfg.grad_clip >= 0, f"--grad-clip {cfg.grad_clip}: must be > 0, or 0 for no clipping"),
         (1 <= cfg.num_minibatches <= cfg.prompts_per_step,
          "--num-minibatches must be in [1, --prompts-per-step]"),
+        (cfg.ppo_epochs >= 1, f"--ppo-epochs {cfg.ppo_epochs}: must be >= 1"),
         (0 <= cfg.overlong_buffer <= cfg.max_new_tokens, f"--overlong-buffer "
          f"{cfg.overlong_buffer}: must be in [0, --max-new-tokens ({cfg.max_new_tokens})]"),
         (0 < cfg.top_p <= 1 and (cfg.top_k >= 1 or cfg.top_k == -1), f"--top-p {cfg.top_p} "
@@ -479,29 +479,26 @@ def rollout_batch(engine, data: tasks.Data, reward_fn, step: int, cfg: Config,
     if ranks.cp_rank != 0:
         return []
     prompts = prompts_for_step(len(data.rows), cfg.prompts_per_step, step, cfg.seed)
-    start = time.perf_counter()
     samples = generate(engine, data.prompts, list(enumerate(prompts))[ranks.dp_rank::ranks.dp_size],
                        step, cfg, data.stop_ids, data.tools, data.rows)
-    gen_s = time.perf_counter() - start
     score(samples, data.rows, reward_fn, data.tokenizer, cfg)
-    for s in samples:
-        s.gen_s = gen_s
     return samples
 
 
 def generate(engine, encoded: list[list[int]], prompts: list[tuple[int, int]], step: int,
              cfg: Config, stop_ids: list[int], tools=None, rows=None) -> list[Sample]:
-    """group_size completions of each (slot, row) prompt (one the engine aborted is dropped); the
-    slot is the group, and seeds are (seed, step, slot, k): not the rank's, batch's or world's."""
+    """group_size completions of each (slot, row) prompt, timed (gen_s; one the engine aborted is
+    dropped); the slot is the group; seeds (seed, step, slot, k), not the rank's or the batch's."""
     sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, stop_ids)
     slots = [(slot, row) for slot, row in prompts for _ in range(cfg.group_size)]
     seeds = [mix_seed(cfg.seed, step, slot, k) for slot, _ in prompts
              for k in range(cfg.group_size)]
-    version = engine.version
+    version, start = engine.version, time.perf_counter()
     completions = rollout.run_episodes(engine, [encoded[r] for _, r in slots], sampling, seeds,
                                        tools, [rows[r] for _, r in slots] if tools else None)
-    return [Sample(slot, encoded[row], c, row=row, version=version, seed=seed) for (slot, row), c,
-            seed in zip(slots, completions, seeds) if c.finish_reason != "abort"]
+    took = time.perf_counter() - start
+    return [Sample(slot, encoded[row], c, row=row, version=version, seed=seed, gen_s=took) for
+            (slot, row), c, seed in zip(slots, completions, seeds) if c.finish_reason != "abort"]
 
 
 def score(samples: list[Sample], rows: list[dict], reward_fn, tokenizer, cfg: Config) -> None:
