@@ -221,8 +221,8 @@ def test_a_rollout_process_that_dies_or_fails_is_replaced_or_reported(tmp_path):
     rollouts = rollout.Rollouts(make_batch, 2, "process", {})
     assert rollouts.take(0) == [0]
     for _ in range(6000):
-        if (tmp_path / "pid").exists():
-            break
+        if (tmp_path / "pid").exists() and (tmp_path / "pid").read_text():  # (written, not just
+            break  # created: write_text does both, and this loop can run between them)
         time.sleep(0.01)
     os.kill(int((tmp_path / "pid").read_text()), signal.SIGTERM)
     (tmp_path / "pid").unlink()  # the trainer's own make_batch(2) sleeps too: shorten it
