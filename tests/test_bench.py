@@ -90,6 +90,7 @@ def test_the_gpu_check_runs_its_cpu_smoke_mode_through_the_trainers_functions():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "| sdpa | ok |" in out.stdout and "all checks passed" in out.stdout
     assert "| weight sync (" in out.stdout and "| T 0.7 | 192 | 0 |" in out.stdout  # the sampler
+    assert "| decoder layers (--compile) | eager (decoder layers under 50M" in out.stdout
 
 
 def test_the_gpu_profile_runs_its_cpu_smoke_mode():

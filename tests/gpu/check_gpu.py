@@ -295,7 +295,8 @@ def measure_grpo(model_dir: str, device: torch.device, ranks, steps: int, quick:
             f"{med['time/train']:.2f} s ({med['real_tokens'] / med['time/train']:.0f} tokens/s) |",
             f"| weight sync ({params / 1e6:.0f} M parameters, FSDP gather -> engine copy) | "
             f"{med['time/sync']:.3f} s |",
-            f"| peak GPU memory allocated / reserved | {peak:.1f} / {reserved:.1f} GiB |"]
+            f"| peak GPU memory allocated / reserved | {peak:.1f} / {reserved:.1f} GiB |",
+            f"| decoder layers (--compile) | {nano.model.why_eager or 'compiled'} |"]
     print_table(f"GRPO steps, median of {steps} (after one warm-up step)", ["phase", "time"],
                 rows)
 
