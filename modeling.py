@@ -98,23 +98,25 @@ def attention_layout(segments: Tensor, num_tokens: int, device: torch.device | N
         host.update({} if cl else {qs: len(rows)})
         rows.append([(cs, cl, i, False)] * (cl > 0) + [(qs, ql, i, True)])
         size.append(cl + ql)
-    # rows longest first in buckets (first slot, rows, width), one kernel call each: a row of L
-    # slots in a bucket W wide costs W^2, not L^2, so a bucket takes rows down to W / sqrt(2)
-    # (short rows cost per call: one bucket)
-    rows, size = zip(*sorted(zip(rows, size), key=lambda r: -r[1]))
+    # buckets (first slot, rows, width, lead) of rows longest first, copied contexts' apart (their
+    # first `lead` slots: keys alone, no query computed), one kernel call each: a row of L slots
+    # in a bucket W wide costs W^2, not L^2, so a bucket takes rows down to W / sqrt(2) (short: 1)
+    rows, size = zip(*sorted(zip(rows, size), key=lambda r: (r[0][0][3], -r[1])))
     buckets, slots = [], 0
-    for width in size:
-        wide = buckets[-1][2] if buckets else 0
-        if not buckets or 2 * width * width < wide * wide and wide > GROUP_ROW_SLOTS:
-            buckets.append([slots, 0, width])
+    for row, width in zip(rows, size):
+        lead, wide = 0 if row[0][3] else row[0][1], buckets[-1][2] if buckets else 0
+        if not buckets or (lead > 0) != (buckets[-1][3] > 0) or 2 * width * width < wide * wide \
+                and wide > GROUP_ROW_SLOTS:
+            buckets.append([slots, 0, width, lead])
         buckets[-1][1], slots = buckets[-1][1] + 1, slots + buckets[-1][2]
+        buckets[-1][3] = min(buckets[-1][3], lead)
     size, buckets = torch.tensor(size), [tuple(b) for b in buckets]
     start, length, seg, query = (torch.tensor(x) for x in zip(*sum(rows, [])))
     n = torch.arange(int(length.sum()))
     tok = torch.repeat_interleave(start - torch.cumsum(length, 0) + length, length) + n
     seg, query, row = (torch.repeat_interleave(x, y) for x, y in (
         (seg, length), (query, length), (torch.arange(len(rows)), size)))
-    first = torch.tensor([f + i * w for f, k, w in buckets for i in range(k)])  # a row's 1st slot
+    first = torch.tensor([f + i * w for f, k, w, _ in buckets for i in range(k)])  # row's 1st slot
     flat = first[row] + n - (torch.cumsum(size, 0) - size)[row]
     grid, pos = torch.zeros(2, slots, dtype=torch.long)  # padding slots read token 0
     grid[flat] = tok
@@ -128,7 +130,7 @@ def attention_layout(segments: Tensor, num_tokens: int, device: torch.device | N
         real = torch.zeros(slots, dtype=torch.bool).index_fill_(0, flat, True)
         index["mask"] = [_row_mask(owner[f : f + k * w].view(k, w, 1), grid[f : f + k * w].view(
             k, 1, w), real[f : f + k * w].view(k, 1, w), of_token, ctx_start, ctx_len)
-                         for f, k, w in buckets]
+                         for f, k, w, _ in buckets]
     return {"mask": None} | {k: [m.to(device, non_blocking=True) for m in v] if k == "mask" else
                              v.to(device, non_blocking=True) for k, v in index.items()} | {
         "rows": len(rows), "slots": int(size.max()), "buckets": buckets,
@@ -155,21 +157,23 @@ def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropo
     if layout["kernel"] is not None and q.dtype in HALF:
         k, v = (x.transpose(0, 1).index_select(0, layout["k_index"]) for x in (k, v))
         return layout["kernel"](q.transpose(0, 1), k, v, layout, scaling, dropout, window, softcap)
-    outs = [_padded_attention(q, k, v, layout["grid"][f : f + n * w], layout["pos"][
-        f : f + n * w].view(n, w), mask, scaling, dropout, window, softcap) for (f, n, w), mask in
-        zip(layout["buckets"], layout["mask"] or [None] * len(layout["buckets"]))]
+    outs = [_padded_attention(q, k, v, layout["grid"][f : f + n * w], layout["pos"][f : f + n * w]
+            .view(n, w), mask, lead, scaling, dropout, window, softcap) for (f, n, w, lead), mask
+            in zip(layout["buckets"], layout["mask"] or [None] * len(layout["buckets"]))]
     return (outs[0] if len(outs) == 1 else torch.cat(outs)).index_select(0, layout["out"])
 
 
-def _padded_attention(q, k, v, grid, pos, mask, scaling, dropout, window, softcap) -> Tensor:
+def _padded_attention(q, k, v, grid, pos, mask, lead, scaling, dropout, window, softcap):
     """One bucket of rows of slots (`grid`: slot -> token, `pos` [rows, slots]): q [H, T, D], k/v
-    [Hkv, T, D] -> [rows * slots, H, D]."""
+    [Hkv, T, D] -> [rows * slots, H, D], no query computed in the `lead` slots (0s out there)."""
     rows, width = pos.shape
     q, k, v = (x.transpose(0, 1).index_select(0, grid).unflatten(0, (rows, width))
                .transpose(1, 2) for x in (q, k, v))  # [h, T, D] -> [rows, h, slots, D]
     if window is None and softcap is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             dropout_p=dropout, scale=scaling, enable_gqa=True)
+        bias = mask[:, :, lead:] if mask is not None else q.new_ones(  # bottom-right causal
+            width - lead, width, dtype=torch.bool).tril(lead) if lead else None
+        out = F.pad(F.scaled_dot_product_attention(q[:, :, lead:], k, v, attn_mask=bias, is_causal=
+            bias is None, dropout_p=dropout, scale=scaling, enable_gqa=True), (0, 0, lead, 0))
     else:  # a window is a band of positions: a query at p sees keys at p - window < p' <= p
         keep = q.new_ones(width, width, dtype=torch.bool).tril() if mask is None else mask
         if window is not None:
@@ -470,9 +474,8 @@ def checkpoint_layers(model: torch.nn.Module, selective: bool = False, from_elem
 
 
 def compile_layers(model: torch.nn.Module, device: torch.device, from_params: int) -> str | None:
-    """torch.compile each decoder layer, shapes dynamic: inductor fuses the elementwise work and
-    reruns it in backward, keeping what selective checkpointing keeps; attention stays eager (its
-    layouts). Exact to float rounding. None, or why not: layers under `from_params`, no compiler."""
+    """torch.compile each decoder layer (dynamic shapes, attention eager): inductor fuses its
+    elementwise work and reruns it in backward (as selective checkpointing). None, or why not."""
     from torch._inductor.cpp_builder import get_cpp_compiler
     if sum(p.numel() for m in decoder_layers(model) for p in m.parameters()) < from_params:
         return f"eager (decoder layers under {from_params / 1e6:g}M parameters)"

@@ -280,7 +280,7 @@ def test_a_prompt_and_the_completions_sharing_it_fill_one_padded_row():
     assert (layout["rows"], layout["slots"]) == (2, 5)
     assert layout["grid"].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert layout["pos"].view(2, 5).tolist() == [[0, 1, 2, 3, 2], [0, 1, 2, 3, 4]]
-    assert layout["buckets"] == [(0, 2, 5)] and len(layout["mask"]) == 1
+    assert layout["buckets"] == [(0, 2, 5, 0)] and len(layout["mask"]) == 1
     assert layout["mask"][0][0, 0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0],
                                                    [1, 1, 1, 0, 0], [1, 1, 1, 1, 0],
                                                    [1, 1, 0, 0, 1]]
@@ -289,14 +289,36 @@ def test_a_prompt_and_the_completions_sharing_it_fill_one_padded_row():
         mp.setattr(modeling, "GROUP_ROW_SLOTS", 5)
         layout = modeling.attention_layout(torch.cat([segments[:3], torch.tensor([[5, 2, 0, 2]])]),
                                            7)
-    assert layout["rows"] == 2 and layout["grid"].view(2, 5)[1, :4].tolist() == [0, 1, 5, 6]
-    assert layout["out"][5] == 5 + 2  # token 5's query slot: after its copied prefix
+    # rows with a copied prefix come first, in buckets of their own (their lead: the prefix's slots)
+    assert layout["rows"] == 2 and layout["grid"].tolist() == [0, 1, 5, 6, 0, 1, 2, 3, 4]
+    assert layout["out"][5] == 2 and layout["buckets"] == [(0, 1, 4, 2), (4, 1, 5, 0)]
     with pytest.MonkeyPatch.context() as mp:  # long rows: the first completion joins its prompt
         mp.setattr(modeling, "GROUP_ROW_SLOTS", 2)  # (plain causal), the next copies the prompt
         layout = modeling.attention_layout(segments[:3], 5)
-    assert layout["mask"] is None and layout["grid"].tolist() == [0, 1, 2, 3, 0, 1, 4, 0]
+    assert layout["mask"] is None and layout["grid"].tolist() == [0, 1, 4, 0, 1, 2, 3]
+    assert layout["buckets"] == [(0, 1, 3, 2), (3, 1, 4, 0)]
     single = modeling.attention_layout(torch.tensor([[0, 3, 0, 0], [3, 2, 0, 0]]), 5)
     assert single["mask"] is None and single["rows"] == 2  # one sequence a row: plain causal
+
+
+def test_a_copied_prefix_computes_keys_alone_and_attention_stays_exact(monkeypatch):
+    """Long rows (past GROUP_ROW_SLOTS): a completion's row holds a copy of its prompt's prefix
+    for keys; its kernel call computes the completion's queries alone (a bottom-right causal
+    mask), and the output equals each segment's own attention over its context and itself."""
+    monkeypatch.setattr(modeling, "GROUP_ROW_SLOTS", 2)
+    segments = torch.tensor([[0, 5, 0, 0], [5, 3, 0, 5], [8, 4, 0, 5], [12, 2, 0, 5]])
+    layout = modeling.attention_layout(segments, 14)
+    assert layout["buckets"] == [(0, 2, 9, 5), (18, 1, 8, 0)]
+    q, k, v = torch.randn(4, 14, 8, dtype=torch.float64), *torch.randn(2, 2, 14, 8,
+                                                                       dtype=torch.float64)
+    calls, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(
+        a[0].shape) or sdpa(*a, **kw))
+    out = modeling.segment_attention(q, k, v, layout)
+    assert [c[2] for c in calls] == [9 - 5, 8]  # the copied rows: 4 query slots, not 9
+    kk, vv = (x.transpose(0, 1).index_select(0, layout["k_index"]) for x in (k, v))
+    want = _reference(q.transpose(0, 1), kk, vv, layout["cu_q"], layout["cu_k"], 8**-0.5, (-1, 0))
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
 
 
 def test_long_rows_of_uneven_lengths_go_in_buckets_of_similar_widths(monkeypatch):
@@ -306,7 +328,8 @@ def test_long_rows_of_uneven_lengths_go_in_buckets_of_similar_widths(monkeypatch
     lengths = (12, 40, 3)
     segments = torch.tensor([[s, n, 0, 0] for s, n in zip((0, 12, 52), lengths)])
     layout = modeling.attention_layout(segments, 55)
-    assert layout["buckets"] == [(0, 1, 40), (40, 1, 12), (52, 1, 3)] and layout["mask"] is None
+    assert layout["buckets"] == [(0, 1, 40, 0), (40, 1, 12, 0), (52, 1, 3, 0)]
+    assert layout["mask"] is None
     assert layout["grid"].tolist() == [*range(12, 52), *range(12), 52, 53, 54]
     q, k, v = torch.randn(4, 55, 8, dtype=torch.float64), *torch.randn(2, 2, 55, 8,
                                                                        dtype=torch.float64)
