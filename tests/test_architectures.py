@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from reference import whole
+from reference import GradCapture
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import loss as L
@@ -92,20 +92,6 @@ def padded_reference_grads(path: str, batch: list[N.Sample]) -> dict[str, torch.
         tokens += n
     (total / tokens).backward()
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
-class GradCapture:
-    """Stands in for the optimizer in train_minibatch: step() records the full gradients."""
-
-    def __init__(self, model):
-        self.model, self.grads = model, {}
-
-    def step(self):
-        self.grads = {n: whole(p.grad).clone() for n, p in self.model.named_parameters()
-                      if p.grad is not None}
-
-    def zero_grad(self, set_to_none=True):
-        self.model.zero_grad(set_to_none=set_to_none)
 
 
 @pytest.fixture(scope="module")

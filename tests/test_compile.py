@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-from reference import whole
+from reference import GradCapture
 
 import modeling
 import nanoareal as N
@@ -30,20 +30,6 @@ def world_of_one():
     dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(environ)
-
-
-class GradCapture:
-    """The optimizer inside train_minibatch: `step` keeps the gradients."""
-
-    def __init__(self, model):
-        self.model, self.grads = model, {}
-
-    def step(self):
-        self.grads = {n: whole(p.grad).clone() for n, p in self.model.named_parameters()
-                      if p.grad is not None}
-
-    def zero_grad(self, set_to_none=True):
-        self.model.zero_grad(set_to_none=set_to_none)
 
 
 def train_grads(cfg, samples) -> tuple[object, dict, int]:

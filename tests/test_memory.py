@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from reference import whole
+from reference import GradCapture, whole
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import modeling
@@ -187,17 +187,6 @@ def test_entropy_without_a_coefficient_has_no_graph_and_costs_backward_nothing(t
     assert backward_ops[0] == backward_ops[1]
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=0, atol=0)
-
-
-class GradCapture:
-    def __init__(self, model):
-        self.model, self.grads = model, {}
-
-    def step(self):
-        self.grads = {n: whole(p.grad).clone() for n, p in self.model.named_parameters()}
-
-    def zero_grad(self, set_to_none=True):
-        self.model.zero_grad(set_to_none=set_to_none)
 
 
 def test_checkpointed_layers_rerun_in_backward_and_leave_gradients_unchanged(monkeypatch):

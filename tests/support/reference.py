@@ -73,3 +73,18 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     """A parameter or gradient as one tensor: FSDP2's DTensor gathered (a collective: every rank,
     in the same order), a plain model's as it is (one rank in full precision: load_model)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class GradCapture:
+    """Stands in for the optimizer of train_minibatch / train_on_samples: step() records the full
+    gradients (whole(): gathered under FSDP2) of the parameters that have one."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, {}
+
+    def step(self):
+        self.grads = {n: whole(p.grad).clone() for n, p in self.model.named_parameters()
+                      if p.grad is not None}
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
