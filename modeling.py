@@ -131,8 +131,10 @@ def attention_layout(segments: Tensor, num_tokens: int, device: torch.device | N
         index["mask"] = [_row_mask(owner[f : f + k * w].view(k, w, 1), grid[f : f + k * w].view(
             k, 1, w), real[f : f + k * w].view(k, 1, w), of_token, ctx_start, ctx_len)
                          for f, k, w, _ in buckets]
-    return {"mask": None} | {k: [m.to(device, non_blocking=True) for m in v] if k == "mask" else
-                             v.to(device, non_blocking=True) for k, v in index.items()} | {
+    index["tail"] = [torch.ones(w, w, dtype=bool).tril()[a:] if a else None for *_, w, a in buckets]
+    return {"mask": None} | {k: [m if m is None else m.to(device, non_blocking=True) for m in v]
+                             if isinstance(v, list) else v.to(device, non_blocking=True)
+                             for k, v in index.items()} | {
         "rows": len(rows), "slots": int(size.max()), "buckets": buckets,
         "max_q": int(q_len.max()), "max_k": int(row_len.max()), "kernel": kernel,
         "cp_group": cp_group}
@@ -158,20 +160,20 @@ def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropo
         k, v = (x.transpose(0, 1).index_select(0, layout["k_index"]) for x in (k, v))
         return layout["kernel"](q.transpose(0, 1), k, v, layout, scaling, dropout, window, softcap)
     outs = [_padded_attention(q, k, v, layout["grid"][f : f + n * w], layout["pos"][f : f + n * w]
-            .view(n, w), mask, lead, scaling, dropout, window, softcap) for (f, n, w, lead), mask
-            in zip(layout["buckets"], layout["mask"] or [None] * len(layout["buckets"]))]
+            .view(n, w), mask, lead, tail, scaling, dropout, window, softcap) for (f, n, w, lead),
+            mask, tail in zip(layout["buckets"], layout["mask"] or [None] * len(layout["buckets"]),
+                              layout["tail"])]
     return (outs[0] if len(outs) == 1 else torch.cat(outs)).index_select(0, layout["out"])
 
 
-def _padded_attention(q, k, v, grid, pos, mask, lead, scaling, dropout, window, softcap):
+def _padded_attention(q, k, v, grid, pos, mask, lead, tail, scaling, dropout, window, softcap):
     """One bucket of rows of slots (`grid`: slot -> token, `pos` [rows, slots]): q [H, T, D], k/v
-    [Hkv, T, D] -> [rows * slots, H, D], no query computed in the `lead` slots (0s out there)."""
+    [Hkv, T, D] -> [rows * slots, H, D]; no query in the `lead` slots (0s), `tail` the others'."""
     rows, width = pos.shape
     q, k, v = (x.transpose(0, 1).index_select(0, grid).unflatten(0, (rows, width))
                .transpose(1, 2) for x in (q, k, v))  # [h, T, D] -> [rows, h, slots, D]
     if window is None and softcap is None:
-        bias = mask[:, :, lead:] if mask is not None else q.new_ones(  # bottom-right causal
-            width - lead, width, dtype=torch.bool).tril(lead) if lead else None
+        bias = mask[:, :, lead:] if mask is not None else tail
         out = F.pad(F.scaled_dot_product_attention(q[:, :, lead:], k, v, attn_mask=bias, is_causal=
             bias is None, dropout_p=dropout, scale=scaling, enable_gqa=True), (0, 0, lead, 0))
     else:  # a window is a band of positions: a query at p sees keys at p - window < p' <= p
@@ -640,11 +642,9 @@ def _head_blocks(hidden, weight, bias, temperature, scale, softcap, chunk, grads
 def mm_out_dtype_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch.mm(a, b, out_dtype=torch.float32) runs here (torch 2.13: CUDA and XPU kernels
     for fp16/bf16 inputs, no CPU one). Probed once, without autograd: mm.dtype has no derivative."""
-    if dtype not in (torch.float16, torch.bfloat16):
-        return False
     try:
         x = torch.ones(1, 1, device=device, dtype=dtype)
-        return torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
+        return dtype in HALF and torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
     except Exception:  # NotImplementedError: no kernel on this device; TypeError: an older torch
         return False
 
