@@ -301,6 +301,14 @@ def test_a_prompt_and_the_completions_sharing_it_fill_one_padded_row():
     assert single["mask"] is None and single["rows"] == 2  # one sequence a row: plain causal
 
 
+def sdpa_query_shapes(monkeypatch) -> list:
+    """The query shape of every F.scaled_dot_product_attention call from now on (it still runs)."""
+    calls, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(
+        a[0].shape) or sdpa(*a, **kw))
+    return calls
+
+
 def test_a_copied_prefix_computes_keys_alone_and_attention_stays_exact(monkeypatch):
     """Long rows (past GROUP_ROW_SLOTS): a completion's row holds a copy of its prompt's prefix
     for keys; its kernel call computes the completion's queries alone (a bottom-right causal
@@ -311,9 +319,7 @@ def test_a_copied_prefix_computes_keys_alone_and_attention_stays_exact(monkeypat
     assert layout["buckets"] == [(0, 2, 9, 5), (18, 1, 8, 0)]
     q, k, v = torch.randn(4, 14, 8, dtype=torch.float64), *torch.randn(2, 2, 14, 8,
                                                                        dtype=torch.float64)
-    calls, sdpa = [], F.scaled_dot_product_attention
-    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(
-        a[0].shape) or sdpa(*a, **kw))
+    calls = sdpa_query_shapes(monkeypatch)
     out = modeling.segment_attention(q, k, v, layout)
     assert [c[2] for c in calls] == [9 - 5, 8]  # the copied rows: 4 query slots, not 9
     kk, vv = (x.transpose(0, 1).index_select(0, layout["k_index"]) for x in (k, v))
@@ -333,9 +339,7 @@ def test_long_rows_of_uneven_lengths_go_in_buckets_of_similar_widths(monkeypatch
     assert layout["grid"].tolist() == [*range(12, 52), *range(12), 52, 53, 54]
     q, k, v = torch.randn(4, 55, 8, dtype=torch.float64), *torch.randn(2, 2, 55, 8,
                                                                        dtype=torch.float64)
-    calls, sdpa = [], F.scaled_dot_product_attention
-    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(
-        a[0].shape) or sdpa(*a, **kw))
+    calls = sdpa_query_shapes(monkeypatch)
     out = modeling.segment_attention(q, k, v, layout)
     cu = F.pad(torch.tensor(lengths).cumsum(0), (1, 0))
     want = _reference(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), cu, cu, 8**-0.5,
