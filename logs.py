@@ -20,9 +20,8 @@ MEANS = {"reward": ("reward", "samples"), "accuracy": ("correct", "judged"),
          "response_len/incorrect": ("len_incorrect", "incorrect"),
          "response_len": ("response_tokens", "samples"), "truncated_frac": ("truncated", "samples"),
          "zero_adv_frac": ("zero_adv", "samples"), "entropy": ("entropy", "denom_tokens"),
-         "logprob_mismatch": ("mismatch", "denom_tokens"),
-         "importance_weight/mean": ("importance_weight", "denom_tokens"),
-         "policy_version": ("version", "samples")}
+         "logprob_mismatch": ("mismatch", "denom_tokens"), "policy_version": ("version", "samples"),
+         "importance_weight/mean": ("importance_weight", "denom_tokens")}
 MAXIMA = {"importance_weight_max", "gen_s"}  # counters reduced by max over ranks, not summed
 
 

@@ -24,7 +24,6 @@ from torch import Tensor
 from cli import UserError, why
 
 HALF = (torch.float16, torch.bfloat16)  # the varlen kernels' dtypes; fp32 takes the padded path
-ATTENTION_PATHS = ("auto", "flash_attn", "torch_varlen", "sdpa")
 # padded path: short segments sharing a context (a group's completions and their prompt) share one
 # row of at most this many slots: a CPU's sdpa costs per row, and 8 x 10 slots cost more than 32
 GROUP_ROW_SLOTS = 64
@@ -40,6 +39,7 @@ HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", Fa
 # one knob); every linear layer of the decoder, never the head (read as head.weight: bypassed)
 LORA_ALPHA, LORA_TARGETS = 32, "all-linear"
 HEAD_CHUNK, HEAD_ROWS = 1024, (16, 256)  # the head's fp32 logits: rows at once; a pass's CPU/GPU
+HEAD_KEEP = 1 << 29  # bytes of logits kept from forward to backward (else a GEMM reruns them)
 BIG_WEIGHT = 10**5  # the CPU engine packs weights of this many elements for oneDNN (pack_weights)
 NO_RERUN_UP_TO = 0.8  # a GPU checkpoints no layer while the plan without it is <= this share
 
@@ -381,9 +381,8 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, heads_di
     if error[0]:
         raise UserError(error[0])
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
-    model.config.use_cache = False
-    model.set_attn_implementation("packed")
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
+            path, use_cache=False), dtype=dtype, attn_implementation="packed")
     described = apply_lora(model, *lora)
     shard(model)
     model.to_empty(device=device).eval().tie_weights()  # to_empty unties a plain model; no dropout
@@ -405,15 +404,14 @@ def _load_checked(path: str, dtype: torch.dtype, heads_divisor: int, check: bool
     """Rank 0's whole model, on the host; a UserError if it cannot run here."""
     from transformers import AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_cache=False,
+                                                     attn_implementation="packed").eval()
     except (OSError, ValueError) as e:  # no weights, an unknown architecture, ...
         raise UserError(f"--model {path}: cannot load a causal LM ({why(e)})") from None
     text = model.config.get_text_config()
     if text.num_attention_heads % heads_divisor:  # each CP rank attends with H/N whole heads
         raise UserError(f"config error: --cp-size {heads_divisor} must divide the model's "
                         f"{text.num_attention_heads} attention heads")
-    model.config.use_cache = False
-    model.set_attn_implementation("packed")
     if check and (problem := check_model(model, text.vocab_size)):
         raise UserError(f"--model {path} ({text.model_type}) is not supported: {problem}")
     return model
@@ -432,18 +430,16 @@ def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermedi
                 kv_dim: int, vocab: int, world: int, tokens: int, checkpointing: bool | str, *,
                 tied: bool = False, master_bytes: int = 4, frozen_bytes: int | None = None,
                 compute_bytes: int = 2, engine_generating: float = 0.0,
-                engine_training: float = 0.0, grads_unsharded: bool = False,
-                chunk: int = HEAD_CHUNK) -> dict[str, float]:
-    """Peak bytes per rank of one training step of a decoder LM FSDP2-sharded over `world` ranks
-    (one in full precision: plain), by part, and "total". `params` all parameters, `trainable` those
+                engine_training: float = 0.0, grads_unsharded: bool = False) -> dict[str, float]:
+    """Peak bytes per rank of a training step of a decoder LM FSDP2-sharded over `world` ranks (one
+    in full precision: plain), by part, and "total". `params` all parameters, `trainable` those
     with gradients and AdamW state (in `master_bytes`), the rest in `frozen_bytes` (LoRA's base);
-    `tokens` a micro-batch's positions on this rank (--micro-batch-tokens / --cp-size). Activations
-    saved per token and layer: the two RMSNorms' fp32 inputs and outputs, q, k, v, attention output,
-    o_proj input, the MLP's gate, SiLU, up and product; checkpointed, only each layer's input
-    (`checkpointing` "selective": and what its matmuls and attention return), plus one layer
-    recomputed (compiled layers: as "selective"). "gathered": FSDP2's unsharded params and grads
-    (two layers, the root); `grads_unsharded`: whole grads until the optimizer step. The engine
-    holds `engine_generating` while it generates (weights, AdamW stay), `engine_training` else."""
+    `tokens` a micro-batch's positions on this rank. Activations saved per token and layer: the
+    RMSNorms' fp32 inputs and outputs, q, k, v, attention output, o_proj input, the MLP's gate,
+    SiLU, up and product; checkpointed, each layer's input (`checkpointing` "selective", compiled
+    layers: and what its matmuls and attention return), plus one layer rerun. "gathered": FSDP2's
+    unsharded params and grads (two layers, the root); `grads_unsharded`: whole grads until the
+    step. The engine holds `engine_generating` while it generates, `engine_training` else."""
     frozen_bytes = master_bytes if frozen_bytes is None else frozen_bytes
     fsdp = world > 1 or compute_bytes != master_bytes  # load_model's rule: ranks, or bf16 compute
     root = vocab * hidden * (1 if tied else 2)
@@ -454,7 +450,8 @@ def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermedi
             "grads": trainable * master_bytes * (1 / world + (grads_unsharded and fsdp)),
             "adamw": 2 * trainable * master_bytes / world,
             "activations": saved + layer * (2 if checkpointing else 1),
-            "head": (max(4, compute_bytes) + compute_bytes % 4) * min(chunk, tokens) * vocab,
+            "head": (max(4, compute_bytes) + compute_bytes % 4) * vocab * min(tokens, max(
+                HEAD_CHUNK, HEAD_KEEP // (max(4, compute_bytes) * vocab))),  # kept, or a chunk
             "gathered": fsdp * 2 * compute_bytes * (2 * (params - root) / layers + root)}
     plan["engine"] = max(engine_generating, engine_training)
     plan["total"] = max(plan["weights"] + plan["adamw"] + engine_generating,
@@ -482,8 +479,7 @@ def compile_layers(model: torch.nn.Module, device: torch.device, from_params: in
     if sum(p.numel() for m in decoder_layers(model) for p in m.parameters()) < from_params:
         return f"eager (decoder layers under {from_params / 1e6:g}M parameters)"
     try:  # a CPU's C++ compiler (CXX, else g++; raises if none); a GPU's triton ships with torch
-        if device.type == "cpu":
-            get_cpp_compiler()
+        get_cpp_compiler() if device.type == "cpu" else None
     except Exception as e:
         return f"eager ({e})"
     torch._dynamo.config.suppress_errors = True  # what fails to compile runs eager (a warning)
@@ -500,11 +496,10 @@ def _maybe_rerun(forward, from_elements: int, kw: dict, *args, **kwargs):
 def startup_memory(model, world: int, tokens: int, checkpointing: bool | str | None, mixed: bool,
                    gpu: tuple[int, int] | None = None, engine_releases: bool = False,
                    frozen_copies: int = 0) -> tuple[str, bool, bool | str]:
-    """(the plan's line, whether gradients may accumulate unsharded until the optimizer step (where
-    that fits), `checkpointing` (if None: True unless the GPU holds the plan without it)).
-    `gpu`: (free, total) bytes before the weights loaded (None: a CPU, print only), the rest the
-    engine's: all of it while it generates, none while we train if `engine_releases`. A UserError
-    when even reduce-scattering every micro-batch exceeds the GPU."""
+    """(the plan's line, whether gradients may stay unsharded until the optimizer step (where that
+    fits), `checkpointing` (None: True unless the GPU holds the plan without it)). `gpu`: (free,
+    total) bytes before the weights loaded (None: a CPU, print only), the rest the engine's: all of
+    it while generating, none in training if `engine_releases`. A UserError if nothing fits."""
     text, params = model.config.get_text_config(), list(model.parameters())
     capacity, engine = (gpu[1], gpu[1] - gpu[0]) if gpu else (None, 0.0)
     heads, hidden = text.num_attention_heads, text.hidden_size
@@ -568,7 +563,8 @@ def policy_logprobs(model, input_ids, position_ids, targets, temperature: float 
         hidden, targets = hidden[scored], targets[scored]
     head = model.get_output_embeddings()
     out = HeadLogprobs.apply(hidden, head.weight, getattr(head, "bias", None), targets,
-                             temperature, *head_transform(model.config), chunk, entropy_grad)
+                             temperature, *head_transform(model.config), chunk, entropy_grad,
+                             HEAD_KEEP if torch.is_grad_enabled() else 0)
     return out if scored is None else tuple(
         x.new_zeros(input_ids.shape[-1]).index_copy(0, scored, x) for x in out)
 
@@ -576,19 +572,20 @@ def policy_logprobs(model, input_ids, position_ids, targets, temperature: float 
 class HeadLogprobs(torch.autograd.Function):
     """(log p_t(y_t), H_t) [T] from hidden [T, d] and the head: x = softcap(scale (hW^T + b)) / T
     in fp32 at least (bf16 logits err by ~0.06 at 20, more than the ratio clip tolerates), log p =
-    log_softmax(x), H = -sum_v p_v log p_v. Nothing [T, V] is saved: backward recomputes x and
-    overwrites it by d/dx = g_lp (onehot(y) - p) - g_H p (log p + H) times scale / T (1 - tanh^2
-    under a softcap) for the two GEMMs. Exact to float rounding. Without `h_grad`: no d/dH."""
+    log_softmax(x), H = -sum_v p_v log p_v. x [T, V] is kept for backward if at most `keep` bytes
+    (else a GEMM reruns it); there d/dx = g_lp (onehot(y) - p) - g_H p (log p + H), times scale / T
+    (1 - tanh^2 under a softcap), overwrites it for two GEMMs. Exact; without `h_grad`: no d/dH."""
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, chunk, h_grad):
+    def forward(ctx, hidden, weight, bias, targets, temp, scale, softcap, chunk, h_grad, keep):
         ctx.set_materialize_grads(False)
-        ctx.args = temperature, scale, softcap, chunk
         up = torch.promote_types(hidden.dtype, torch.float32)
+        kept = ctx.kept = [] if len(hidden) * len(weight) * up.itemsize <= keep else None  # x stays
+        ctx.args = temp, scale, softcap, chunk if kept is None else max(len(hidden), 1)
         lp_out, entropy = (hidden.new_empty(len(hidden), dtype=up) for _ in range(2))
-        for rows, x in _head_blocks(hidden, weight, bias, *ctx.args):
+        for rows, x in _head_blocks(hidden, weight, bias, *ctx.args, kept=kept):
             lp = torch.log_softmax(x, -1)
             lp_out[rows] = lp.gather(-1, targets[rows, None])[:, 0]
-            entropy[rows] = -torch.linalg.vecdot(torch.exp(lp, out=x), lp)
+            entropy[rows] = -torch.linalg.vecdot(torch.exp(lp, out=x if kept is None else None), lp)
         ctx.save_for_backward(hidden, weight, bias, targets, entropy if h_grad else None)
         ctx.mark_non_differentiable(*[] if h_grad else [entropy])
         return lp_out, entropy
@@ -599,7 +596,7 @@ class HeadLogprobs(torch.autograd.Function):
         (temperature, scale, softcap, _), need = ctx.args, ctx.needs_input_grad
         g_lp, g_h = (None if g is None else g * (scale / temperature) for g in (g_lp, g_h))
         grads = [torch.zeros_like(x) if n else None for x, n in zip((hidden, weight, bias), need)]
-        for rows, x in _head_blocks(hidden, weight, bias, *ctx.args, grads):
+        for rows, x in _head_blocks(hidden, weight, bias, *ctx.args, grads, ctx.kept):
             cap = (x * (temperature / softcap)).square_().neg_().add_(1) if softcap else 1.0
             lp = torch.log_softmax(x, -1)
             p = torch.exp(lp, out=x)  # d/dx over x: -p (g_lp + g_H (log p + H)), + g_lp at y
@@ -608,27 +605,30 @@ class HeadLogprobs(torch.autograd.Function):
             if g_lp is not None:
                 p.scatter_add_(-1, targets[rows, None], g_lp[rows, None])
             p.mul_(cap)  # d softcap tanh(u / softcap) / du = 1 - tanh^2
-        return *grads, *[None] * 6
+        return *grads, *[None] * 7
 
 
-def _head_blocks(hidden, weight, bias, temperature, scale, softcap, chunk, grads=None):
+def _head_blocks(hidden, weight, bias, temperature, scale, softcap, chunk, grads=None, kept=None):
     """(rows, x) HEAD_ROWS rows at a time: logits x = softcap(scale z) / T in place in z = hW^T + b
-    (fp32 at least), `chunk` rows at a time in one buffer (1024 x 150k: 0.6 GB; fresh ones fault
-    in afresh). With `grads` [hidden, weight, bias]: once the caller overwrote a chunk by d/dz,
-    its half GEMMs where they run: grad_hidden (a sum over V) out in fp32 (cuBLAS may split-K a
-    half output in bf16), grad_weight (over n) in the weight's dtype (fp32/fp64 accumulated in
-    place: no [V, d] temporary)."""
-    up, buf = torch.promote_types(hidden.dtype, torch.float32), None
+    (fp32 at least), `chunk` rows at a time in one buffer (1024 x 150k: 0.6 GB), or `kept` (forward
+    appends z, backward pops it). With `grads` [hidden, weight, bias]: once the caller overwrote a
+    chunk by d/dz, its half GEMMs where they run: d hidden (a sum over V) out in fp32 (cuBLAS may
+    split-K a half output in bf16), d weight in its dtype (fp32/64 accumulated in place)."""
+    up, buf, again = torch.promote_types(hidden.dtype, torch.float32), None, not (grads and kept)
     for i in range(0, len(hidden), chunk):
         h = hidden[i : i + chunk]
-        z = buf = _mm(h, weight.t(), up) if buf is None or not h.dtype == weight.dtype == up \
-            else torch.mm(h, weight.t(), out=buf[: len(h)])  # fp32/64: into the last one
-        if bias is not None:
+        z = buf = kept.pop(0) if not again else _mm(h, weight.t(), up) if buf is None or not \
+            h.dtype == weight.dtype == up else torch.mm(h, weight.t(), out=buf[: len(h)])  # fp32
+        if again and bias is not None:
             z.add_(bias)
-        for j in range(0, len(h), rows := HEAD_ROWS[h.device.type != "cpu"]):  # model's ops, / T
-            x = z[j : j + rows].mul_(scale)
-            x = (x.div_(softcap).tanh_().mul_(softcap) if softcap else x).div_(temperature)
+        for j in range(0, len(h), rows := HEAD_ROWS[h.device.type != "cpu"]):
+            x = z[j : j + rows]
+            if again:  # the model's ops, then / T
+                x = x.mul_(scale)
+                x = (x.div_(softcap).tanh_().mul_(softcap) if softcap else x).div_(temperature)
             yield slice(i + j, i + j + len(x)), x
+        if kept is not None and grads is None:
+            kept.append(z)  # forward's (one chunk): backward's x
         g = z.to(hidden.dtype) if grads else None
         if grads and grads[0] is not None:
             grads[0][i : i + len(h)] = _mm(g, weight, up)
@@ -664,9 +664,8 @@ def pack_weights(weights: list[Tensor], rows: int) -> dict[int, Tensor]:
     shape, 16 rows, 2 threads: 2x the decode's matmuls. {} where oneDNN is absent: F.linear."""
     ok = [w for w in weights if w.device.type == "cpu" and w.dtype == torch.float32
           and w.dim() == 2 and w.numel() >= BIG_WEIGHT]
-    if not ok or not torch.backends.mkldnn.is_available():
-        return {}
-    return {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows) for w in ok}
+    return {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows) for w in ok
+            if torch.backends.mkldnn.is_available()}
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: dict | None = None):

@@ -1,6 +1,5 @@
-"""
-nanoareal: a minimal, hackable GRPO trainer. This file is the reinforcement-learning loop, read top
-to bottom: the config, the loop (generate -> reward -> advantages -> loss -> optimizer step ->
+"""nanoareal: a minimal, hackable GRPO trainer. This file is the reinforcement-learning loop, read
+top to bottom: the config, the loop (generate -> reward -> advantages -> loss -> optimizer step ->
 weight sync -> log), then the pieces in the order the loop uses them.
 
     python nanoareal.py                                   # the built-in arithmetic task, on a CPU
@@ -15,8 +14,7 @@ Plumbing lives in flat files that never import this one: loss.py (aggregation mo
 corrections, the LossReduction contract: gradients independent of micro-batching and world size),
 rollout.py (engines, the batches in flight), tasks.py (tasks, data, rewards), packing.py,
 modeling.py (packed attention, Ulysses, log-probs), checkpoint.py, logs.py, cli.py. Left out on
-purpose: a critic (GRPO needs none), tensor/pipeline parallel in the trainer.
-"""
+purpose: a critic (GRPO needs none), tensor/pipeline parallel in the trainer."""
 
 from __future__ import annotations
 
@@ -320,8 +318,7 @@ def resolve_config(cfg: Config) -> Config:
 
 
 def validate_config(cfg: Config, world: int) -> Config:
-    """Every check of the flags, before anything heavy loads: a mistake is one line naming the
-    flag (a UserError). Checks only; returns cfg."""
+    """Every flag checked before anything heavy loads; a mistake: one UserError line naming it."""
     checks = [
         (min(cfg.prompts_per_step, cfg.max_new_tokens, cfg.micro_batch_tokens, cfg.max_turns) >= 1
          and min(cfg.steps, cfg.eval_every, cfg.eval_k, cfg.warmup_steps, cfg.ckpt_every,
@@ -398,8 +395,7 @@ def setup_distributed(cp_size: int = 1) -> tuple[Ranks, torch.device]:
 
 
 def prepare_run(cfg: Config) -> tuple[tasks.Data, object, bool]:
-    """The reward, the run directory claimed (or a one-line refusal), the data; whether the
-    directory holds this run to resume."""
+    """(data, reward, whether the run directory, claimed now or refused, holds a run to resume)."""
     reward_fn = tasks.load_reward(cfg.reward)
     modeling.check_model_source(cfg.model)
     resuming = on_rank0(checkpoint.claim_run_dir, cfg.run_dir, asdict(cfg), VOLATILE,
@@ -613,8 +609,7 @@ def train_minibatch(model, optimizer, reduction: loss.LossReduction, mbs: list[M
         d = batch.denom_mask
         prox = logprobs.detach() if batch.prox_logprobs is None else batch.prox_logprobs
         weight = torch.exp(loss.log_ratio(prox, batch.behave_logprobs)).double()
-        acc += torch.stack([x.double() for x in (
-            d.sum(), (entropy.detach() * d).sum(),
+        acc += torch.stack([x.double() for x in (d.sum(), (entropy.detach() * d).sum(),
             ((logprobs.detach() - batch.behave_logprobs).abs() * d).sum(), (weight * d).sum())])
         iw_max = torch.maximum(iw_max, torch.where(d > 0, weight, 0.0).max())
     out = {"updated": 0.0, "skipped_steps": 0.0, "grad_norm": 0.0}

@@ -808,8 +808,7 @@ def check_rollout_config(backend: str, urls: list[str], weight_sync: str, determ
                          cuda: bool) -> None:
     """Every combination of rollout flags and the GPU-only settings, before anything loads."""
     local = backend == "sglang" and not urls
-    for bad, why in [
-        (backend == "hf" and urls, "--rollout-url needs --rollout-backend sglang"),
+    for bad, why in [(backend == "hf" and urls, "--rollout-url needs --rollout-backend sglang"),
         (backend == "hf" and deterministic, "--sglang-deterministic is for --rollout-backend "
          "sglang (the hf engine is always reproducible from --seed)"),
         (urls and weight_sync == "tensor", "--weight-sync tensor needs an in-process engine (drop "
@@ -830,9 +829,8 @@ def make_engine(backend: str, urls: list[str], model_path: str, device: torch.de
     if backend == "hf":
         return HFEngine(model_path, device, torch.bfloat16 if device.type == "cuda" else None,
                         share=share)
-    if urls:
-        return RemoteSGLangEngine(urls, model_path, run_dir, weight_sync, deterministic)
-    return SGLangEngine(model_path, device.index or 0, seed, device, deterministic)
+    return RemoteSGLangEngine(urls, model_path, run_dir, weight_sync, deterministic) if urls else \
+        SGLangEngine(model_path, device.index or 0, seed, device, deterministic)
 
 
 # -----------------------------------------------------------------------------

@@ -479,7 +479,7 @@ def test_bf16_head_logits_are_not_rounded_to_bf16():
     targets = torch.randint(4096, (64,), generator=gen)
     exact = (hidden.double() @ weight.double().T).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
     got, _ = modeling.HeadLogprobs.apply(hidden, weight, None, targets, 1.0, 1.0, None,
-                                         modeling.HEAD_CHUNK, True)
+                                         modeling.HEAD_CHUNK, True, 0)
     rounded = (hidden @ weight.T).double().log_softmax(-1).gather(-1, targets[:, None])[:, 0]
     assert got.dtype == torch.float32
     assert (got.double() - exact).abs().max() < 1e-4

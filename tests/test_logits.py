@@ -6,6 +6,8 @@ are CUDA/XPU only) runs here on a CPU through a dispatch mode that supplies aten
 checks of torch's cuda/Blas.cpp `_mm_dtype_out_cuda`, and records every op it sees.
 """
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,10 +48,14 @@ def run(fn, inputs, targets):
 
 
 def fused(hidden, weight, bias, targets, temperature=1.0, scale=1.0, softcap=None,
-          entropy_grad=True, chunk=modeling.HEAD_CHUNK):
-    """The head as policy_logprobs runs it (its forward again in backward)."""
+          entropy_grad=True, chunk=modeling.HEAD_CHUNK, keep=0):
+    """The head as policy_logprobs runs it: its logits kept for backward up to `keep` bytes
+    (default: none, its forward again in backward)."""
     return modeling.HeadLogprobs.apply(hidden, weight, bias, targets, temperature, scale, softcap,
-                                       chunk, entropy_grad)
+                                       chunk, entropy_grad, keep)
+
+
+KEEP = {"recomputed": 0, "kept": 1 << 40}
 
 
 @pytest.fixture
@@ -89,16 +95,18 @@ def test_the_samplers_head_logits_equal_a_plain_linear_in_fp32_at_least(dtype):
 @pytest.mark.parametrize("entropy_grad", [True, False])
 @pytest.mark.parametrize("transform", [(1.0, 1.0, None), ARGS, (1.3, 2.0, 3.0)],
                          ids=["plain", "T0.7-scale0.5-cap30", "T1.3-scale2-cap3"])
+@pytest.mark.parametrize("keep", KEEP.values(), ids=KEEP.keys())
 def test_fused_head_equals_log_softmax_gather_and_entropy_values_and_gradients(
-        dtype, entropy_grad, transform, monkeypatch):
-    """HeadLogprobs (fp32 logits, recomputed and overwritten by their gradient in backward) against
-    plain autograd of log_softmax(softcap(scale (h W^T + b)) / T): the target's log-prob, the
-    entropy, and the gradients of a mix of both (the entropy's only when it has one), across
-    chunks (5 rows) and elementwise blocks (3 rows) that do not divide the 24 rows."""
+        dtype, entropy_grad, transform, keep, monkeypatch):
+    """HeadLogprobs (fp32 logits, kept from forward or recomputed, and overwritten by their
+    gradient in backward) against plain autograd of log_softmax(softcap(scale (h W^T + b)) / T):
+    the target's log-prob, the entropy, and the gradients of a mix of both (the entropy's only
+    when it has one), across chunks (5 rows) and elementwise blocks (3 rows) that do not divide
+    the 24 rows."""
     monkeypatch.setattr(modeling, "HEAD_ROWS", (3, 3))
     *inputs, targets = head_inputs(dtype)
     inputs = [x.detach().clone().requires_grad_() for x in inputs]
-    lp, ent = fused(*inputs, targets, *transform, entropy_grad, 5)
+    lp, ent = fused(*inputs, targets, *transform, entropy_grad, 5, keep)
     assert lp.dtype == ent.dtype == torch.promote_types(dtype, torch.float32)
     assert ent.requires_grad == entropy_grad
     mix = torch.randn(2, N, generator=torch.Generator().manual_seed(1), dtype=lp.dtype)
@@ -153,20 +161,22 @@ def test_without_an_mm_out_dtype_kernel_the_probe_says_so_and_the_head_upcasts(f
         torch.mm(x, x, out_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("keep", KEEP.values(), ids=KEEP.keys())
 def test_where_mm_out_dtype_runs_the_head_uses_it_both_ways_and_never_copies_the_weight(
-        fresh_probe, monkeypatch):
+        fresh_probe, monkeypatch, keep):
     monkeypatch.setattr(modeling, "HEAD_ROWS", (5, 5))  # blocks [5, V]: no shape of a [D, V] tensor
     *inputs, targets = head_inputs(torch.bfloat16)
-    plain = run(fused, inputs, targets)  # the upcast path, as on this CPU
+    head = functools.partial(fused, keep=keep)
+    plain = run(head, inputs, targets)  # the upcast path, as on this CPU
     modeling.mm_out_dtype_runs.cache_clear()
     with MmOutDtypeDevice() as device:
-        got = run(fused, inputs, targets)
+        got = run(head, inputs, targets)
         assert not modeling.mm_out_dtype_runs(torch.device("cpu"), torch.float32)  # halves only
     bf16, fp32 = torch.bfloat16, torch.float32
     gemms = [(ins, outs[0][0]) for func, outs, ins in device.ops if func is torch.ops.aten.mm.dtype]
     logits = ([(bf16, (N, D)), (bf16, (D, V))], fp32)
     assert gemms == [([(bf16, (1, 1))] * 2, fp32),  # the probe, once
-                     logits, logits,  # forward, then its recompute in backward
+                     *[logits] * (1 + (keep == 0)),  # forward (then its recompute in backward)
                      ([(bf16, (N, V)), (bf16, (V, D))], fp32),  # grad hidden: a sum over V
                      ([(bf16, (V, N)), (bf16, (N, D))], bf16)]  # grad weight: a sum over N
     assert not [op for op in device.ops if op[0] in (torch.ops.aten.mm.default,
@@ -216,3 +226,49 @@ def test_policy_logprobs_of_an_fp32_model_equal_its_own_forward_values_and_gradi
         torch.testing.assert_close(ent, want[1], rtol=1e-5, atol=1e-5)
         for g, w in zip(grads, objective(*want)):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("keep", [N * V * 4, N * V * 4 - 1], ids=["fits", "one-byte-short"])
+def test_the_head_keeps_its_logits_up_to_keep_bytes_and_a_second_backward_recomputes_them(keep):
+    """Logits of at most `keep` bytes stay from forward to backward: one logits GEMM in all, not
+    two. Backward overwrites them, so a retained graph's later backwards rerun the GEMM, and their
+    gradients equal the first's."""
+    *inputs, targets = head_inputs(torch.float32)
+    inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    with MmOutDtypeDevice() as device:
+        lp, ent = fused(*inputs, targets, *ARGS, keep=keep)
+        (lp.sum() + ent.sum()).backward(retain_graph=True)
+        first = [x.grad.clone() for x in inputs]
+        gemms = len(device.ops)
+        for _ in range(2):
+            for x in inputs:
+                x.grad = None
+            (lp.sum() + ent.sum()).backward(retain_graph=True)
+            for x, g in zip(inputs, first):
+                torch.testing.assert_close(x.grad, g, rtol=1e-6, atol=1e-7)
+    logit_gemms = [i for i, (func, outs, _) in enumerate(device.ops)
+                   if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out)
+                   and outs[0][1] == (N, V)]
+    kept = keep >= N * V * 4
+    assert sum(i < gemms for i in logit_gemms) == (1 if kept else 2)
+    assert sum(i >= gemms for i in logit_gemms) == 2
+
+
+def test_policy_logprobs_keeps_the_heads_logits_only_where_a_backward_can_follow(monkeypatch):
+    """HEAD_KEEP bytes with gradients on; none under no_grad (the reference's and the old policy's
+    log-probs), where nothing would ever free them early."""
+    config = AutoConfig.for_model("llama", vocab_size=V, hidden_size=D, intermediate_size=32,
+                                  num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=2)
+    AttentionInterface.register("packed", modeling.packed_attention)
+    model = AutoModelForCausalLM.from_config(config)
+    model.set_attn_implementation("packed")
+    calls, apply = [], modeling.HeadLogprobs.apply
+    monkeypatch.setattr(modeling.HeadLogprobs, "apply",
+                        staticmethod(lambda *args: calls.append(args[-1]) or apply(*args)))
+    ids = torch.randint(V, (1, 7))
+    args = ids, torch.arange(7)[None], ids[0].roll(-1)
+    modeling.policy_logprobs(model, *args)
+    with torch.no_grad():
+        modeling.policy_logprobs(model, *args)
+    assert calls == [modeling.HEAD_KEEP, 0]
