@@ -459,6 +459,16 @@ def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermedi
     return plan
 
 
+def adamw(params: list, **kwargs) -> torch.optim.AdamW:
+    """Fused AdamW (CPU: 33 ms a step looped, 8 foreach, 5), its state made now as its first step
+    would, before any activation: made in their freed memory, the next step's fault in afresh."""
+    optimizer = torch.optim.AdamW(params, fused=True, **kwargs)
+    for p in params:
+        optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                              "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    return optimizer
+
+
 def checkpoint_layers(model: torch.nn.Module, selective: bool = False, from_elements: int = 0):
     """Activation checkpointing: each decoder layer keeps only its inputs for backward and runs
     its forward again there; `selective` also keeps what KEPT_OPS return, so the rerun is the

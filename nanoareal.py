@@ -649,9 +649,8 @@ def load_models(cfg: Config, device: torch.device, ranks: Ranks, engine=None) ->
     if undecided and model.checkpointed:
         modeling.checkpoint_layers(model)
     print0(line)
-    return model, ref_model, torch.optim.AdamW(  # fused (CPU: 33 ms a step looped, 8 foreach, 5)
-        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=ADAM_BETAS,
-        weight_decay=WEIGHT_DECAY, fused=True)  # LoRA: the adapters alone
+    return model, ref_model, modeling.adamw([p for p in model.parameters() if p.requires_grad],
+        lr=cfg.lr, betas=ADAM_BETAS, weight_decay=WEIGHT_DECAY)  # LoRA: the adapters alone
 
 
 def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool = True):

@@ -412,6 +412,32 @@ def test_bf16_compute_keeps_fp32_master_weights_so_small_updates_land(one_rank_g
     assert moved > 0.5, f"only {moved:.1%} of the parameters moved"
 
 
+def test_adamw_state_is_made_at_load_and_steps_as_torchs_lazy_one_even_after_a_save(
+        one_rank_group):
+    """modeling.adamw makes AdamW's state before any activation, as the first step would: two steps
+    equal torch's lazily initialised fused AdamW's to the bit. A checkpoint before the first step
+    (get_state_dict) found no state and made it by a zero step (step 1): every later bias
+    correction moved."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import modeling
+    torch.manual_seed(0)
+    mine, lazy = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+    lazy.load_state_dict(mine.state_dict())
+    ours = modeling.adamw(list(mine.parameters()), lr=0.1, betas=N.ADAM_BETAS)
+    torchs = torch.optim.AdamW(lazy.parameters(), lr=0.1, betas=N.ADAM_BETAS, fused=True)
+    assert [float(s["step"]) for s in ours.state.values()] == [0.0, 0.0]
+    get_state_dict(mine, ours)  # a save before the first step
+    for k in range(2):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(k))
+        for model, optimizer in ((mine, ours), (lazy, torchs)):
+            model(x).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(mine.parameters(), lazy.parameters()))
+    assert [float(s["step"]) for s in ours.state.values()] == [2.0, 2.0]
+
+
 def test_a_step_with_nothing_to_learn_from_moves_neither_the_weights_nor_adamw(one_rank_group):
     """Every response masked (--mask-truncated, all cut) gives a global normalizer of 0: AdamW must
     not step, or its momentum from the step before and its bias correction move every weight."""
