@@ -75,7 +75,6 @@ def attention_layout(segments: Tensor, num_tokens: int, device: torch.device | N
     `out`: token -> its query slot, `pos`: a slot's position in its sequence), `mask` [rows, 1,
     slots, slots] if a row holds several segments (else causal). `cp_group`: who shares the row."""
     check_segments(segments, num_tokens)
-    device = device or segments.device
     q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
     row_len = ctx_len + q_len
     j = torch.arange(int(row_len.max()))[None]
@@ -83,21 +82,7 @@ def attention_layout(segments: Tensor, num_tokens: int, device: torch.device | N
                       q_start[:, None] + j - ctx_len[:, None])
     index = {"k_index": src[j < row_len[:, None]], "cu_q": F.pad(q_len.cumsum(0), (1, 0)).int(),
              "cu_k": F.pad(row_len.cumsum(0), (1, 0)).int()}
-    # padded: rows of pieces (first token, length, segment, is query), a copied context keys only.
-    # A segment whose context starts a context-free one (its prompt) joins its row: while rows are
-    # short, several (a mask then); else the first whose context is all of it (still causal)
-    rows, size, host, short, masked = [], [], {}, int(row_len.max()) <= GROUP_ROW_SLOTS, False
-    for i, (qs, ql, cs, cl) in enumerate(segments.tolist()):
-        r = host.get(cs) if cl else None
-        if r is not None and cl <= rows[r][0][1] and (size[r] + ql <= GROUP_ROW_SLOTS if short
-                                                      else size[r] == cl):
-            masked |= size[r] != cl  # its context is not all the row before it
-            rows[r].append((qs, ql, i, True))
-            size[r] += ql
-            continue
-        host.update({} if cl else {qs: len(rows)})
-        rows.append([(cs, cl, i, False)] * (cl > 0) + [(qs, ql, i, True)])
-        size.append(cl + ql)
+    rows, size, masked = _padded_rows(segments.tolist(), int(row_len.max()) <= GROUP_ROW_SLOTS)
     # buckets (first slot, rows, width, lead) of rows longest first, copied contexts' apart (their
     # first `lead` slots: keys alone, no query computed), one kernel call each: a row of L slots
     # in a bucket W wide costs W^2, not L^2, so a bucket takes rows down to W / sqrt(2) (short: 1)
@@ -121,8 +106,7 @@ def attention_layout(segments: Tensor, num_tokens: int, device: torch.device | N
     grid, pos = torch.zeros(2, slots, dtype=torch.long)  # padding slots read token 0
     grid[flat] = tok
     pos[flat] = torch.where(query, ctx_len[seg] + tok - q_start[seg], tok - ctx_start[seg])
-    out = torch.empty(num_tokens, dtype=torch.long)
-    out[tok[query]] = flat[query]
+    out = torch.empty(num_tokens, dtype=torch.long).index_put_((tok[query],), flat[query])
     index |= {"grid": grid, "out": out, "pos": pos}
     if masked:  # rows of several segments: a query sees its context and its own past
         owner = torch.full((slots,), -1).index_put_((flat[query],), seg[query])
@@ -135,9 +119,28 @@ def attention_layout(segments: Tensor, num_tokens: int, device: torch.device | N
     return {"mask": None} | {k: [m if m is None else m.to(device, non_blocking=True) for m in v]
                              if isinstance(v, list) else v.to(device, non_blocking=True)
                              for k, v in index.items()} | {
-        "rows": len(rows), "slots": int(size.max()), "buckets": buckets,
-        "max_q": int(q_len.max()), "max_k": int(row_len.max()), "kernel": kernel,
-        "cp_group": cp_group}
+        "buckets": buckets, "max_q": int(q_len.max()), "max_k": int(row_len.max()),
+        "kernel": kernel, "cp_group": cp_group}
+
+
+def _padded_rows(segments: list, short: bool) -> tuple[list, list, bool]:
+    """(rows, their sizes, whether any needs a mask) of the padded path: a row holds pieces (first
+    token, length, segment, is query), a copied context keys only. A segment whose context starts a
+    context-free one (its prompt) joins its row: while rows are `short`, several (a mask then);
+    else the first whose context is all of it (still causal)."""
+    rows, size, host, masked = [], [], {}, False
+    for i, (qs, ql, cs, cl) in enumerate(segments):
+        r = host.get(cs) if cl else None
+        if r is not None and cl <= rows[r][0][1] and (size[r] + ql <= GROUP_ROW_SLOTS if short
+                                                      else size[r] == cl):
+            masked |= size[r] != cl  # its context is not all the row before it
+            rows[r].append((qs, ql, i, True))
+            size[r] += ql
+            continue
+        host.update({} if cl else {qs: len(rows)})
+        rows.append([(cs, cl, i, False)] * (cl > 0) + [(qs, ql, i, True)])
+        size.append(cl + ql)
+    return rows, size, masked
 
 
 def _row_mask(own, key, real, of_token, ctx_start, ctx_len) -> Tensor:
@@ -298,8 +301,7 @@ class GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        dist.all_reduce(grad := grad.contiguous().clone(), group=ctx.group)
         return grad.chunk(dist.get_world_size(ctx.group), -1)[dist.get_rank(ctx.group)], None
 
 
@@ -632,10 +634,9 @@ def _head_blocks(hidden, weight, bias, temperature, scale, softcap, chunk, grads
         if again and bias is not None:
             z.add_(bias)
         for j in range(0, len(h), rows := HEAD_ROWS[h.device.type != "cpu"]):
-            x = z[j : j + rows]
-            if again:  # the model's ops, then / T
-                x = x.mul_(scale)
-                x = (x.div_(softcap).tanh_().mul_(softcap) if softcap else x).div_(temperature)
+            x = z[j : j + rows]  # below: the model's ops, then / T (kept logits had them)
+            x = x if not again else (x.mul_(scale).div_(softcap).tanh_().mul_(softcap) if softcap
+                                     else x.mul_(scale)).div_(temperature)
             yield slice(i + j, i + j + len(x)), x
         if kept is not None and grads is None:
             kept.append(z)  # forward's (one chunk): backward's x

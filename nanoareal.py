@@ -704,8 +704,7 @@ def microbatch_forward(model, mb: MicroBatch, cfg: Config, device: torch.device,
                                              device, getattr(model, "attention_kernel", None),
                                              ranks.cp_group)
         out = model.policy_logprobs(**inputs, layout=layout, **kw)
-        return out if ranks.cp_size == 1 else modeling.gather_row(*out, ranks.cp_group,
-                                                                  len(targets))
+        return out if ranks.cp_size < 2 else modeling.gather_row(*out, ranks.cp_group, len(targets))
 
 
 # -----------------------------------------------------------------------------

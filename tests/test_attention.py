@@ -277,7 +277,6 @@ def test_a_prompt_and_the_completions_sharing_it_fill_one_padded_row():
     prompt's prefix and itself, never a sibling; positions restart per sequence."""
     segments = torch.tensor([[0, 2, 0, 0], [2, 2, 0, 2], [4, 1, 0, 2], [5, 1, 0, 0], [6, 4, 5, 1]])
     layout = modeling.attention_layout(segments, 10)
-    assert (layout["rows"], layout["slots"]) == (2, 5)
     assert layout["grid"].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert layout["pos"].view(2, 5).tolist() == [[0, 1, 2, 3, 2], [0, 1, 2, 3, 4]]
     assert layout["buckets"] == [(0, 2, 5, 0)] and len(layout["mask"]) == 1
@@ -290,7 +289,7 @@ def test_a_prompt_and_the_completions_sharing_it_fill_one_padded_row():
         layout = modeling.attention_layout(torch.cat([segments[:3], torch.tensor([[5, 2, 0, 2]])]),
                                            7)
     # rows with a copied prefix come first, in buckets of their own (their lead: the prefix's slots)
-    assert layout["rows"] == 2 and layout["grid"].tolist() == [0, 1, 5, 6, 0, 1, 2, 3, 4]
+    assert layout["grid"].tolist() == [0, 1, 5, 6, 0, 1, 2, 3, 4]
     assert layout["out"][5] == 2 and layout["buckets"] == [(0, 1, 4, 2), (4, 1, 5, 0)]
     with pytest.MonkeyPatch.context() as mp:  # long rows: the first completion joins its prompt
         mp.setattr(modeling, "GROUP_ROW_SLOTS", 2)  # (plain causal), the next copies the prompt
@@ -298,7 +297,7 @@ def test_a_prompt_and_the_completions_sharing_it_fill_one_padded_row():
     assert layout["mask"] is None and layout["grid"].tolist() == [0, 1, 4, 0, 1, 2, 3]
     assert layout["buckets"] == [(0, 1, 3, 2), (3, 1, 4, 0)]
     single = modeling.attention_layout(torch.tensor([[0, 3, 0, 0], [3, 2, 0, 0]]), 5)
-    assert single["mask"] is None and single["rows"] == 2  # one sequence a row: plain causal
+    assert single["mask"] is None and single["buckets"] == [(0, 2, 3, 0)]  # a row each: causal
 
 
 def sdpa_query_shapes(monkeypatch) -> list:
