@@ -675,8 +675,8 @@ def pack_weights(weights: list[Tensor], rows: int) -> dict[int, Tensor]:
     shape, 16 rows, 2 threads: 2x the decode's matmuls. {} where oneDNN is absent: F.linear."""
     ok = [w for w in weights if w.device.type == "cpu" and w.dtype == torch.float32
           and w.dim() == 2 and w.numel() >= BIG_WEIGHT]
-    return {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows) for w in ok
-            if torch.backends.mkldnn.is_available()}
+    return {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
+            for w in (ok if torch.backends.mkldnn.is_available() else [])}
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: dict | None = None):
