@@ -1,7 +1,9 @@
 """Build the shipped warm-start model for nanoareal: a ~1M-parameter Llama that adds two numbers,
-badly.
+badly; and, trained further by the same steps, the distillation teacher for the default task.
 
     python scripts/make_tiny_model.py --out assets/tiny-arith
+    python scripts/make_tiny_model.py --out assets/tiny-arith-teacher --max-steps 3000 \
+        --stop-low 0.9 --stop-high 1.0
 
 Steps (all local, deterministic for a given --seed on a given machine):
 1. a character-level tokenizer (`tokenizers` WordLevel + per-character Split + Fuse decoder),
@@ -233,6 +235,8 @@ def main() -> None:
                     help="stop at the first eval in [low, high]")
     ap.add_argument("--stop-high", type=float, default=0.45)
     args = ap.parse_args()
+    defaults = vars(ap.parse_args(["--out", args.out]))
+    given = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v != defaults[k]]
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
@@ -285,7 +289,7 @@ def main() -> None:
 
     save_model(model, tok, args.out)
     info = {
-        "command": f"python scripts/make_tiny_model.py --out {args.out}",
+        "command": " ".join(["python scripts/make_tiny_model.py --out", args.out, *given]),
         "args": vars(args),
         "torch": torch.__version__,
         "vocab": tok.get_vocab(),
@@ -301,7 +305,10 @@ def main() -> None:
         f.write("\n")
     with open(os.path.join(args.out, "README.md"), "w") as f:
         f.write(
-            "# tiny-arith: nanoareal's warm-start model\n\n"
+            f"# {os.path.basename(os.path.normpath(args.out))}: "
+            + ("nanoareal's warm-start model" if not given else
+               "the warm start trained further (the default task's distillation teacher)")
+            + "\n\n"
             f"Built by `{info['command']}` (torch {torch.__version__}); details in "
             "build_info.json.\n\n"
             f"LlamaForCausalLM, {n_params:,} parameters (hidden 128, 4 layers, 4 heads / 2 KV "
