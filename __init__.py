@@ -8,7 +8,8 @@ import importlib.util
 import os
 import sys
 
-HELPERS = ("cli", "logs", "loss", "packing", "modeling", "checkpoint", "rollout", "tasks")  # in
+HELPERS = ("cli", "logs", "loss", "attention", "lora", "modeling", "rollout", "packing",
+           "checkpoint", "tasks")  # in
 # the order they import each other; the trainer imports them all and none imports it
 
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-import modeling
+import cli
+import lora
 from cli import Stopped, UserError
 
 KEEP_CHECKPOINTS = 2  # the newest complete checkpoints a run keeps (0: all)
@@ -213,9 +214,32 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, meta: dict
     return final
 
 
+def saved_config(path: str | Path) -> dict | None:
+    """The config a checkpoint was saved with (None: `path` is no checkpoint)."""
+    meta = Path(path) / "meta.json"
+    if not meta.is_file():
+        return None
+    try:
+        return json.loads(meta.read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{meta}: not a checkpoint's meta.json ({type(e).__name__}: {e})"
+                        ) from None
+
+
 def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
     """Collective: loads model, optimizer and RNGs; returns meta and every rank's batches generated
-    ahead, merged (step -> samples), to share out (a run may resume on another number of ranks)."""
+    ahead, merged (step -> samples), to share out (a run may resume on another number of ranks).
+    A checkpoint that passed the cheap checks (sizes, meta.json) yet does not load, or does not
+    fit this model (DCP raises CheckpointException, a BaseException), is a UserError naming it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        return _load(path, model, optimizer)
+    except (Exception, CheckpointException) as e:
+        raise UserError(f"checkpoint {path} cannot be loaded ({cli.why(e)}); move it aside to "
+                        "resume from the one before it, or check --lora-rank") from None
+
+
+def _load(path: Path, model, optimizer) -> tuple[dict, dict]:
     meta = json.loads((path / "meta.json").read_text())
     sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
     dcp.load(sd, storage_reader=safe_dcp_reader(path), planner=safe_dcp_planner())
@@ -271,8 +295,9 @@ def safe_dcp_planner():
     return Planner()
 
 
-def export_hf(model, tokenizer, src: str, out_dir: Path) -> None:
-    """Collective: a from_pretrained- (and SGLang-) loadable copy, renamed from out_dir.tmp/."""
+def export_hf(model, adapters: dict | None, tokenizer, src: str, out_dir: Path) -> None:
+    """Collective: a from_pretrained- (and SGLang-) loadable copy, renamed from out_dir.tmp/;
+    `adapters` (a LoRA config): the merged model, and the adapters in PEFT's format."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoConfig
@@ -280,8 +305,8 @@ def export_hf(model, tokenizer, src: str, out_dir: Path) -> None:
     state = get_model_state_dict(model, options=options)
     if dist.get_rank() != 0:
         return
-    adapter = {k: state[k] for k in state if ".lora_" in k}  # LoRA: final/ holds the merged model
-    state = dict(modeling.merge_lora(state.items(), model))
+    adapter = {k: state[k] for k in state if lora.is_adapter(k)}  # final/: the merged model
+    state = dict(lora.merged(state.items(), model))
     shutil.rmtree(tmp := out_dir.with_name(out_dir.name + ".tmp"), ignore_errors=True)
     tmp.mkdir(parents=True)
     # safetensors refuses tied weights (shared storage), from_pretrained re-ties them: keep one
@@ -294,7 +319,7 @@ def export_hf(model, tokenizer, src: str, out_dir: Path) -> None:
     AutoConfig.from_pretrained(src).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if adapter:  # and the adapter in PEFT's format in final/adapter/ (--model takes it too)
-        modeling.save_adapter(adapter, model.peft_config["default"], src, tmp / "adapter")
+        lora.save(adapter, adapters, src, tmp / "adapter")
     if (Path(src) / "generation_config.json").exists():
         shutil.copy(Path(src) / "generation_config.json", tmp / "generation_config.json")
     shutil.rmtree(out_dir, ignore_errors=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -21,8 +22,14 @@ MEANS = {"reward": ("reward", "samples"), "accuracy": ("correct", "judged"),
          "response_len": ("response_tokens", "samples"), "truncated_frac": ("truncated", "samples"),
          "zero_adv_frac": ("zero_adv", "samples"), "entropy": ("entropy", "denom_tokens"),
          "logprob_mismatch": ("mismatch", "denom_tokens"), "policy_version": ("version", "samples"),
-         "importance_weight/mean": ("importance_weight", "denom_tokens")}
-MAXIMA = {"importance_weight_max", "gen_s"}  # counters reduced by max over ranks, not summed
+         "importance_weight/mean": ("importance_weight", "denom_tokens"),
+         "mismatch/k3": ("mismatch_k3", "denom_tokens"),
+         "mismatch/log_ppl_gap": ("log_ppl_gap", "responses"),
+         "mismatch/rejected_token_frac": ("rejected", "loss_tokens"),
+         "mismatch/rejected_seq_frac": ("rejected_responses", "all_responses"),
+         "resample/extra_samples_frac": ("resampled", "samples")}
+# counters reduced by max over ranks, not summed (the step's extremes)
+MAXIMA = {"importance_weight_max", "gen_s", "seq_log_ratio_max", "seq_log_ratio_min_max"}
 
 
 def print0(*args, **kwargs) -> None:
@@ -107,7 +114,12 @@ def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> 
     metrics |= {"importance_weight/max": sums.get("importance_weight_max", 1.0),
                 "zero_var_groups": sums.get("zero_var_groups", 0),
                 "reward_errors": sums.get("reward_errors", 0), "lr": lr}
-    metrics["gen_tokens_per_s"] = sums.get("response_tokens", 0) / max(sums.get("gen_s", 0), 1e-9)
+    extremes = {"mismatch/seq_ratio_max": sums.get("seq_log_ratio_max", -math.inf),
+                "mismatch/seq_ratio_min": -sums.get("seq_log_ratio_min_max", -math.inf)}
+    metrics |= {k: math.exp(v) for k, v in extremes.items() if math.isfinite(v)}
+    generated = sums.get("response_tokens", 0) + sums.get("discarded_tokens", 0)
+    metrics["generated_tokens"] = generated  # with those of groups resampled away
+    metrics["gen_tokens_per_s"] = generated / max(sums.get("gen_s", 0), 1e-9)
     metrics["train_tokens_per_s"] = sums.get("trained_tokens", 0) / max(times["train"], 1e-9)
     metrics["train_positions"] = sums.get("positions", 0)
     metrics |= {k if "/" in k or k in ("grad_norm", "skipped_steps") else

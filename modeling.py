@@ -1,32 +1,30 @@
-"""How nanoareal runs a Hugging Face causal LM: packed rows (1-D runs of tokens from many sequences,
-their `segments` saying who attends to what) on every attention path, Ulysses context parallel (a
-rank runs a contiguous 1/N of a row), log-probs from the model's own head in vocabulary chunks. A
-model is body + head + the head's transform; `check_model` refuses a family it misreproduces."""
+"""How nanoareal runs a Hugging Face causal LM: `load_model` returns a `Model`, the module and
+every decision about how it runs (attention kernel, checkpointing, compiled layers, mixed
+precision, gradient sync, LoRA), made once at load from what all ranks agree on. Its log-probs
+come from the model's own head in vocabulary chunks (the plain head beside it, to read first);
+`check_model` refuses a family it misreproduces; the memory plan decides checkpointing."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import inspect
-import json
-import math
+import itertools
 import os
 import socket
-from dataclasses import replace
-from importlib.util import find_spec
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
+import attention
+import lora
 from cli import UserError, why
 
-HALF = (torch.float16, torch.bfloat16)  # the varlen kernels' dtypes; fp32 takes the padded path
-# padded path: short segments sharing a context (a group's completions and their prompt) share one
-# row of at most this many slots: a CPU's sdpa costs per row, and 8 x 10 slots cost more than 32
-GROUP_ROW_SLOTS = 64
+HALF = (torch.float16, torch.bfloat16)
 # selective checkpointing keeps these ops' outputs (a layer's matmuls and attention kernel)
 KEPT_OPS = tuple(getattr(torch.ops.aten, op).default for op in (
     "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
@@ -35,305 +33,689 @@ KEPT_OPS = tuple(getattr(torch.ops.aten, op).default for op in (
 # model_type prefix -> (the config field that scales its head's logits, whether it divides by it)
 HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", False),
                "hyperclovax": ("logits_scaling", False), "falcon_h1": ("lm_head_multiplier", False)}
-# LoRA: alpha fixed (alpha/r shrinks as r grows: one lr suits every rank; with Adam alpha and lr are
-# one knob); every linear layer of the decoder, never the head (read as head.weight: bypassed)
-LORA_ALPHA, LORA_TARGETS = 32, "all-linear"
-HEAD_CHUNK, HEAD_ROWS = 1024, (16, 256)  # the head's fp32 logits: rows at once; a pass's CPU/GPU
+FAST_HEAD = True  # the chunked head (HeadLogprobs); False: plain_head, autograd's, to compare
+HEAD_CHUNK = 1024  # the head's fp32 logits: rows at once (1024 x 150k: 0.6 GB)
+HEAD_ROWS = (16, 256)  # rows a pass of the head's softmax takes on a CPU, on a GPU
 HEAD_KEEP = 1 << 29  # bytes of logits kept from forward to backward (else a GEMM reruns them)
 BIG_WEIGHT = 10**5  # the CPU engine packs weights of this many elements for oneDNN (pack_weights)
+ATTENTION = "auto"  # auto | flash_attn | torch_varlen | sdpa | plain: force a path to compare
+# checkpointing (exact: no dropout, a rerun op computes what it did): "full" reruns each decoder
+# layer from its input (~10x less memory), "selective" its elementwise work alone (~half), ""
+# none; None: decided, on a GPU by the memory plan, on a CPU by SELECTIVE_FROM
+CHECKPOINT_LAYERS = None
+SELECTIVE_FROM = 2**20  # a CPU: selective if a whole micro-batch's layer input has this many
+RERUN_FROM = 2**19  # elements; yet a micro-batch's own under this many runs as is (135M: -12%)
 NO_RERUN_UP_TO = 0.8  # a GPU checkpoints no layer while the plan without it is <= this share
+COMPILE_FROM = 5 * 10**7  # --compile: decoder layers' parameters; fewer gain less than it costs
+_PROBES = itertools.count()  # compile_probe's functions, each compiled anew
+
+
+@dataclass
+class Model:
+    """A causal LM as the trainer runs it. Decided once at load, the same on every rank."""
+    module: nn.Module  # the HF model: FSDP2-sharded (several ranks or bf16), else plain
+    device: torch.device
+    attention: str  # the attention path: flash_attn, torch_varlen, sdpa or plain
+    kernel: object = None  # its varlen kernel (None: padded or plain rows)
+    checkpointing: str = ""  # what a layer keeps for backward: "full" its input, "selective"
+    compiled: bool = False  # its decoder layers run through torch.compile
+    mixed: bool = False  # bf16 compute, fp32 master weights (FSDP2's mixed precision)
+    defer_grad_sync: bool = False  # FSDP2 reduces gradients once a step (they fit unsharded)
+    lora: dict | None = None  # LoRA's config (r, lora_alpha, target_modules), or None
+    base_only: bool = False  # LoRA's frozen base alone: the KL penalty's reference
+    cp_group: object = None  # Ulysses: the ranks that split each row
+    summary: str = ""  # the start-up lines that say all of the above
+
+    def logprobs(self, mb, temperature: float, grad: bool = False, entropy_grad: bool = False):
+        """(log pi(target), entropy) [T] of a packed micro-batch at `temperature`. Inputs and
+        layout are made on the host; under CP this rank runs its 1/N of the row and the whole
+        row's values are gathered. entropy_grad: a graph for the entropy (a bonus), else none."""
+        targets = mb.targets
+        if mb.seq_ids is not None:  # a prompt's positions predict nothing read: not scored
+            targets = targets.masked_fill(mb.seq_ids < 0, -1)
+        with torch.set_grad_enabled(grad), self.adapters():
+            inputs, layout = attention.row_inputs(
+                mb.input_ids, mb.position_ids, targets, mb.segments, self.device, self.kernel,
+                self.cp_group, self.attention == "plain")
+            out = as_root_forward(self.module, policy_logprobs, self.module, **inputs,
+                                  layout=layout, temperature=temperature,
+                                  entropy_grad=entropy_grad)
+        if self.cp_group is None:
+            return out
+        return attention.gather_row(*out, self.cp_group, len(targets))
+
+    def adapters(self):
+        """Inside: the model as the KL reference sees it (LoRA's base alone if base_only)."""
+        if self.base_only:
+            return lora.disabled(self.module)
+        return contextlib.nullcontext()
+
+    def set_grad_sync(self, sync: bool) -> None:
+        """FSDP2: reduce-scatter the gradients in this backward (else they stay unsharded)."""
+        if hasattr(self.module, "set_requires_gradient_sync"):
+            self.module.set_requires_gradient_sync(sync)
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+
+def as_root_forward(module: nn.Module, fn, *args, **kwargs):
+    """fn(*args, **kwargs) run as `module`'s forward for FSDP2: its root's parameters gathered
+    before, its gradients reduced in backward (what register_fsdp_forward_method wraps a method
+    with, without attaching one to the module); a plain module: fn as it is."""
+    if not hasattr(module, "_get_fsdp_state"):
+        return fn(*args, **kwargs)
+    state = module._get_fsdp_state()
+    args, kwargs = state._pre_forward(module, args, kwargs)
+    return state._post_forward(module, args, fn(*args, **kwargs))
+
 
 # -----------------------------------------------------------------------------
-# attention layouts and kernels
-def segments_from_positions(position_ids: Tensor) -> Tensor:
-    """Segments [R, 4] (start, len, 0, 0) of a row of whole sequences (positions restart at 0)."""
-    start = torch.nonzero(position_ids.flatten() == 0).flatten()
-    length = torch.diff(start, append=start.new_tensor([position_ids.numel()]))
-    return F.pad(torch.stack([start, length], 1), (0, 2))
+# loading: rank 0 reads the weights on the host, every rank shards a meta-device model
+def load_model(cfg, device: torch.device, world: int = 1, cp_group=None, trainable: bool = True,
+               memory: dict | None = None) -> Model:
+    """cfg.model (an HF causal LM) as a Model: dropout off (its log-probs must be the sampler's),
+    checked against its own forward, LoRA per cfg.lora_rank / cfg.lora_adapter, decisions made
+    on the meta-device model, then sharded over `world` ranks (one rank in full precision: plain)
+    and given rank 0's weights tensor by tensor: no rank holds a whole copy on `device`. `memory`:
+    what the plan counts besides (memory_plan's gpu, engine, others); a UserError on every rank
+    if the model cannot run here."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+    AttentionInterface.register("packed", torch.compiler.disable(attention.packed_attention))
+    mixed = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
+    dtype = {"float64": torch.float64}.get(cfg.dtype, torch.float32)
+    if cfg.lora_rank and mixed:  # LoRA's frozen base in the compute dtype
+        dtype = torch.bfloat16
+    adapter = lora.read_config(cfg.lora_adapter)
+    cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
+    full = _on_rank0(lambda: _load_checked(cfg.model, dtype, cp_size, trainable, cfg.lora_rank,
+                                           cfg.lora_adapter, adapter))
+    with torch.device("meta"):
+        config = AutoConfig.from_pretrained(cfg.model, use_cache=False)
+        module = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                  attn_implementation="packed")
+    described = lora.apply(module, cfg.lora_rank, adapter)
+    tokens = -(-cfg.micro_batch_tokens // cp_size)  # a micro-batch's, on this rank
+    model = decide(module, cfg, device, world, tokens, trainable, mixed, memory or {})
+    model.cp_group, model.lora = cp_group, _lora_config(module, cfg.lora_rank, adapter)
+    model.summary = described + model.summary
+    _shard(module, device, world, mixed)
+    if model.compiled:
+        compile_layers(module)
+    if model.checkpointing:  # a CPU's own choice (selective) skips small micro-batches' reruns
+        auto = CHECKPOINT_LAYERS is None and model.checkpointing == "selective"
+        checkpoint_layers(module, model.checkpointing == "selective", RERUN_FROM if auto else 0)
+    module.to_empty(device=device).eval().tie_weights()  # to_empty unties a plain model
+    state = {} if full is None else full.state_dict()
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(module, state, options=options)
+    mine = {} if full is None else dict(full.named_buffers())
+    for name, buffer in module.named_buffers():  # some are in no state dict (RoPE's inv_freq)
+        dist.broadcast(buffer.copy_(mine[name]) if mine else buffer, src=0)
+    for name, p in module.named_parameters():  # LoRA: the adapters alone
+        p.requires_grad_(trainable and (not cfg.lora_rank or lora.is_adapter(name)))
+    sum_gradients(module)  # the loss divides by the *global* normaliser: FSDP2 must sum ranks
+    return model
 
 
-def check_segments(segments: Tensor, num_tokens: int) -> None:
-    """A packed row's segments [R, 4] are on the host (packing makes them there: a copy from a
-    device would sync), cover its num_tokens tokens in order, and take context from earlier ones."""
-    if segments.device.type != "cpu":
-        raise ValueError(f"segments must be a CPU tensor, got one on {segments.device}")
-    q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
-    if int(q_len.sum()) != num_tokens or (q_start != torch.cumsum(q_len, 0) - q_len).any():
-        raise ValueError(f"segments must cover the {num_tokens} tokens of the row in order, got "
-                         f"{segments.tolist()}")
-    if ((ctx_start < 0) | ((ctx_len > 0) & (ctx_start + ctx_len > q_start)) | (ctx_len < 0)).any():
-        raise ValueError("a segment's context must be earlier tokens of the row, got "
-                         f"{segments.tolist()}")
+def _on_rank0(load):
+    """Rank 0's load() (the whole model, on the host), None elsewhere; a UserError on every rank
+    if it raises one."""
+    full, error = None, [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            full = load()
+        except UserError as e:
+            error = [str(e)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UserError(error[0])
+    return full
 
 
-def attention_layout(segments: Tensor, num_tokens: int, device: torch.device | None = None,
-                     kernel=None, cp_group=None) -> dict:
-    """Index tensors for segment_attention, built once per micro-batch on the CPU (no GPU sync for
-    the sizes). A row (q_start, q_len, ctx_start, ctx_len) of `segments` [R, 4]: q_len tokens attend
-    causally to ctx_len earlier tokens (a shared prompt prefix), then to themselves. Varlen:
-    `k_index`, `cu_q`, `cu_k` (bottom-right causal). Padded: rows of slots (`grid`: slot -> token,
-    `out`: token -> its query slot, `pos`: a slot's position in its sequence), `mask` [rows, 1,
-    slots, slots] if a row holds several segments (else causal). `cp_group`: who shares the row."""
-    check_segments(segments, num_tokens)
-    q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
-    row_len = ctx_len + q_len
-    j = torch.arange(int(row_len.max()))[None]
-    src = torch.where(j < ctx_len[:, None], ctx_start[:, None] + j,
-                      q_start[:, None] + j - ctx_len[:, None])
-    index = {"k_index": src[j < row_len[:, None]], "cu_q": F.pad(q_len.cumsum(0), (1, 0)).int(),
-             "cu_k": F.pad(row_len.cumsum(0), (1, 0)).int()}
-    rows, size, masked = _padded_rows(segments.tolist(), int(row_len.max()) <= GROUP_ROW_SLOTS)
-    # buckets (first slot, rows, width, lead) of rows longest first, copied contexts' apart (their
-    # first `lead` slots: keys alone, no query computed), one kernel call each: a row of L slots
-    # in a bucket W wide costs W^2, not L^2, so a bucket takes rows down to W / sqrt(2) (short: 1)
-    rows, size = zip(*sorted(zip(rows, size), key=lambda r: (r[0][0][3], -r[1])))
-    buckets, slots = [], 0
-    for row, width in zip(rows, size):
-        lead, wide = 0 if row[0][3] else row[0][1], buckets[-1][2] if buckets else 0
-        if not buckets or (lead > 0) != (buckets[-1][3] > 0) or 2 * width * width < wide * wide \
-                and wide > GROUP_ROW_SLOTS:
-            buckets.append([slots, 0, width, lead])
-        buckets[-1][1], slots = buckets[-1][1] + 1, slots + buckets[-1][2]
-        buckets[-1][3] = min(buckets[-1][3], lead)
-    size, buckets = torch.tensor(size), [tuple(b) for b in buckets]
-    start, length, seg, query = (torch.tensor(x) for x in zip(*sum(rows, [])))
-    n = torch.arange(int(length.sum()))
-    tok = torch.repeat_interleave(start - torch.cumsum(length, 0) + length, length) + n
-    seg, query, row = (torch.repeat_interleave(x, y) for x, y in (
-        (seg, length), (query, length), (torch.arange(len(rows)), size)))
-    first = torch.tensor([f + i * w for f, k, w, _ in buckets for i in range(k)])  # row's 1st slot
-    flat = first[row] + n - (torch.cumsum(size, 0) - size)[row]
-    grid, pos = torch.zeros(2, slots, dtype=torch.long)  # padding slots read token 0
-    grid[flat] = tok
-    pos[flat] = torch.where(query, ctx_len[seg] + tok - q_start[seg], tok - ctx_start[seg])
-    out = torch.empty(num_tokens, dtype=torch.long).index_put_((tok[query],), flat[query])
-    index |= {"grid": grid, "out": out, "pos": pos}
-    if masked:  # rows of several segments: a query sees its context and its own past
-        owner = torch.full((slots,), -1).index_put_((flat[query],), seg[query])
-        of_token = torch.repeat_interleave(torch.arange(len(segments)), q_len)
-        real = torch.zeros(slots, dtype=torch.bool).index_fill_(0, flat, True)
-        index["mask"] = [_row_mask(owner[f : f + k * w].view(k, w, 1), grid[f : f + k * w].view(
-            k, 1, w), real[f : f + k * w].view(k, 1, w), of_token, ctx_start, ctx_len)
-                         for f, k, w, _ in buckets]
-    index["tail"] = [torch.ones(w, w, dtype=bool).tril()[a:] if a else None for *_, w, a in buckets]
-    return {"mask": None} | {k: [m if m is None else m.to(device, non_blocking=True) for m in v]
-                             if isinstance(v, list) else v.to(device, non_blocking=True)
-                             for k, v in index.items()} | {
-        "buckets": buckets, "max_q": int(q_len.max()), "max_k": int(row_len.max()),
-        "kernel": kernel, "cp_group": cp_group}
+def _load_checked(path: str, dtype: torch.dtype, heads_divisor: int, check: bool, rank: int,
+                  adapter_path: str | None, adapter: dict | None):
+    """Rank 0's whole model on the host, checked (before its adapters: they start at zero or
+    load after), with its adapters; a UserError if it cannot run here."""
+    from transformers import AutoModelForCausalLM
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_cache=False,
+                                                     attn_implementation="packed").eval()
+    except (OSError, ValueError) as e:  # no weights, an unknown architecture, ...
+        raise UserError(f"--model {path}: cannot load a causal LM ({why(e)})") from None
+    text = model.config.get_text_config()
+    if text.num_attention_heads % heads_divisor:  # each CP rank attends with H/N whole heads
+        raise UserError(f"config error: --cp-size {heads_divisor} must divide the model's "
+                        f"{text.num_attention_heads} attention heads")
+    problem = check_model(model, text.vocab_size) if check else None
+    if problem:
+        raise UserError(f"--model {path} ({text.model_type}) is not supported: {problem}")
+    lora.apply(model, rank, adapter)
+    if adapter_path:
+        lora.load_weights(model, adapter_path)
+    return model
 
 
-def _padded_rows(segments: list, short: bool) -> tuple[list, list, bool]:
-    """(rows, their sizes, whether any needs a mask) of the padded path: a row holds pieces (first
-    token, length, segment, is query), a copied context keys only. A segment whose context starts a
-    context-free one (its prompt) joins its row: while rows are `short`, several (a mask then);
-    else the first whose context is all of it (still causal)."""
-    rows, size, host, masked = [], [], {}, False
-    for i, (qs, ql, cs, cl) in enumerate(segments):
-        r = host.get(cs) if cl else None
-        if r is not None and cl <= rows[r][0][1] and (size[r] + ql <= GROUP_ROW_SLOTS if short
-                                                      else size[r] == cl):
-            masked |= size[r] != cl  # its context is not all the row before it
-            rows[r].append((qs, ql, i, True))
-            size[r] += ql
-            continue
-        host.update({} if cl else {qs: len(rows)})
-        rows.append([(cs, cl, i, False)] * (cl > 0) + [(qs, ql, i, True)])
-        size.append(cl + ql)
-    return rows, size, masked
+def _lora_config(module: nn.Module, rank: int, adapter: dict | None) -> dict | None:
+    """The adapters' config as PEFT writes it: their rank, alpha and the layers they adapt."""
+    if not rank:
+        return None
+    layers = [n for n, m in module.named_modules() if isinstance(m, lora.LoraLinear)]
+    alpha = lora.LORA_ALPHA if adapter is None else adapter["lora_alpha"]
+    return {"r": rank, "lora_alpha": alpha, "target_modules": layers}
 
 
-def _row_mask(own, key, real, of_token, ctx_start, ctx_len) -> Tensor:
-    """[rows, 1, slots, slots]: a query slot (of segment `own`) sees its context and its own past;
-    padding and a copied context's slots see themselves alone."""
-    o = own.clamp(min=0)
-    sees = ((of_token[key] == own) & (key <= key.transpose(1, 2))
-            | (key >= ctx_start[o]) & (key < ctx_start[o] + ctx_len[o])) & real & (own >= 0)
-    return (sees | torch.eye(key.shape[-1], dtype=torch.bool))[:, None]
+def decide(module: nn.Module, cfg, device, world: int, tokens: int, trainable: bool,
+           mixed: bool, memory: dict) -> Model:
+    """Every decision about the model, from its meta-device shapes and what all ranks agree on:
+    attention path, compiled layers, checkpointing and gradient sync (the memory plan)."""
+    text = module.config.get_text_config()
+    softcap = bool(getattr(text, "attn_logit_softcapping", None))
+    try:
+        path, kernel, reason = attention.choose_attention(ATTENTION, device, mixed, softcap)
+    except ValueError as e:
+        raise UserError(f"config error: {e}") from None
+    eager = "eager (--no-compile)"
+    if cfg.compile:
+        eager = compile_verdict(module, device)
+    compute = "bf16 (fp32 master weights)" if mixed else str(module.dtype).removeprefix("torch.")
+    because = f" ({reason})" if reason else ""
+    summary = f"attention: {path}{because}; compute: {compute}; {eager or 'layers compiled'}"
+    checkpointing, defer = "", False  # a frozen copy: no backward
+    if trainable:
+        checkpointing, defer, plan = memory_decisions(shape_of(module, mixed), world, tokens,
+                                                      eager is None, **memory)
+        summary += "\n" + plan
+    return Model(module, device, path, kernel, checkpointing, eager is None, mixed, defer,
+                 summary=summary)
 
 
-def segment_attention(q, k, v, layout: dict, scaling: float | None = None, dropout: float = 0.0,
-                      window: int | None = None, softcap: float | None = None):
-    """Attention of a packed row by segments: q [H, T, D], k/v [Hkv, T, D] -> [T, H, D]; `window` as
-    HF's sliding_window (the last `window` keys, itself included), `softcap` as Gemma 2's. A varlen
-    kernel gathers each segment's keys (context, then itself), else a padded [rows, H, slots, D]
-    batch (cost ~ rows * slots^2, not T^2); index_select sums a copied context's gradients."""
-    scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
-    if layout["kernel"] is not None and q.dtype in HALF:
-        k, v = (x.transpose(0, 1).index_select(0, layout["k_index"]) for x in (k, v))
-        return layout["kernel"](q.transpose(0, 1), k, v, layout, scaling, dropout, window, softcap)
-    outs = [_padded_attention(q, k, v, layout["grid"][f : f + n * w], layout["pos"][f : f + n * w]
-            .view(n, w), mask, lead, tail, scaling, dropout, window, softcap) for (f, n, w, lead),
-            mask, tail in zip(layout["buckets"], layout["mask"] or [None] * len(layout["buckets"]),
-                              layout["tail"])]
-    return (outs[0] if len(outs) == 1 else torch.cat(outs)).index_select(0, layout["out"])
+def _shard(module: nn.Module, device, world: int, mixed: bool) -> None:
+    """FSDP2: a unit per decoder layer + the root. One rank in full precision stays plain: FSDP2
+    would only copy every weight and gradient twice a step (fresh buffers: 0.5B 19 -> 14 s)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if world == 1 and not mixed:
+        return
+    mp = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if mixed else {}
+    mesh = init_device_mesh(device.type, (world,))
+    for block in decoder_layers(module):
+        fully_shard(block, mesh=mesh, **mp)
+    fully_shard(module, mesh=mesh, **mp)
 
 
-def _padded_attention(q, k, v, grid, pos, mask, lead, tail, scaling, dropout, window, softcap):
-    """One bucket of rows of slots (`grid`: slot -> token, `pos` [rows, slots]): q [H, T, D], k/v
-    [Hkv, T, D] -> [rows * slots, H, D]; no query in the `lead` slots (0s), `tail` the others'."""
-    rows, width = pos.shape
-    q, k, v = (x.transpose(0, 1).index_select(0, grid).unflatten(0, (rows, width))
-               .transpose(1, 2) for x in (q, k, v))  # [h, T, D] -> [rows, h, slots, D]
-    if window is None and softcap is None:
-        bias = mask[:, :, lead:] if mask is not None else tail
-        out = F.pad(F.scaled_dot_product_attention(q[:, :, lead:], k, v, attn_mask=bias, is_causal=
-            bias is None, dropout_p=dropout, scale=scaling, enable_gqa=True), (0, 0, lead, 0))
-    else:  # a window is a band of positions: a query at p sees keys at p - window < p' <= p
-        keep = q.new_ones(width, width, dtype=torch.bool).tril() if mask is None else mask
-        if window is not None:
-            keep = keep & (pos[:, None, :, None] - pos[:, None, None, :] < window)
-        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
-        scores = (q @ k.transpose(-1, -2)) * scaling
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores / softcap)
-        out = F.dropout(scores.masked_fill(~keep, float("-inf")).softmax(-1), dropout) @ v
-    return out.transpose(1, 2).flatten(0, 1)
+def sum_gradients(module: nn.Module) -> None:
+    """Make FSDP2 sum, not average, gradients: on every FSDP module (the setters act on its own
+    parameters), forced sums (a divide factor alone reduces with PREMUL_SUM, which gloo rejects);
+    one rank's average is its sum, and a factor, even 1, divides every gradient: none there."""
+    from torch.distributed.fsdp import FSDPModule
+    if dist.get_world_size() == 1:
+        return
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
 
 
-def packed_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0, layout=None,
-                     sliding_window=None, softcap=None, s_aux=None, **kwargs):
-    """transformers attention "packed": q [1, H, T, D], k/v [1, Hkv, T, D] -> ([1, T, H, D], None);
-    the row in `layout` (attention_mask is None); under CP, T is this rank's chunk (Ulysses)."""
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The blocks FSDP2 shards one by one, innermost first: modules of the classes the model never
+    splits (`_no_split_modules`), else the children of its longest ModuleList."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return (blocks or list(max(lists, key=len, default=[])))[::-1]
+
+
+def adamw(params: list, **kwargs) -> torch.optim.AdamW:
+    """Fused AdamW (CPU: 33 ms a step looped, 8 foreach, 5), its state made now as its first step
+    would, before any activation: made in their freed memory, the next step's fault in afresh."""
+    optimizer = torch.optim.AdamW(params, fused=True, **kwargs)
+    for p in params:
+        optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                              "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    return optimizer
+
+
+# -----------------------------------------------------------------------------
+# compiled layers and checkpointing (the plain version of both: eager layers, all kept)
+def compile_verdict(module: nn.Module, device: torch.device) -> str | None:
+    """None if the decoder layers are to be compiled, else why they run eager: too small to pay,
+    or torch.compile cannot run on this device."""
+    size = sum(p.numel() for m in decoder_layers(module) for p in m.parameters())
+    if size < COMPILE_FROM:
+        return f"eager (decoder layers under {COMPILE_FROM / 1e6:g}M parameters)"
+    problem = compile_probe(device)
+    return None if problem is None else f"eager ({problem})"
+
+
+def compile_probe(device: torch.device) -> str | None:
+    """None if torch.compile builds and runs a kernel on `device`, else why not: inductor needs a
+    C++ compiler on a CPU; on a GPU, triton builds its launcher with a C compiler at the first
+    launch. Errors are raised here: under suppress_errors a missing one would silently run eager
+    while the memory plan counts compiled layers."""
+    probe = lambda x: torch.sin(x) * 2 + 1
+    probe.__code__ = probe.__code__.replace(co_name=f"probe_{next(_PROBES)}")  # compiled afresh
+    try:
+        with torch._dynamo.config.patch(suppress_errors=False):
+            torch.compile(probe, dynamic=False)(torch.ones(8, device=device))
+    except Exception as e:
+        return f"torch.compile cannot run on this {device.type}: {why(e)}"
+    return None
+
+
+def compile_layers(module: nn.Module) -> None:
+    """torch.compile each decoder layer (dynamic shapes: a new row length does not recompile; the
+    attention kernel eager): inductor fuses the elementwise work and reruns it in backward."""
+    torch._dynamo.config.suppress_errors = True  # what fails to compile runs eager (a warning)
+    for layer in decoder_layers(module):
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
+def checkpoint_layers(module: nn.Module, selective: bool = False, from_elements: int = 0):
+    """Activation checkpointing: each decoder layer keeps only its inputs for backward and runs
+    its forward again there; `selective` also keeps what KEPT_OPS return, so the rerun is the
+    elementwise work alone (norms, RoPE, activation, products). Non-reentrant, inside FSDP2's
+    hooks (they gather the layer's weights for the rerun too); a CP all-to-all inside reruns on
+    every rank alike (equal chunks: row_inputs). A layer input under `from_elements` runs as is."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts as keeping
+    kw = {"context_fn": functools.partial(keeping, list(KEPT_OPS))} if selective else {}
+    for layer in decoder_layers(module):
+        layer.forward = functools.partial(_maybe_rerun, layer.forward, from_elements, kw)
+
+
+def _maybe_rerun(forward, from_elements: int, kw: dict, *args, **kwargs):
+    hidden = args[0] if args else kwargs["hidden_states"]
+    if hidden.numel() < from_elements:
+        return forward(*args, **kwargs)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kw, **kwargs)
+
+
+# -----------------------------------------------------------------------------
+# the memory plan
+@dataclass(frozen=True)
+class Shape:
+    """What the memory plan reads of a model (parameters in elements, sizes in bytes)."""
+    params: int  # every parameter (LoRA: the base's too)
+    trainable: int  # those with gradients and AdamW state
+    layers: int
+    hidden: int
+    intermediate: int
+    kv_dim: int
+    vocab: int
+    tied: bool = False
+    master_bytes: int = 4  # a trainable parameter's
+    frozen_bytes: int = 4  # a frozen one's (LoRA's base)
+    compute_bytes: int = 4  # an activation's (bf16 compute: 2)
+
+
+def parameter_count(path: str) -> int:
+    """The parameters of the causal LM at `path`, counted on the meta device (nothing loaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return sum(p.numel() for p in module.parameters())
+
+
+def shape_of(module: nn.Module, mixed: bool) -> Shape:
+    text = module.config.get_text_config()
+    names = [(n, p) for n, p in module.named_parameters()]
+    adapters = [p for n, p in names if lora.is_adapter(n)]
+    trained = adapters or [p for _, p in names]
+    frozen = [p for n, p in names if not lora.is_adapter(n)]
+    heads, hidden = text.num_attention_heads, text.hidden_size
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    master = trained[0].element_size()
+    return Shape(sum(p.numel() for _, p in names), sum(p.numel() for p in trained),
+                 text.num_hidden_layers, hidden,
+                 getattr(text, "intermediate_size", None) or 4 * hidden, kv_heads * head_dim,
+                 text.vocab_size, bool(getattr(text, "tie_word_embeddings", False)), master,
+                 frozen[0].element_size(), 2 if mixed else master)
+
+
+def memory_plan(shape: Shape, world: int, tokens: int, checkpointing: str, *,
+                engine: tuple[float, float] = (0.0, 0.0), grads_unsharded: bool = False,
+                others: int = 0) -> dict[str, float]:
+    """Peak bytes per rank of a training step of a decoder LM FSDP2-sharded over `world` ranks (one
+    in full precision: plain), by part, and "total"; `tokens` a micro-batch's positions on this
+    rank; `others` the parameters of frozen models beside it (the KL reference, a teacher).
+    Activations saved per token and layer: the RMSNorms' fp32 inputs and outputs, q, k, v,
+    attention output, o_proj input, the MLP's gate, SiLU, up and product; checkpointed, each
+    layer's input ("selective", compiled layers: and what its matmuls and attention return), plus
+    one layer rerun. "gathered": FSDP2's unsharded params and grads (two layers, the root);
+    `grads_unsharded`: whole grads until the step. The engine holds engine[0] while it
+    generates, engine[1] while the trainer trains."""
+    s = shape
+    c = s.compute_bytes
+    fsdp = world > 1 or c != s.master_bytes  # load_model's rule: ranks, or bf16 compute
+    root = s.vocab * s.hidden * (1 if s.tied else 2)
+    per_token = 8 * s.hidden + c * (5 * s.hidden + 2 * s.kv_dim + 4 * s.intermediate)
+    layer = tokens * per_token
+    kept = {"selective": 5 * s.hidden + 2 * s.kv_dim + 2 * s.intermediate}
+    kept = kept.get(checkpointing, s.hidden)
+    if checkpointing:
+        saved = s.layers * tokens * kept * c
+    else:
+        saved = s.layers * layer
+    frozen = (s.params - s.trainable) * s.frozen_bytes + others * s.master_bytes
+    plan = {"weights": (s.trainable * s.master_bytes + frozen) / world,
+            "grads": s.trainable * s.master_bytes * (1 / world + (grads_unsharded and fsdp)),
+            "adamw": 2 * s.trainable * s.master_bytes / world,
+            "activations": saved + layer * (2 if checkpointing else 1),
+            "head": head_bytes(s.vocab, s.hidden, tokens, c),
+            "gathered": fsdp * 2 * c * (2 * (s.params - root) / s.layers + root),
+            "engine": max(engine)}
+    training = sum(plan.values()) - plan["engine"] + engine[1]
+    plan["total"] = max(plan["weights"] + plan["adamw"] + engine[0], training)
+    return plan
+
+
+def head_bytes(vocab: int, hidden: int, tokens: int, compute_bytes: int) -> int:
+    """HeadLogprobs' peak: fp32 logits of the rows kept or of one chunk (a half head: also their
+    half copy), and summed over chunks, a half head's d weight in fp32."""
+    logit_bytes = max(4, compute_bytes)
+    rows = min(tokens, max(HEAD_CHUNK, HEAD_KEEP // (logit_bytes * vocab)))
+    accumulator = 4 * vocab * hidden if compute_bytes < 4 and tokens > rows else 0
+    return (logit_bytes + compute_bytes % 4) * vocab * rows + accumulator
+
+
+def memory_decisions(shape: Shape, world: int, tokens: int, compiled: bool,
+                     gpu: tuple[int, int] | None = None, engine: tuple[float, float] = (0, 0),
+                     others: int = 0) -> tuple[str, bool, str]:
+    """(checkpointing, whether gradients stay unsharded until the step, the plan's line). `gpu`:
+    (free, total) bytes before the weights loaded, the least over ranks (None: a CPU, whose
+    decisions do not depend on memory); `engine`: what the engine holds while it generates and
+    while the trainer trains. A UserError if nothing fits."""
+    plain = "selective" if compiled else ""  # inductor keeps what selective checkpointing keeps
+    checkpointing = CHECKPOINT_LAYERS
+    kw = {"engine": engine, "others": others}
+    raw = memory_plan(shape, world, tokens, plain, grads_unsharded=True, **kw)
+    if checkpointing is None and gpu is None:  # a CPU: selective where a layer input is big
+        big = not compiled and tokens * shape.hidden >= SELECTIVE_FROM
+        checkpointing = "selective" if big else ""
+    elif checkpointing is None:  # a GPU: only where the plan without it does not fit well
+        checkpointing = "full" if raw["total"] > NO_RERUN_UP_TO * gpu[1] else ""
+    checkpointing = checkpointing or ""
+    planned = checkpointing or plain
+    deferred = memory_plan(shape, world, tokens, planned, grads_unsharded=True, **kw)
+    synced = memory_plan(shape, world, tokens, planned, **kw)
+    capacity = None if gpu is None else gpu[1]
+    defer = capacity is None or deferred["total"] <= capacity
+    plan = deferred if defer else synced
+    line = _plan_line(plan, raw if checkpointing else None, capacity)
+    if capacity is not None and plan["total"] > capacity:
+        raise UserError(f"config error: this will not fit: {line}; lower --micro-batch-tokens "
+                        "(activations), raise --cp-size, or use more GPUs (weights, grads and "
+                        "AdamW are sharded over ranks)")
+    return checkpointing, defer, f"memory per rank (plan): {line}"
+
+
+def _plan_line(plan: dict, without: dict | None, capacity: int | None) -> str:
+    """The plan in one line, in GiB (MiB when small)."""
+    big = plan["total"] >= 2**30 or capacity
+    unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
+    f = lambda b: f"{b / scale:.1f}"
+    parts = " + ".join(f"{k} {f(v)}" for k, v in plan.items() if k != "total" and v)
+    if without is not None:
+        parts += f" ({f(without['activations'])} without checkpointing)"
+    total = f" = {f(plan['total'])}"
+    if capacity:
+        total += f" of {f(capacity)}"
+    return f"{parts}{total} {unit}"
+
+
+def gpu_memory(device: torch.device, held: tuple[int, int] | None = None):
+    """(free, total) bytes of this rank's GPU (None on a CPU) and what its engine holds while it
+    generates and while released (`held`: its own measure; else all it holds now, kept while
+    training). Agreed over ranks, the least free and the most held: every memory decision must
+    be the same on every rank, or FSDP2's collectives pair wrongly (a hang)."""
+    if device.type != "cuda":
+        return None, (0.0, 0.0)
+    free, total = free_memory(device)
+    used = total - free  # the engine's and anything else's, before the trainer loads
+    training = used if held is None else used - (held[0] - held[1])
+    vec = torch.tensor([free, total, -used, -training], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        vec = vec.to(backend_device)
+        dist.all_reduce(vec, op=dist.ReduceOp.MIN)
+    free, total, used, training = vec.tolist()
+    return (int(free), int(total)), (-used, -training)
+
+
+def free_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of `device` now (a GPU)."""
+    return torch.cuda.mem_get_info(device)
+
+
+# -----------------------------------------------------------------------------
+# log-probs: the model's body, then its own head on the scored positions
+def head_transform(config) -> tuple[float, float | None]:
+    """(scale, softcap) a family's forward applies to its lm_head output: logits * scale, then
+    softcap * tanh(logits / softcap). check_model catches a family that applies something else."""
+    text = config.get_text_config()
+    kind = getattr(text, "model_type", "") or ""
+    name, divide = next((v for k, v in HEAD_SCALES.items() if kind.startswith(k)), (None, False))
+    value = getattr(text, name, None) if name else None
+    scale = 1.0
+    if value:
+        scale = 1.0 / value if divide else float(value)
+    return scale, getattr(text, "final_logit_softcapping", None) or None
+
+
+def policy_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0,
+                    segments: Tensor | None = None, layout=None, entropy_grad: bool = True,
+                    scored: Tensor | None = None, chunk: int = HEAD_CHUNK):
+    """(log pi(target_t | prefix), entropy) [T] of a packed row by `segments` (default: one sequence
+    per run of positions from 0) or its `layout`; entropy_grad=False: no entropy graph.
+    `scored`: the positions read (an index, default all): the head runs there alone, the rest 0."""
     if layout is None:
-        raise RuntimeError("packed attention needs the row's layout: call policy_logprobs")
-    if s_aux is not None:
-        raise NotImplementedError("attention sinks (s_aux) are not supported")
-    args, group = (scaling, dropout, sliding_window or None, softcap or None), layout["cp_group"]
-    if group is None:
-        return segment_attention(q[0], k[0], v[0], layout, *args)[None], None
-    n = dist.get_world_size(group)
-    if k.shape[1] % n:  # too few KV heads to split: repeat each, every rank gets the ones it needs
-        k, v = (x.repeat_interleave(n // math.gcd(x.shape[1], n), 1) for x in (k, v))
-    q, k, v = (_Swap.apply(x, group, 1, 2) for x in (q, k, v))
-    out = segment_attention(q[0], k[0], v[0], layout, *args)  # [S, H/N, D]
-    return _Swap.apply(out.transpose(0, 1)[None], group, 2, 1).transpose(1, 2), None
+        if segments is None:
+            segments = attention.segments_from_positions(position_ids.cpu())
+        layout = attention.attention_layout(segments, input_ids.shape[-1], input_ids.device)
+    hidden = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                              layout=layout).last_hidden_state[0]
+    if scored is not None:  # TRL's logits_to_keep: a shared prompt's prefix predicts nothing read
+        hidden, targets = hidden[scored], targets[scored]
+    head = model.get_output_embeddings()
+    bias = getattr(head, "bias", None)
+    transform = (temperature, *head_transform(model.config))
+    if FAST_HEAD:
+        keep = HEAD_KEEP if torch.is_grad_enabled() else 0
+        out = HeadLogprobs.apply(hidden, head.weight, bias, targets, *transform, chunk,
+                                 entropy_grad, keep)
+    else:
+        out = plain_head(hidden, head.weight, bias, targets, *transform, entropy_grad)
+    if scored is None:
+        return out
+    return tuple(x.new_zeros(input_ids.shape[-1]).index_copy(0, scored, x) for x in out)
 
 
-def _flash_attn_kernel(q, k, v, layout, scaling, dropout, window, softcap):
-    """flash-attn 2 (>= 2.6): bottom-right causal; window_size=(w-1, 0) keeps the last w keys."""
-    from flash_attn import flash_attn_varlen_func
-    return flash_attn_varlen_func(q, k, v, layout["cu_q"], layout["cu_k"], layout["max_q"],
-                                  layout["max_k"], dropout_p=dropout, softmax_scale=scaling,
-                                  causal=True, window_size=(window - 1 if window else -1, 0),
-                                  softcap=softcap or 0.0)
+def plain_head(hidden, weight, bias, targets, temperature: float, scale: float,
+               softcap: float | None, entropy_grad: bool = True) -> tuple[Tensor, Tensor]:
+    """The head as written: x = softcap(scale (hW^T + b)) / T in fp32 at least for every row at
+    once, log p = log_softmax(x), (log p(target), H = -sum_v p_v log p_v); autograd's backward.
+    HeadLogprobs computes the same in chunks, in less memory and fewer GEMMs."""
+    up = torch.promote_types(hidden.dtype, torch.float32)
+    logits = F.linear(hidden.to(up), weight.to(up), None if bias is None else bias.to(up))
+    logits = logits * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    logp = torch.log_softmax(logits / temperature, -1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    if not entropy_grad:
+        entropy = entropy.detach()
+    return logp.gather(-1, targets[:, None])[:, 0], entropy
+
+
+class HeadLogprobs(torch.autograd.Function):
+    """plain_head, chunked: x = softcap(scale (hW^T + b)) / T in fp32 at least (bf16 logits err
+    by ~0.06 at 20, more than the ratio clip tolerates). x [T, V] is kept for backward if at most
+    `keep` bytes (else a GEMM reruns it); there d/dx = g_lp (onehot(y) - p) - g_H p (log p + H),
+    times scale / T (1 - tanh^2 under a softcap), overwrites it for two GEMMs. Exact; without
+    `h_grad`: no d/dH."""
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temp, scale, softcap, chunk, h_grad, keep):
+        ctx.set_materialize_grads(False)
+        up = torch.promote_types(hidden.dtype, torch.float32)
+        kept = None  # x stays for backward when it fits `keep`: one chunk of every row
+        if len(hidden) * len(weight) * up.itemsize <= keep:
+            kept, chunk = [], max(len(hidden), 1)
+        ctx.kept, ctx.args = kept, (temp, scale, softcap, chunk)
+        lp_out = hidden.new_empty(len(hidden), dtype=up)
+        entropy = hidden.new_empty(len(hidden), dtype=up)
+        for rows, x in _head_blocks(hidden, weight, bias, *ctx.args, kept=kept):
+            lp = torch.log_softmax(x, -1)
+            lp_out[rows] = lp.gather(-1, targets[rows, None])[:, 0]
+            p = torch.exp(lp, out=x if kept is None else None)
+            entropy[rows] = -torch.linalg.vecdot(p, lp)
+        ctx.save_for_backward(hidden, weight, bias, targets, entropy if h_grad else None)
+        if not h_grad:
+            ctx.mark_non_differentiable(entropy)
+        return lp_out, entropy
+
+    @staticmethod
+    def backward(ctx, g_lp, g_h):
+        hidden, weight, bias, targets, entropy = ctx.saved_tensors
+        temperature, scale, softcap, chunk = ctx.args
+        need = ctx.needs_input_grad
+        if g_lp is not None:
+            g_lp = g_lp * (scale / temperature)
+        if g_h is not None:
+            g_h = g_h * (scale / temperature)
+        # d weight and d bias sum over chunks: in fp32 at least, rounded once (a half sum rounds
+        # at every chunk); one chunk writes them in their own dtype
+        up = torch.promote_types(hidden.dtype, torch.float32)
+        sums = len(hidden) > chunk
+        grads = []
+        for i, (x, n) in enumerate(zip((hidden, weight, bias), need)):
+            grads.append(torch.zeros_like(x, dtype=up if sums and i else x.dtype) if n else None)
+        for rows, x in _head_blocks(hidden, weight, bias, *ctx.args, grads, ctx.kept):
+            cap = 1.0
+            if softcap:  # d softcap tanh(u / softcap) / du = 1 - tanh^2
+                cap = (x * (temperature / softcap)).square_().neg_().add_(1)
+            lp = torch.log_softmax(x, -1)
+            p = torch.exp(lp, out=x)  # d/dx over x: -p (g_lp + g_H (log p + H)), + g_lp at y
+            k = 0
+            if g_h is not None:
+                k = lp.add_(entropy[rows, None]).mul_(g_h[rows, None])
+            if g_lp is not None:
+                k = k + g_lp[rows, None]
+            p.mul_(k).neg_()
+            if g_lp is not None:
+                p.scatter_add_(-1, targets[rows, None], g_lp[rows, None])
+            p.mul_(cap)
+        inputs = (hidden, weight, bias)
+        grads = [g if g is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
+        return *grads, *[None] * 7
+
+
+def _head_blocks(hidden, weight, bias, temperature, scale, softcap, chunk, grads=None, kept=None):
+    """(rows, x) HEAD_ROWS rows at a time: logits x = softcap(scale z) / T in place in z = hW^T + b
+    (fp32 at least), `chunk` rows at a time in one buffer, or `kept` (forward appends z, backward
+    pops it). With `grads` [hidden, weight, bias]: once the caller overwrote a chunk by d/dz, its
+    half GEMMs where they run: d hidden (a sum over V) out in fp32 (cuBLAS may split-K a half
+    output in bf16), d weight summed in grads[1]'s dtype."""
+    up = torch.promote_types(hidden.dtype, torch.float32)
+    again = not (grads and kept)  # logits to compute (not kept from forward)
+    rows = HEAD_ROWS[hidden.device.type != "cpu"]
+    buf = None
+    for i in range(0, len(hidden), chunk):
+        h = hidden[i : i + chunk]
+        if not again:
+            z = kept.pop(0)
+        elif buf is None or not h.dtype == weight.dtype == up:
+            z = buf = _mm(h, weight.t(), up)
+        else:  # fp32: into the first chunk's buffer
+            z = torch.mm(h, weight.t(), out=buf[: len(h)])
+        if again and bias is not None:
+            z.add_(bias)
+        for j in range(0, len(h), rows):
+            x = z[j : j + rows]  # the model's ops, then / T (kept logits had them)
+            if again and softcap:
+                x.mul_(scale).div_(softcap).tanh_().mul_(softcap).div_(temperature)
+            elif again:
+                x.mul_(scale).div_(temperature)
+            yield slice(i + j, i + j + len(x)), x
+        if kept is not None and grads is None:
+            kept.append(z)  # forward's (one chunk): backward's x
+        if grads:
+            _head_grads(grads, z, h, weight, up, i)
+
+
+def _head_grads(grads: list, dz: Tensor, h: Tensor, weight: Tensor, up, i: int) -> None:
+    """A chunk's share of d hidden (its rows), d weight and d bias (summed), from d/dz."""
+    g = dz.to(h.dtype)
+    if grads[0] is not None:
+        grads[0][i : i + len(h)] = _mm(g, weight, up)
+    if grads[1] is not None and g.dtype == up:
+        grads[1].addmm_(g.t(), h)
+    elif grads[1] is not None:
+        grads[1].add_(_mm(g.t(), h, grads[1].dtype))
+    if grads[2] is not None:
+        grads[2].add_(dz.sum(0))
 
 
 @functools.cache
-def _params(fn) -> frozenset[str]:
-    return frozenset(inspect.signature(fn).parameters)
+def mm_out_dtype_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch.mm(a, b, out_dtype=torch.float32) runs here (torch 2.13: CUDA and XPU kernels
+    for fp16/bf16 inputs, no CPU one). Probed once, without autograd: mm.dtype has no derivative."""
+    try:
+        x = torch.ones(1, 1, device=device, dtype=dtype)
+        return dtype in HALF and torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
+    except Exception:  # NotImplementedError: no kernel on this device; TypeError: an older torch
+        return False
 
 
-def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
-    """PyTorch's bundled FA2 varlen_attn: flash-attn's window_size and bottom-right causal mask."""
-    from torch.nn.attention.varlen import varlen_attn
-    if softcap or dropout:
-        raise NotImplementedError("torch varlen_attn has no softcap or dropout")
-    gqa = k.shape[1] != q.shape[1]
-    if gqa and "enable_gqa" not in _params(varlen_attn):  # torch < 2.12: repeat the KV heads
-        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
-        gqa = False
-    return varlen_attn(q, k, v, layout["cu_q"], layout["cu_k"], layout["max_q"], layout["max_k"],
-                       scale=scaling, window_size=(window - 1 if window else -1, 0),
-                       **({"enable_gqa": True} if gqa else {}))
-
-
-def choose_attention(requested: str, device: torch.device, half: bool, softcap: bool
-                     ) -> tuple[str, object, str]:
-    """(path, kernel, why) for --attention: a varlen kernel (flash-attn, else PyTorch's) for half
-    compute on a GPU, else the padded path; one requested that cannot run here raises ValueError."""
-    reasons = {}
-    if device.type != "cuda" or not half:
-        reasons["flash_attn"] = reasons["torch_varlen"] = "it needs bf16/fp16 compute on a GPU"
-    else:
-        try:
-            import flash_attn
-            if not hasattr(flash_attn, "flash_attn_varlen_func"):  # flash-attn-4's namespace
-                raise ImportError("this flash_attn has no flash_attn_varlen_func (flash-attn 2)")
-        except Exception as e:  # an ABI mismatch raises ImportError or OSError
-            reasons["flash_attn"] = f"flash-attn is not usable ({type(e).__name__}: {e})"
-        try:  # torch 2.10's varlen_attn has neither scale nor window_size; 2.8-2.9 none at all
-            from torch.nn.attention.varlen import varlen_attn
-            if not {"scale", "window_size"} <= _params(varlen_attn):
-                reasons["torch_varlen"] = f"torch {torch.__version__}'s varlen_attn has no " \
-                    "scale/window_size (torch >= 2.11)"
-        except ImportError:
-            reasons["torch_varlen"] = f"torch {torch.__version__} has no nn.attention.varlen"
-        if softcap:
-            reasons.setdefault("torch_varlen", "the model softcaps attention logits")
-    kernels = {"flash_attn": _flash_attn_kernel, "torch_varlen": _torch_varlen_kernel}
-    if requested != "auto":
-        if requested in reasons:
-            raise ValueError(f"--attention {requested} cannot run here: {reasons[requested]}")
-        return requested, kernels.get(requested), "as requested"
-    path = next((p for p in kernels if p not in reasons), "sdpa")
-    skipped = {} if path == "flash_attn" else reasons  # only paths before `path` have reasons
-    if len(skipped) > 1 and len(set(skipped.values())) == 1:  # one reason for all: say it once
-        return path, kernels.get(path), f"not {' nor '.join(skipped)}: {reasons['flash_attn']}"
-    return path, kernels.get(path), "; ".join(f"not {k}: {v}" for k, v in skipped.items())
-
-
-class _Swap(torch.autograd.Function):
-    """Dim `split` in N blocks, block i to CP rank i, those received joined along `join`: heads for
-    tokens [B, H, S/N, D] -> [B, H/N, S, D] is (1, 2); the way back, (2, 1), is the backward."""
-    @staticmethod
-    def forward(ctx, x, group, split: int, join: int):
-        ctx.args = group, join, split
-        x = x.unflatten(split, (dist.get_world_size(group), -1)).movedim(split, 0).contiguous()
-        out = torch.empty_like(x)  # x contiguous first: empty_like copies a view's strides
-        dist.all_to_all_single(out, x, group=group)
-        return out.movedim(0, join).flatten(join, join + 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _Swap.apply(grad, *ctx.args), None, None, None
-
-
-class GatherSequence(torch.autograd.Function):
-    """[..., T/N] per CP rank -> [..., T] on every CP rank. Every rank's loss reads all T values:
-    the gradient of this rank's slice is the *sum* over the group of the incoming gradients."""
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, x = group, x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x, group=group)
-        return torch.cat(parts, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        dist.all_reduce(grad := grad.contiguous().clone(), group=ctx.group)
-        return grad.chunk(dist.get_world_size(ctx.group), -1)[dist.get_rank(ctx.group)], None
-
-
-def row_inputs(ids, pos, targets, segments, device, kernel=None, group=None) -> tuple[dict, dict]:
-    """A packed row -> (policy_logprobs' ids, positions [1, T], targets [T] and scored index on
-    `device`, the row's layout), built on the host. A CP `group` (Ulysses): this rank's contiguous
-    1/N of the row, padded to a multiple of N by a segment of its own (gather_row cuts). A target
-    of -1 is read by nothing: not scored (a prompt's prefix), so the head skips it."""
-    T, n, r = len(ids), *((dist.get_world_size(group), dist.get_rank(group)) if group else (1, 0))
-    pad = -T % n
-    ids, targets = F.pad(ids, (0, pad)), F.pad(targets, (0, pad), value=-1)
-    pos = torch.cat([pos, torch.arange(pad)])
-    if pad:
-        segments = torch.cat([segments, segments.new_tensor([[T, pad, 0, 0]])])
-    mine = slice(r * (T + pad) // n, (r + 1) * (T + pad) // n)
-    chunk = {"input_ids": ids[mine][None], "position_ids": pos[mine][None],
-             "targets": targets[mine], "scored": (targets[mine] >= 0).nonzero()[:, 0]}
-    return ({k: v.to(device) for k, v in chunk.items()},
-            attention_layout(segments, T + pad, device, kernel=kernel, cp_group=group))
-
-
-def gather_row(logprobs, entropy, group, num_tokens: int) -> tuple:
-    """Every CP rank's chunk of log-probs and entropies -> the whole row's, on every CP rank."""
-    return GatherSequence.apply(torch.stack([logprobs, entropy]), group)[:, :num_tokens].unbind()
+def _mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """a @ b accumulated in fp32 at least, as out_dtype: a half GEMM where it runs, else upcast."""
+    if a.dtype == b.dtype and mm_out_dtype_runs(a.device, a.dtype):
+        return torch.mm(a, b, out_dtype=out_dtype)
+    up = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    return (a.to(up) @ b.to(up)).to(out_dtype)
 
 
 # -----------------------------------------------------------------------------
-# the model: body, head, log-probs
+# the CPU engine's matmuls
+def pack_weights(weights: list[Tensor], rows: int) -> dict[int, Tensor]:
+    """{id(W): oneDNN's copy of W, reordered once for `rows`-row inputs} of the big fp32 weights of
+    the CPU engine's model for one generate call (the trainer changes them every step). A few-row
+    matmul on a plain W re-blocks W at every call, a pass over it as long as the product: 135M
+    shape, 16 rows, 2 threads: 2x the decode's matmuls. {} where oneDNN is absent: F.linear."""
+    if not torch.backends.mkldnn.is_available():
+        return {}
+    big = [w for w in weights if w.device.type == "cpu" and w.dtype == torch.float32
+           and w.dim() == 2 and w.numel() >= BIG_WEIGHT]
+    return {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows) for w in big}
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: dict | None = None):
+    """F.linear(x, W, b), on W's packed copy where `packed` holds one (the same rows to ~1e-6)."""
+    w = (packed or {}).get(id(weight))
+    if w is None or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+def head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, packed: dict | None = None
+                ) -> Tensor:
+    """The sampler's logits hW^T (+ b) [n, V] in fp32 at least by a half GEMM where one runs."""
+    if hidden.dtype == weight.dtype == torch.float32:
+        logits = linear(hidden, weight, None, packed)
+    else:
+        logits = _mm(hidden, weight.t(), torch.promote_types(hidden.dtype, torch.float32))
+    return logits if bias is None else logits + bias
+
+
+# -----------------------------------------------------------------------------
+# checks: a model source that exists, a family nanoareal reproduces
 def check_model_source(name: str) -> None:
     """--model is a model directory (config.json, tokenizer files) or a cached or reachable hub id:
     a wrong path is one line at once, not a minute of retries against an unreachable hub."""
-    path, bad = Path(name).expanduser(), lambda problem: UserError(f"--model {name}: {problem}")
+    path = Path(name).expanduser()
+    bad = lambda problem: UserError(f"--model {name}: {problem}")
     if path.exists():
         if not (path / "config.json").is_file():
             raise bad("not a model directory (it has no config.json)")
@@ -360,348 +742,16 @@ def check_model_source(name: str) -> None:
         raise bad(f"{where}, and {host} cannot be reached to download it") from None
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, heads_divisor: int,
-                   attention: str, half: bool, check: bool = True, shard=lambda model: None,
-                   lora: tuple[int, str | None] = (0, None)):
-    """(model, which attention runs): an HF causal LM in `dtype`, dropout off (its log-probs must be
-    the sampler's), on packed rows with the fastest kernel that can (`half`: bf16 compute), checked
-    against its own forward (`check`), else a UserError on every rank. No rank holds a whole copy on
-    `device`: each `shard`s a meta-device model (FSDP2), then takes its shards of the weights rank 0
-    read on the host, tensor by tensor. `lora`: apply_lora's (rank, adapter), before `shard`."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
-    AttentionInterface.register("packed", torch.compiler.disable(packed_attention))
-    full, error = None, [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:  # (a config error: no group needed)
-        try:
-            full = _load_checked(path, dtype, heads_divisor, check)
-            apply_lora(full, *lora)  # rank 0's adapters (initial or loaded) go to every rank
-        except UserError as e:
-            error = [str(e)]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise UserError(error[0])
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
-            path, use_cache=False), dtype=dtype, attn_implementation="packed")
-    described = apply_lora(model, *lora)
-    shard(model)
-    model.to_empty(device=device).eval().tie_weights()  # to_empty unties a plain model; no dropout
-    set_model_state_dict(model, {} if full is None else full.state_dict(), options=StateDictOptions(
-        full_state_dict=True, broadcast_from_rank0=True))
-    mine = {} if full is None else dict(full.named_buffers())
-    for name, buffer in model.named_buffers():  # some are in no state dict (RoPE's inv_freq)
-        dist.broadcast(buffer.copy_(mine[name]) if mine else buffer, src=0)
-    text = model.config.get_text_config()
-    try:
-        kind, model.attention_kernel, reason = choose_attention(
-            attention, device, half, bool(getattr(text, "attn_logit_softcapping", None)))
-    except ValueError as e:
-        raise UserError(f"config error: {e}") from None
-    return model, f"{described}attention: {kind}{f' ({reason})' if reason else ''}"
-
-
-def _load_checked(path: str, dtype: torch.dtype, heads_divisor: int, check: bool):
-    """Rank 0's whole model, on the host; a UserError if it cannot run here."""
-    from transformers import AutoModelForCausalLM
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_cache=False,
-                                                     attn_implementation="packed").eval()
-    except (OSError, ValueError) as e:  # no weights, an unknown architecture, ...
-        raise UserError(f"--model {path}: cannot load a causal LM ({why(e)})") from None
-    text = model.config.get_text_config()
-    if text.num_attention_heads % heads_divisor:  # each CP rank attends with H/N whole heads
-        raise UserError(f"config error: --cp-size {heads_divisor} must divide the model's "
-                        f"{text.num_attention_heads} attention heads")
-    if check and (problem := check_model(model, text.vocab_size)):
-        raise UserError(f"--model {path} ({text.model_type}) is not supported: {problem}")
-    return model
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks FSDP2 shards one by one, innermost first: modules of the classes the model never
-    splits (`_no_split_modules`), else the children of its longest ModuleList."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    return (blocks or list(max(lists, key=len, default=[])))[::-1]
-
-
-def memory_plan(params: int, trainable: int, layers: int, hidden: int, intermediate: int,
-                kv_dim: int, vocab: int, world: int, tokens: int, checkpointing: bool | str, *,
-                tied: bool = False, master_bytes: int = 4, frozen_bytes: int | None = None,
-                compute_bytes: int = 2, engine_generating: float = 0.0,
-                engine_training: float = 0.0, grads_unsharded: bool = False) -> dict[str, float]:
-    """Peak bytes per rank of a training step of a decoder LM FSDP2-sharded over `world` ranks (one
-    in full precision: plain), by part, and "total". `params` all parameters, `trainable` those
-    with gradients and AdamW state (in `master_bytes`), the rest in `frozen_bytes` (LoRA's base);
-    `tokens` a micro-batch's positions on this rank. Activations saved per token and layer: the
-    RMSNorms' fp32 inputs and outputs, q, k, v, attention output, o_proj input, the MLP's gate,
-    SiLU, up and product; checkpointed, each layer's input (`checkpointing` "selective", compiled
-    layers: and what its matmuls and attention return), plus one layer rerun. "gathered": FSDP2's
-    unsharded params and grads (two layers, the root); `grads_unsharded`: whole grads until the
-    step. The engine holds `engine_generating` while it generates, `engine_training` else."""
-    frozen_bytes = master_bytes if frozen_bytes is None else frozen_bytes
-    fsdp = world > 1 or compute_bytes != master_bytes  # load_model's rule: ranks, or bf16 compute
-    root = vocab * hidden * (1 if tied else 2)
-    layer = tokens * (8 * hidden + compute_bytes * (5 * hidden + 2 * kv_dim + 4 * intermediate))
-    kept = {"selective": 5 * hidden + 2 * kv_dim + 2 * intermediate}.get(checkpointing, hidden)
-    saved = layers * tokens * kept * compute_bytes if checkpointing else layers * layer
-    plan = {"weights": (trainable * master_bytes + (params - trainable) * frozen_bytes) / world,
-            "grads": trainable * master_bytes * (1 / world + (grads_unsharded and fsdp)),
-            "adamw": 2 * trainable * master_bytes / world,
-            "activations": saved + layer * (2 if checkpointing else 1),
-            "head": (max(4, compute_bytes) + compute_bytes % 4) * vocab * min(tokens, max(
-                HEAD_CHUNK, HEAD_KEEP // (max(4, compute_bytes) * vocab))),  # kept, or a chunk
-            "gathered": fsdp * 2 * compute_bytes * (2 * (params - root) / layers + root)}
-    plan["engine"] = max(engine_generating, engine_training)
-    plan["total"] = max(plan["weights"] + plan["adamw"] + engine_generating,
-                        sum(plan.values()) - plan["engine"] + engine_training)
-    return plan
-
-
-def adamw(params: list, **kwargs) -> torch.optim.AdamW:
-    """Fused AdamW (CPU: 33 ms a step looped, 8 foreach, 5), its state made now as its first step
-    would, before any activation: made in their freed memory, the next step's fault in afresh."""
-    optimizer = torch.optim.AdamW(params, fused=True, **kwargs)
-    for p in params:
-        optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-                              "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-    return optimizer
-
-
-def checkpoint_layers(model: torch.nn.Module, selective: bool = False, from_elements: int = 0):
-    """Activation checkpointing: each decoder layer keeps only its inputs for backward and runs
-    its forward again there; `selective` also keeps what KEPT_OPS return, so the rerun is the
-    elementwise work alone (norms, RoPE, activation, products). Non-reentrant, inside FSDP2's
-    hooks (they gather the layer's weights for the rerun too); a CP all-to-all inside reruns on
-    every rank alike (equal chunks: row_inputs). Exact: no dropout, a rerun op computes what it did.
-    A layer input under `from_elements` runs as is (135M shape, 764 positions: 12% faster)."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts as keeping
-    kw = {"context_fn": functools.partial(keeping, list(KEPT_OPS))} if selective else {}
-    for layer in decoder_layers(model):
-        layer.forward = functools.partial(_maybe_rerun, layer.forward, from_elements, kw)
-
-
-def compile_layers(model: torch.nn.Module, device: torch.device, from_params: int) -> str | None:
-    """torch.compile each decoder layer (dynamic shapes, attention eager): inductor fuses its
-    elementwise work and reruns it in backward (as selective checkpointing). None, or why not."""
-    from torch._inductor.cpp_builder import get_cpp_compiler
-    if sum(p.numel() for m in decoder_layers(model) for p in m.parameters()) < from_params:
-        return f"eager (decoder layers under {from_params / 1e6:g}M parameters)"
-    try:  # a CPU's C++ compiler (CXX, else g++; raises if none); a GPU's triton ships with torch
-        get_cpp_compiler() if device.type == "cpu" else None
-    except Exception as e:
-        return f"eager ({e})"
-    torch._dynamo.config.suppress_errors = True  # what fails to compile runs eager (a warning)
-    for layer in decoder_layers(model):
-        layer.forward = torch.compile(layer.forward, dynamic=True)
-
-
-def _maybe_rerun(forward, from_elements: int, kw: dict, *args, **kwargs):
-    if (args[0] if args else kwargs["hidden_states"]).numel() < from_elements:
-        return forward(*args, **kwargs)
-    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kw, **kwargs)
-
-
-def startup_memory(model, world: int, tokens: int, checkpointing: bool | str | None, mixed: bool,
-                   gpu: tuple[int, int] | None = None, engine_releases: bool = False,
-                   frozen_copies: int = 0) -> tuple[str, bool, bool | str]:
-    """(the plan's line, whether gradients may stay unsharded until the optimizer step (where that
-    fits), `checkpointing` (None: True unless the GPU holds the plan without it)). `gpu`: (free,
-    total) bytes before the weights loaded (None: a CPU, print only), the rest the engine's: all of
-    it while generating, none in training if `engine_releases`. A UserError if nothing fits."""
-    text, params = model.config.get_text_config(), list(model.parameters())
-    capacity, engine = (gpu[1], gpu[1] - gpu[0]) if gpu else (None, 0.0)
-    heads, hidden = text.num_attention_heads, text.hidden_size
-    head_dim = getattr(text, "head_dim", None) or hidden // heads
-    frozen = [p for p in params if not p.requires_grad]  # LoRA's base: its KL reference too
-    n = sum(p.numel() for p in params) * (1 + frozen_copies * (not frozen))
-    shape = (n, sum(p.numel() for p in params if p.requires_grad),
-             text.num_hidden_layers, hidden, getattr(text, "intermediate_size", None) or 4 * hidden,
-             (getattr(text, "num_key_value_heads", None) or heads) * head_dim, text.vocab_size,
-             world, tokens)
-    master = next((p for p in params if p.requires_grad), params[0]).element_size()
-    kw = {"tied": bool(getattr(text, "tie_word_embeddings", False)), "master_bytes": master,
-          "frozen_bytes": (frozen or params)[0].element_size(),
-          "compute_bytes": 2 if mixed else master, "engine_generating": engine,
-          "engine_training": 0.0 if engine_releases else engine}
-    plain = getattr(model, "why_eager", "") is None and "selective"  # compiled: as selective
-    raw = memory_plan(*shape, plain, grads_unsharded=True, **kw)
-    if checkpointing is None:
-        checkpointing = capacity is None or raw["total"] > NO_RERUN_UP_TO * capacity
-    deferred, synced = (memory_plan(*shape, checkpointing or plain, grads_unsharded=g, **kw)
-                        for g in (True, False))
-    defer = capacity is None or deferred["total"] <= capacity
-    plan = deferred if defer else synced  # one line, in GiB (MiB when small)
-    unit, scale = ("GiB", 2**30) if plan["total"] >= 2**30 or capacity else ("MiB", 2**20)
-    f = lambda b: f"{b / scale:.1f}"
-    line = " + ".join(f"{k} {f(v)}" for k, v in plan.items() if k != "total" and v) + (
-        f" ({f(raw['activations'])} without checkpointing)" if checkpointing else "") + \
-        f" = {f(plan['total'])}" + (f" of {f(capacity)}" if capacity else "") + f" {unit}"
-    if plan["total"] > (capacity or math.inf):
-        raise UserError(f"config error: this will not fit: {line}; lower --micro-batch-tokens "
-                        "(activations), raise --cp-size, or use more GPUs (weights, grads and "
-                        "AdamW are sharded over ranks)")
-    return f"memory per rank (plan): {line}", defer, checkpointing
-
-
-def head_transform(config) -> tuple[float, float | None]:
-    """(scale, softcap) a family's forward applies to its lm_head output: logits * scale, then
-    softcap * tanh(logits / softcap). check_model catches a family that applies something else."""
-    text = config.get_text_config()
-    kind = getattr(text, "model_type", "") or ""
-    field, divide = next((v for k, v in HEAD_SCALES.items() if kind.startswith(k)), (None, False))
-    value = getattr(text, field, None) if field else None
-    scale = 1.0 if not value else 1.0 / value if divide else float(value)
-    return scale, getattr(text, "final_logit_softcapping", None) or None
-
-
-def policy_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0,
-                    chunk: int = HEAD_CHUNK, segments: Tensor | None = None,
-                    layout: dict | None = None, entropy_grad: bool = True,
-                    scored: Tensor | None = None):
-    """(log pi(target_t | prefix), entropy) [T] of a packed row by `segments` (default: one sequence
-    per run of positions from 0) or its CP `layout`; entropy_grad=False: no entropy graph.
-    `scored`: the positions read (an index, default all): the head runs there alone, the rest 0."""
-    if layout is None:
-        segments = segments_from_positions(position_ids.cpu()) if segments is None else segments
-        layout = attention_layout(segments, input_ids.shape[-1], input_ids.device,
-                                  kernel=getattr(model, "attention_kernel", None))
-    hidden = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                              layout=layout).last_hidden_state[0]
-    if scored is not None:  # TRL's logits_to_keep: a shared prompt's prefix predicts nothing read
-        hidden, targets = hidden[scored], targets[scored]
-    head = model.get_output_embeddings()
-    out = HeadLogprobs.apply(hidden, head.weight, getattr(head, "bias", None), targets,
-                             temperature, *head_transform(model.config), chunk, entropy_grad,
-                             HEAD_KEEP if torch.is_grad_enabled() else 0)
-    return out if scored is None else tuple(
-        x.new_zeros(input_ids.shape[-1]).index_copy(0, scored, x) for x in out)
-
-
-class HeadLogprobs(torch.autograd.Function):
-    """(log p_t(y_t), H_t) [T] from hidden [T, d] and the head: x = softcap(scale (hW^T + b)) / T
-    in fp32 at least (bf16 logits err by ~0.06 at 20, more than the ratio clip tolerates), log p =
-    log_softmax(x), H = -sum_v p_v log p_v. x [T, V] is kept for backward if at most `keep` bytes
-    (else a GEMM reruns it); there d/dx = g_lp (onehot(y) - p) - g_H p (log p + H), times scale / T
-    (1 - tanh^2 under a softcap), overwrites it for two GEMMs. Exact; without `h_grad`: no d/dH."""
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temp, scale, softcap, chunk, h_grad, keep):
-        ctx.set_materialize_grads(False)
-        up = torch.promote_types(hidden.dtype, torch.float32)
-        kept = ctx.kept = [] if len(hidden) * len(weight) * up.itemsize <= keep else None  # x stays
-        ctx.args = temp, scale, softcap, chunk if kept is None else max(len(hidden), 1)
-        lp_out, entropy = (hidden.new_empty(len(hidden), dtype=up) for _ in range(2))
-        for rows, x in _head_blocks(hidden, weight, bias, *ctx.args, kept=kept):
-            lp = torch.log_softmax(x, -1)
-            lp_out[rows] = lp.gather(-1, targets[rows, None])[:, 0]
-            entropy[rows] = -torch.linalg.vecdot(torch.exp(lp, out=x if kept is None else None), lp)
-        ctx.save_for_backward(hidden, weight, bias, targets, entropy if h_grad else None)
-        ctx.mark_non_differentiable(*[] if h_grad else [entropy])
-        return lp_out, entropy
-
-    @staticmethod
-    def backward(ctx, g_lp, g_h):
-        hidden, weight, bias, targets, entropy = ctx.saved_tensors
-        (temperature, scale, softcap, _), need = ctx.args, ctx.needs_input_grad
-        g_lp, g_h = (None if g is None else g * (scale / temperature) for g in (g_lp, g_h))
-        grads = [torch.zeros_like(x) if n else None for x, n in zip((hidden, weight, bias), need)]
-        for rows, x in _head_blocks(hidden, weight, bias, *ctx.args, grads, ctx.kept):
-            cap = (x * (temperature / softcap)).square_().neg_().add_(1) if softcap else 1.0
-            lp = torch.log_softmax(x, -1)
-            p = torch.exp(lp, out=x)  # d/dx over x: -p (g_lp + g_H (log p + H)), + g_lp at y
-            k = 0 if g_h is None else lp.add_(entropy[rows, None]).mul_(g_h[rows, None])
-            p.mul_(k if g_lp is None else k + g_lp[rows, None]).neg_()
-            if g_lp is not None:
-                p.scatter_add_(-1, targets[rows, None], g_lp[rows, None])
-            p.mul_(cap)  # d softcap tanh(u / softcap) / du = 1 - tanh^2
-        return *grads, *[None] * 7
-
-
-def _head_blocks(hidden, weight, bias, temperature, scale, softcap, chunk, grads=None, kept=None):
-    """(rows, x) HEAD_ROWS rows at a time: logits x = softcap(scale z) / T in place in z = hW^T + b
-    (fp32 at least), `chunk` rows at a time in one buffer (1024 x 150k: 0.6 GB), or `kept` (forward
-    appends z, backward pops it). With `grads` [hidden, weight, bias]: once the caller overwrote a
-    chunk by d/dz, its half GEMMs where they run: d hidden (a sum over V) out in fp32 (cuBLAS may
-    split-K a half output in bf16), d weight in its dtype (fp32/64 accumulated in place)."""
-    up, buf, again = torch.promote_types(hidden.dtype, torch.float32), None, not (grads and kept)
-    for i in range(0, len(hidden), chunk):
-        h = hidden[i : i + chunk]
-        z = buf = kept.pop(0) if not again else _mm(h, weight.t(), up) if buf is None or not \
-            h.dtype == weight.dtype == up else torch.mm(h, weight.t(), out=buf[: len(h)])  # fp32
-        if again and bias is not None:
-            z.add_(bias)
-        for j in range(0, len(h), rows := HEAD_ROWS[h.device.type != "cpu"]):
-            x = z[j : j + rows]  # below: the model's ops, then / T (kept logits had them)
-            x = x if not again else (x.mul_(scale).div_(softcap).tanh_().mul_(softcap) if softcap
-                                     else x.mul_(scale)).div_(temperature)
-            yield slice(i + j, i + j + len(x)), x
-        if kept is not None and grads is None:
-            kept.append(z)  # forward's (one chunk): backward's x
-        g = z.to(hidden.dtype) if grads else None
-        if grads and grads[0] is not None:
-            grads[0][i : i + len(h)] = _mm(g, weight, up)
-        if grads and grads[1] is not None:
-            grads[1].addmm_(g.t(), h) if g.dtype == up else grads[1].add_(_mm(g.t(), h, g.dtype))
-        if grads and grads[2] is not None:
-            grads[2].add_(z.sum(0))
-
-
-@functools.cache
-def mm_out_dtype_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch.mm(a, b, out_dtype=torch.float32) runs here (torch 2.13: CUDA and XPU kernels
-    for fp16/bf16 inputs, no CPU one). Probed once, without autograd: mm.dtype has no derivative."""
-    try:
-        x = torch.ones(1, 1, device=device, dtype=dtype)
-        return dtype in HALF and torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
-    except Exception:  # NotImplementedError: no kernel on this device; TypeError: an older torch
-        return False
-
-
-def _mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """a @ b accumulated in fp32 at least, as out_dtype: a half GEMM where it runs, else upcast."""
-    if a.dtype == b.dtype and mm_out_dtype_runs(a.device, a.dtype):
-        return torch.mm(a, b, out_dtype=out_dtype)
-    up = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
-    return (a.to(up) @ b.to(up)).to(out_dtype)
-
-
-def pack_weights(weights: list[Tensor], rows: int) -> dict[int, Tensor]:
-    """{id(W): oneDNN's copy of W, reordered once for `rows`-row inputs} of the big fp32 weights of
-    the CPU engine's model for one generate call (the trainer changes them every step). A few-row
-    matmul on a plain W re-blocks W at every call, a pass over it as long as the product: 135M
-    shape, 16 rows, 2 threads: 2x the decode's matmuls. {} where oneDNN is absent: F.linear."""
-    ok = [w for w in weights if w.device.type == "cpu" and w.dtype == torch.float32
-          and w.dim() == 2 and w.numel() >= BIG_WEIGHT]
-    return {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
-            for w in (ok if torch.backends.mkldnn.is_available() else [])}
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: dict | None = None):
-    """F.linear(x, W, b), on W's packed copy where `packed` holds one (the same rows to ~1e-6)."""
-    w = (packed or {}).get(id(weight))
-    return F.linear(x, weight, bias) if w is None or x.dtype != weight.dtype else \
-        torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-
-
-def head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, packed: dict | None = None
-                ) -> Tensor:
-    """The sampler's logits hW^T (+ b) [n, V] in fp32 at least by a half GEMM where one runs."""
-    logits = linear(hidden, weight, None, packed) if hidden.dtype == weight.dtype == torch.float32 \
-        else _mm(hidden, weight.t(), torch.promote_types(hidden.dtype, torch.float32))
-    return logits if bias is None else logits + bias
-
-
 def check_model(model, vocab_size: int) -> str | None:
     """None if our packed forward of the (unsharded) model equals its own eager one on two samples
     sharing a prompt, past a small window (every attention keyword and head transform), else why."""
     if model.config._attn_implementation != "packed":
         return "its attention does not go through transformers' AttentionInterface"
-    n = min(max(16, (getattr(model.config.get_text_config(), "sliding_window", None) or 0) + 8), 64)
+    window = getattr(model.config.get_text_config(), "sliding_window", None) or 0
+    n = min(max(16, window + 8), 64)
     p, g = n // 2, torch.Generator().manual_seed(0)
-    prompt, tails = (torch.randint(vocab_size, (k,), generator=g).tolist() for k in (p, n))
+    prompt = torch.randint(vocab_size, (p,), generator=g).tolist()
+    tails = torch.randint(vocab_size, (n,), generator=g).tolist()
     tails = [tails[:p], tails[p:][: n // 3]]
     tensor = functools.partial(torch.tensor, device=next(model.parameters()).device)
     ids = prompt[:-1] + sum((prompt[-1:] + t[:-1] for t in tails), [])
@@ -717,119 +767,15 @@ def check_model(model, vocab_size: int) -> str | None:
             for k, t in enumerate(tails):
                 s = tensor(prompt + t)
                 lp = model(input_ids=s[None], use_cache=False).logits[0].float().log_softmax(-1)
-                theirs.append(lp[:-1].gather(-1, s[1:, None]).squeeze(-1)[0 if k == 0 else p - 1 :])
+                lp = lp[:-1].gather(-1, s[1:, None]).squeeze(-1)
+                theirs.append(lp[0 if k == 0 else p - 1 :])
     except Exception as e:  # e.g. an attention keyword packed_attention does not implement
         return f"its forward fails under nanoareal's packed attention ({type(e).__name__}: {e})"
     finally:
         model.set_attn_implementation("packed")
     diff = float((ours.float() - torch.cat(theirs).float()).abs().max())
     tol = 0.1 if next(model.parameters()).dtype in HALF else 1e-4  # bf16 (LoRA's base): ~0.03
-    return None if diff <= tol else (  # 1e-4 for fp64 too: eager softmaxes in fp32; NaN fails
-        f"nanoareal's packed forward disagrees with the model's own by {diff:.2g} in log-prob (an "
-        "attention or head feature this model uses is not reproduced)")
-
-
-# -----------------------------------------------------------------------------
-# LoRA (peft): adapters on the decoder's linear layers, the base frozen in the compute dtype
-def adapter_config(path: str | Path | None) -> dict | None:
-    """A PEFT adapter directory's adapter_config.json (None: `path` is not one)."""
-    file = Path(path or "") / "adapter_config.json"
-    return json.loads(file.read_text()) if path and file.is_file() else None
-
-
-def check_lora(rank: int, adapter: str | None, model: str) -> None:
-    """--lora-rank, and --lora-adapter against --model (its base), before anything loads."""
-    found = adapter_config(adapter) or {}
-    problem = f"--lora-rank {rank}: must be >= 0 (0: full fine-tuning)" if rank < 0 else (
-        "--lora-rank needs peft: pip install peft (or nanoareal[lora])") if rank and not \
-        find_spec("peft") else None
-    if adapter and (found.get("peft_type") != "LORA" or found.get("use_dora")):
-        problem = f"--lora-adapter {adapter} is not a PEFT LoRA adapter directory (nor DoRA)"
-    elif adapter and found["r"] != rank:
-        problem = f"--lora-adapter {adapter} has rank {found['r']}, not --lora-rank {rank}"
-    elif adapter and (base := found.get("base_model_name_or_path") or "") != model and not (
-            Path(base).exists() and Path(base).resolve() == Path(model).resolve()):
-        problem = f"--lora-adapter {adapter} is an adapter of {base!r}, not of --model {model}"
-    if problem:
-        raise UserError(f"config error: {problem}")
-
-
-class WithoutAdapters:
-    """A LoRA model with its adapters off, the frozen base: the KL penalty's reference policy for
-    free (no second copy). peft's own switch also flips requires_grad, which FSDP2 must not see."""
-    def __init__(self, model):
-        self.model, self.attention_kernel = model, getattr(model, "attention_kernel", None)
-
-    def policy_logprobs(self, *args, **kwargs):
-        layers = [m for m in self.model.modules() if hasattr(m, "_disable_adapters")]
-        try:
-            for m in layers:
-                m._disable_adapters = True
-            return self.model.policy_logprobs(*args, **kwargs)
-        finally:
-            for m in layers:
-                m._disable_adapters = False
-
-
-def apply_lora(model, rank: int, adapter: str | None = None) -> str:
-    """LoRA adapters injected into `model` (B = 0: unchanged), or `adapter`'s config and weights;
-    the base frozen, adapters trainable, fp32 at least. Returns a line ending "; " (rank 0: "")."""
-    if not rank:
-        return ""
-    import peft
-    config = peft.LoraConfig.from_pretrained(adapter) if adapter else peft.LoraConfig(
-        r=rank, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS, lora_dropout=0.0)
-    peft.inject_adapter_in_model(replace(config, inference_mode=False), model)
-    if isinstance(model.get_output_embeddings(), peft.tuners.lora.LoraLayer):
-        raise UserError("LoRA on lm_head is refused: the log-probs read head.weight (bypassing it)")
-    for p in (trainable := [p for p in model.parameters() if p.requires_grad]):
-        p.data = p.data.to(torch.promote_types(p.dtype, torch.float32))
-    if adapter and not next(model.parameters()).is_meta:
-        load_adapter(model, adapter)
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    return (f"LoRA r={rank} alpha={config.lora_alpha}: {sum(p.numel() for p in trainable):,} "
-            f"trainable, {frozen:,} frozen in {next(model.parameters()).dtype}; ")
-
-
-def merge_lora(named, model):
-    """(name, full tensor) of `model`'s state, in state_dict order -> the plain model's: W + (alpha
-    / r) B A for each layer peft adapted, one layer at a time (never a second full model)."""
-    held, scales = {}, {name: m.scaling["default"] for name, m in model.named_modules()
-                        if isinstance(getattr(m, "scaling", None), dict)}  # alpha / r by layer
-    for name, t in named:
-        layer, _, kind = name.replace(".base_layer.", ".lora_W.").partition(".lora_")
-        if layer not in scales:
-            yield name, t
-        elif name.endswith(".base_layer.bias"):
-            yield f"{layer}.bias", t
-        elif len(parts := held.pop(layer, {}) | {kind[0]: t}) < 3:
-            held[layer] = parts
-        else:  # in fp64, rounded once to the base's dtype
-            w, a, b = (parts[k].double() for k in "WAB")
-            yield f"{layer}.weight", torch.addmm(w, b, a, alpha=scales[layer]).to(parts["W"].dtype)
-
-
-def save_adapter(tensors: dict, config, base: str, out_dir: Path) -> None:
-    """Adapters (full tensors, our names) in PEFT's format: adapter_model.safetensors and
-    adapter_config.json naming `base` (PeftModel.from_pretrained and --model load it)."""
-    from safetensors.torch import save_file
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({"base_model.model." + k.replace(".default.", "."): v.contiguous()
-               for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"))
-    base = str(Path(base).resolve()) if Path(base).exists() else base
-    replace(config, base_model_name_or_path=base).save_pretrained(str(out_dir))
-
-
-def load_adapter(model, path: str) -> None:
-    """A PEFT adapter's weights into `model`'s injected adapters; a UserError if they do not fit."""
-    from safetensors.torch import load_file
-    own = {k: p for k, p in model.named_parameters() if ".lora_" in k}
-    theirs = {k.removeprefix("base_model.model.").replace(".weight", ".default.weight"): v
-              for k, v in load_file(str(Path(path) / "adapter_model.safetensors")).items()}
-    if bad := [k for k in own.keys() | theirs.keys()
-               if k not in own or k not in theirs or own[k].shape != theirs[k].shape]:
-        raise UserError(f"--lora-adapter {path} does not fit this base model ({len(bad)} tensors "
-                        f"missing or of another shape, e.g. {bad[0]})")
-    with torch.no_grad():
-        for k, p in own.items():
-            p.copy_(theirs[k])
+    if diff <= tol:  # 1e-4 for fp64 too: eager softmaxes in fp32; NaN fails
+        return None
+    return (f"nanoareal's packed forward disagrees with the model's own by {diff:.2g} in log-prob "
+            "(an attention or head feature this model uses is not reproduced)")

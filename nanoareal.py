@@ -5,27 +5,27 @@ weight sync -> log), then the pieces in the order the loop uses them.
     python nanoareal.py                                   # the built-in arithmetic task, on a CPU
     python nanoareal.py --dataset chain --reward my_reward.py:score   # another task, your reward
     python nanoareal.py --env my_env.py:Calculator  # the policy calls your tool between its turns
+    python nanoareal.py --teacher assets/tiny-arith-teacher --adv-estimator none  # distillation
     torchrun --nproc_per_node 4 nanoareal.py --cp-size 2  # 2 data-parallel x 2 context-parallel
     python nanoareal.py --max-staleness 2 --correction mask       # rollouts 2 steps ahead
     python nanoareal.py --config configs/qwen2.5-0.5b-gsm8k.toml  # one GPU, SGLang colocated
     python nanoareal.py --steps 0 --model runs/<run>/final --eval-k 8   # evaluate only
 
-Plumbing lives in flat files that never import this one: loss.py (aggregation modes, surrogates,
-corrections, the LossReduction contract: gradients independent of micro-batching and world size),
-rollout.py (engines, the batches in flight), tasks.py (tasks, data, rewards), packing.py,
-modeling.py (packed attention, Ulysses, log-probs), checkpoint.py, logs.py, cli.py. Left out on
+Plumbing lives in flat files that never import this one: loss.py (advantages, aggregation modes,
+surrogates, corrections, the LossReduction contract: gradients independent of micro-batching
+and world size), rollout.py (engines, samples, the batches in flight), tasks.py (tasks, data,
+rewards), packing.py, modeling.py (the model and every decision about it, log-probs),
+attention.py (packed rows, Ulysses), lora.py, checkpoint.py, logs.py, cli.py. Left out on
 purpose: a critic (GRPO needs none), tensor/pipeline parallel in the trainer."""
 
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 import os
 import platform
 import random
 import time
-import types
 import typing
 from collections import Counter
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
@@ -36,11 +36,10 @@ from typing import Annotated, Literal, TypeVar
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp import register_fsdp_forward_method as fsdp_method
 
 import checkpoint
 import cli
+import lora
 import loss
 import modeling
 import packing
@@ -49,22 +48,15 @@ import tasks
 from checkpoint import on_rank0
 from cli import UserError
 from logs import Logger, print0, reduce_metrics, sample_rows, step_metrics
-from loss import MicroBatch, group_advantages
-from rollout import Completion, SamplingParams, mix_seed
+from rollout import Sample, SamplingParams, mix_seed
 
 ROOT = Path(__file__).resolve().parent
 ADAM_BETAS, WEIGHT_DECAY = (0.9, 0.99), 0.0  # AdamW: RL steps are few and noisy, no decay
 SHARE_PROMPTS = True  # feed a group's prompt once per micro-batch (exact; off only to compare)
-ATTENTION = "auto"  # auto | flash_attn | torch_varlen | sdpa: force a kernel when benchmarking
 REWARD_TIMEOUT_S = 30.0  # a reward call that takes longer scores 0 and is counted
 DIST_TIMEOUT_S = 1800.0  # a collective waits this long for a peer: a dead rank never hangs a run
 MAX_BAD_STEPS = 3  # stop after this many steps in a row with a non-finite gradient norm
 CKPT_MINUTES = 10.0  # save a checkpoint when this long has passed since the last one
-CHECKPOINT_LAYERS = None  # rerun in backward, exact: True every decoder layer (~10x less memory),
-# "selective" its elementwise work (~half); None: on a GPU True where the memory plan needs it,
-SELECTIVE_FROM = 2**20  # a CPU: selective if a whole micro-batch's layer input has this many
-RERUN_FROM = 2**19  # elements; yet a micro-batch's own under this many runs as is (135M: -12%)
-COMPILE_FROM = 5 * 10**7  # --compile: decoder layers' parameters; fewer gain less than it costs
 
 # -----------------------------------------------------------------------------
 # config: one flat set of flags, `--help` its documentation. A Volatile flag changes how a run is
@@ -78,7 +70,8 @@ Volatile = Annotated[T, "volatile"]
 class Config:
     # run
     model: str = "assets/tiny-arith"
-    """Hugging Face causal-LM directory or hub id, an export (runs/<run>/final) or a checkpoint."""
+    """Hugging Face causal-LM directory or hub id, an export (runs/<run>/final), a checkpoint or
+    a PEFT LoRA adapter directory (its base model, its adapters)."""
     run_dir: Volatile[str | None] = None
     """Where metrics, samples and checkpoints go; default runs/<dataset>-<mode>-s<seed>-<hash>."""
     seed: int = 0
@@ -104,8 +97,6 @@ class Config:
     path/to/file.py:function; several summed with weights: "exact_match,0.1*format"."""
     env: str | None = None
     """path/to/file.py:Class: an environment answering the policy's tool calls (multi-turn)."""
-    max_turns: int = 4
-    """With --env: most policy turns in an episode (a tool call past them ends it: "length")."""
 
     # rollout
     prompts_per_step: int = 64
@@ -122,26 +113,33 @@ class Config:
     """Sample from the k likeliest tokens (-1: all); log-probs stay untruncated, as SGLang's."""
     max_staleness: int = 0
     """K: the batch of step s is sampled by the weights of step s-K, generated while s-K trains."""
-    rollout_backend: Literal["hf", "sglang"] = "hf"
-    """hf: transformers on this rank's device; sglang: in-process on this GPU, or --rollout-url."""
+    rollout_backend: Literal[tuple(rollout.BACKENDS)] = "hf"  # type: ignore[valid-type]
+    """hf: transformers in the trainer's precision (hf_bf16: bf16 weights and compute; hf_int4:
+    4-bit weights); sglang: in-process on this GPU or --rollout-url (sglang_deterministic:
+    seeded)."""
     rollout_url: Volatile[list[str]] = field(default_factory=list)
     """SGLang server URLs; none with --rollout-backend sglang runs SGLang in-process."""
-    sglang_deterministic: bool = False
-    """Reproducible SGLang rollouts (its deterministic inference, seeds sent): slower sampling."""
     weight_sync: Volatile[Literal["auto", "tensor", "disk", "nccl"]] = "auto"
     """How new weights reach SGLang: auto is tensor in-process, nccl to servers where it can."""
 
     # advantages
-    adv_estimator: Literal[loss.ADVANTAGES] = "grpo"  # type: ignore[valid-type]
-    """Baseline of a sample's reward: grpo, its group's mean; rloo, the mean of the others."""
-    adv_std: Literal[tuple(loss.ADV_STDS)] = "group"  # type: ignore[valid-type]
-    """Divide grpo advantages by the group's reward std, the whole batch's, or none (Dr. GRPO)."""
-    filter_zero_variance: bool = False
-    """Drop groups whose rewards are all equal (DAPO's dynamic-sampling filter, no resampling)."""
+    adv_estimator: Literal[tuple(loss.ADVANTAGES)] = "grpo"  # type: ignore[valid-type]
+    """A sample's reward against its group's: grpo (std-scaled), grpo_batch_std, dr_grpo (no
+    std), rloo (the others' mean), none (no reward signal: distillation alone)."""
+    zero_variance: Literal["keep", "filter", "resample"] = "keep"
+    """Groups whose rewards are all equal (no signal): keep, filter out, or resample their
+    prompts until they have a signal (DAPO's dynamic sampling, up to --max-resample rounds)."""
+    max_resample: int = 4
+    """With --zero-variance resample: rounds of fresh prompts a group may draw in a step."""
     mask_truncated: bool = False
     """Leave responses cut by --max-new-tokens out of the loss and its denominators (DAPO)."""
     overlong_buffer: int = 0
     """DAPO's soft overlong penalty: the last N tokens up to --max-new-tokens cost 0 to 1 reward."""
+    teacher: str | None = None
+    """On-policy distillation: a teacher model (same tokenizer) or SGLang server URL scores the
+    sampled tokens; its log-prob minus the sampler's is a per-token advantage."""
+    distill_coef: float = 1.0
+    """With --teacher: the weight of the teacher's per-token advantage (added to the reward's)."""
 
     # loss (formulas in loss.py and docs/losses.md)
     policy_loss: Literal[tuple(loss.SURROGATES)] = "ppo"  # type: ignore[valid-type]
@@ -155,10 +153,11 @@ class Config:
     eps_high: float | None = None
     """The ratio is clipped above at 1 + eps_high; default the surrogate's (0.2, gspo 4e-4)."""
     correction: Literal[("auto", *loss.CORRECTIONS)] = "auto"  # type: ignore[valid-type]
-    """Off-policy correction: none, behave, truncate, mask, m2po; auto is none at K = 0, else the
-    one docs/studies.md shows holding (behave; truncate with several updates per batch)."""
+    """pi_prox vs the sampler: none, behave, truncate (token TIS), mask, m2po, seq_tis, token_mis,
+    seq_mis, geo_mis (docs/losses.md); auto is none at K = 0, else behave (truncate with several
+    updates per batch)."""
     correction_threshold: float | None = None
-    """The cap on pi_prox/pi_behave of truncate/mask (default 2), M2PO's threshold (0.04)."""
+    """The correction's cap C (default 2; geo_mis 1.01), M2PO's threshold (0.04)."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus (the token mean of the policy's entropy, subtracted)."""
     kl_coef: float = 0.0
@@ -182,7 +181,7 @@ class Config:
     micro_batch_tokens: int = 4096
     """Token budget of a packed micro-batch: bigger means fewer passes and more memory."""
     lora_rank: int = 0
-    """Train LoRA adapters of this rank on the frozen model (peft); 0 trains every weight."""
+    """Train LoRA adapters of this rank on the frozen model; 0 trains every weight."""
     lora_adapter: str | None = None
     """Start from this PEFT adapter directory (--model such a directory sets it and its base)."""
 
@@ -208,12 +207,14 @@ class Config:
         if self.reward == "auto":  # the built-in task's own reward, exact_match for a JSONL file
             task = tasks.TASKS.get(self.dataset)
             self.reward = task.reward if task else "exact_match"
-        self.lr = self.lr or (1e-3 if self.lora_rank or self.lora_adapter else 1e-4)  # studies.md
-        for k, v in loss.resolve_loss_flags(
-                self.policy_loss, self.loss_aggregation, self.eps_low, self.eps_high,
-                self.loss_aggregation_divisor, self.correction, self.correction_threshold,
-                self.max_new_tokens, self.max_staleness,
-                self.num_minibatches * self.ppo_epochs).items():
+        if not self.lr:  # docs/studies.md: LoRA wants a 10x larger one
+            self.lr = default_lr(self.lora_rank or self.lora_adapter)
+        updates = self.num_minibatches * self.ppo_epochs
+        resolved = loss.resolve_loss_flags(
+            self.policy_loss, self.loss_aggregation, self.eps_low, self.eps_high,
+            self.loss_aggregation_divisor, self.correction, self.correction_threshold,
+            self.max_new_tokens, self.max_staleness, updates)
+        for k, v in resolved.items():
             setattr(self, k, v)
 
 
@@ -227,22 +228,19 @@ def main(argv: list[str]) -> None:
     cfg = parse_config(argv)  # flags, TOML, the task's own flags -> resolved and checked
     ranks, device = setup_distributed(cfg.cp_size)  # torchrun's, or a world of one
     data, reward_fn, resuming = prepare_run(cfg)  # the run directory claimed, data, reward
-    engine = rollout.make_engine(  # first: SGLang sizes its KV cache from the GPU memory free
-        cfg.rollout_backend, cfg.rollout_url, cfg.model, device, run_dir=cfg.run_dir, seed=cfg.seed,
-        weight_sync=cfg.weight_sync, deterministic=cfg.sglang_deterministic,
-        share=cfg.max_staleness == 0 and ranks.world == 1)  # K = 0, one rank: trainer's tensors
-    model, ref_model, optimizer = load_models(cfg, device, ranks, engine)
+    engine = rollout.make_engine(cfg, device, share=cfg.max_staleness == 0 and ranks.world == 1)
+    model, reference, teacher, optimizer = load_models(cfg, device, ranks, engine)
     reduction = loss.build_loss(cfg, dist.group.WORLD, cp_factor=ranks.cp_size)
     run = resume(cfg, model, optimizer, engine, ranks, resuming)  # step, updates, batches ahead
     logger = Logger(cfg.run_dir, cfg.steps, run.step, cfg.wandb_project, asdict(cfg))
-    rollouts = rollout.Rollouts(lambda s: rollout_batch(engine, data, reward_fn, s, cfg, ranks),
-                                cfg.max_staleness, engine.overlaps, run.pending, cfg.steps,
-                                share=lambda batch: cp_broadcast(batch, ranks))
+    make_batch = lambda step: rollout_batch(engine, data, reward_fn, step, cfg, ranks)
+    rollouts = rollout.Rollouts(make_batch, cfg.max_staleness, engine.overlaps, run.pending,
+                                cfg.steps, share=lambda batch: cp_broadcast(batch, ranks))
     print0(f"nanoareal: {ranks.world} rank(s) on {device.type}, {cfg.model}, {len(data.rows)}/"
            f"{len(data.evalset)} train/eval prompts, {cfg.policy_loss}/{cfg.loss_aggregation}, "
            f"{rollouts.describe()}, run {cfg.run_dir}")
-    evaluate = lambda: run.evaluated(tasks.evaluate(engine, data, reward_fn, cfg.max_new_tokens,
-        cfg.temperature, cfg.eval_k, cfg.seed, ranks.rank, ranks.world, REWARD_TIMEOUT_S))
+    evaluate = lambda: run.evaluated(tasks.evaluate(engine, data, reward_fn, cfg, ranks.rank,
+                                                    ranks.world, REWARD_TIMEOUT_S))
     if data.evalset and (cfg.steps == 0 or (cfg.eval_every > 0 and run.step == 0)):
         logger.log(run.step, evaluate())
     with checkpoint.Preemption() as preempt:  # SIGINT/SIGTERM: finish the step, save, exit
@@ -251,22 +249,22 @@ def main(argv: list[str]) -> None:
             # ALGO LOGIC. the batch for this step, sampled and scored by the policy of step
             # max(0, step - K); the engine starts on the batch for step + K meanwhile
             samples = rollouts.take(step)
-            set_advantages(samples, cfg, ranks)  # GRPO / RLOO within each group
+            set_advantages(samples, cfg, ranks, teacher)  # the group's, the teacher's per token
             sums = rollout_sums(samples, ranks)
-            if cfg.filter_zero_variance:  # no signal: only normalizer mass
+            if cfg.zero_variance == "filter":  # no signal: only normaliser mass
                 samples = [s for s in samples if not s.zero_variance]
             t1 = time.perf_counter()
             # loss and optimizer step(s); a colocated engine frees its GPU memory meanwhile
             engine.release_memory()
             lr = set_lr(optimizer, run.updates, cfg)
-            train_sums, stats = train_on_samples(model, ref_model, optimizer, reduction, samples,
-                                                 cfg, device, ranks)
+            train_sums, stats = train_on_samples(model, reference, optimizer, reduction, samples,
+                                                 cfg, ranks)
             run.updates += int(stats.pop("updated"))
             engine.resume_memory()
             t2 = time.perf_counter()
             rollouts.wait()  # sync: once the batch in flight is done, the engine gets new weights
             t3 = time.perf_counter()
-            engine.update_weights(model, step + 1)
+            engine.update_weights(model.module, step + 1)
             times = {"rollout": t1 - t0 + t3 - t2, "train": t2 - t1,
                      "sync": time.perf_counter() - t3, "step": time.perf_counter() - t0}
             # TRY NOT TO MODIFY: one collective for metrics and what ranks agree on (signal, save)
@@ -281,7 +279,8 @@ def main(argv: list[str]) -> None:
     rollouts.close()
     logger.close(run.last_eval)
     if cfg.steps > 0:  # also when resumed with nothing left to train: a save killed mid-export
-        checkpoint.export_hf(model, data.tokenizer, cfg.model, Path(cfg.run_dir) / "final")
+        checkpoint.export_hf(model.module, model.lora, data.tokenizer, cfg.model,
+                             Path(cfg.run_dir) / "final")
     engine.shutdown()
 
 
@@ -290,41 +289,68 @@ def main(argv: list[str]) -> None:
 def parse_config(argv: list[str]) -> Config:
     """Flags, --config TOML and a built-in task's own flags -> a resolved, checked Config."""
     preset = lambda dataset: tasks.TASKS[dataset].flags if dataset in tasks.TASKS else {}
-    return validate_config(resolve_config(cli.parse(Config, argv, preset)),
-                           int(os.environ.get("WORLD_SIZE", 1)))
+    cfg = resolve_config(cli.parse(Config, argv, preset))
+    return validate_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
 
 
 def resolve_config(cfg: Config) -> Config:
     """The defaults that need the file system: the shipped model from any directory, a
-    checkpoint's base model (--model a checkpoint resumes from it), the run directory's name (an
-    evaluation, --steps 0, gets its own) and what --steps 0 of a JSONL --dataset alone evaluates."""
-    model, resume_from, adapter = cfg.model, cfg.resume, cfg.lora_adapter
-    if found := modeling.adapter_config(model):  # a LoRA adapter: its base, its weights, its rank
+    checkpoint's base model and adapters (--model a checkpoint resumes from it), an adapter's
+    base, the run directory's name (an evaluation, --steps 0, gets its own) and what --steps 0 of
+    a JSONL --dataset alone evaluates."""
+    model, resume_from, adapter, rank = cfg.model, cfg.resume, cfg.lora_adapter, cfg.lora_rank
+    found = lora.read_config(model)
+    if found:  # a LoRA adapter: its base, its weights, its rank
         model, adapter = found["base_model_name_or_path"], model
-    if not Path(model).exists() and (ROOT / model).is_dir():  # assets/... from any directory
-        model = str(ROOT / model)
-    if (Path(model) / "meta.json").is_file():  # a checkpoint: its run's base model, its weights
-        model, resume_from = json.loads((Path(model) / "meta.json").read_text())["config"][
-            "model"], cfg.model
+    model = shipped(model)
+    saved = checkpoint.saved_config(model)
+    if saved is not None:  # a checkpoint: its run's base model and adapters, its weights
+        model, resume_from, adapter = saved["model"], cfg.model, saved.get("lora_adapter")
+        rank = rank or saved.get("lora_rank", 0)
+    if cfg.resume not in ("auto", "fresh") and not rank:  # a LoRA run's checkpoint: its rank
+        rank = (checkpoint.saved_config(cfg.resume) or {}).get("lora_rank", 0)
+    if adapter and not rank:
+        rank = (lora.read_config(adapter) or {}).get("r", 0)
     identity = {k: v for k, v in asdict(cfg).items() if k not in VOLATILE}  # --model as given
     # an evaluation of a JSONL --dataset without --eval-dataset evaluates that file
-    held = cfg.eval_dataset or (cfg.dataset if not cfg.steps and cfg.dataset not in tasks.TASKS
-                                else None)
+    held = cfg.eval_dataset
+    if not held and not cfg.steps and cfg.dataset not in tasks.TASKS:
+        held = cfg.dataset
+    teacher = shipped(cfg.teacher) if cfg.teacher else None
+    lr = cfg.lr
+    if rank and not cfg.lora_rank and lr == default_lr(cfg.lora_adapter):  # an adopted rank
+        lr = default_lr(rank)
     cfg = replace(cfg, model=model, resume=resume_from, eval_dataset=held, lora_adapter=adapter,
-                  lora_rank=cfg.lora_rank or (modeling.adapter_config(adapter) or {}).get("r", 0))
-    identity |= {"model": model} if cfg.steps else {}
-    return replace(cfg, run_dir=cfg.run_dir or checkpoint.run_dir_name(
-        cfg.dataset, cfg.loss_aggregation if cfg.steps else "eval", cfg.seed, identity))
+                  lora_rank=rank, teacher=teacher, lr=lr)
+    if cfg.steps:
+        identity["model"] = model
+    name = cfg.loss_aggregation if cfg.steps else "eval"
+    run_dir = cfg.run_dir or checkpoint.run_dir_name(cfg.dataset, name, cfg.seed, identity)
+    return replace(cfg, run_dir=run_dir)
+
+
+def default_lr(lora) -> float:
+    """--lr's default: 1e-4, with LoRA 1e-3 (docs/studies.md: adapters want a 10x larger one)."""
+    return 1e-3 if lora else 1e-4
+
+
+def shipped(path: str) -> str:
+    """`path`, or the shipped model it names (assets/...) from any directory."""
+    if not Path(path).exists() and (ROOT / path).is_dir():
+        return str(ROOT / path)
+    return path
 
 
 def validate_config(cfg: Config, world: int) -> Config:
     """Every flag checked before anything heavy loads; a mistake: one UserError line naming it."""
+    positive = (cfg.prompts_per_step, cfg.max_new_tokens, cfg.micro_batch_tokens)
+    counts = (cfg.steps, cfg.eval_every, cfg.eval_k, cfg.warmup_steps, cfg.ckpt_every,
+              cfg.max_staleness, cfg.max_resample)
     checks = [
-        (min(cfg.prompts_per_step, cfg.max_new_tokens, cfg.micro_batch_tokens, cfg.max_turns) >= 1
-         and min(cfg.steps, cfg.eval_every, cfg.eval_k, cfg.warmup_steps, cfg.ckpt_every,
-                 cfg.max_staleness) >= 0,
-         "--prompts-per-step, --max-new-tokens, --micro-batch-tokens, --max-turns >= 1; --steps, "
-         "--eval-every, --eval-k, --warmup-steps, --ckpt-every and --max-staleness >= 0"),
+        (min(positive) >= 1 and min(counts) >= 0,
+         "--prompts-per-step, --max-new-tokens, --micro-batch-tokens >= 1; --steps, "
+         "--eval-every, --eval-k, --warmup-steps, --ckpt-every, --max-staleness and "
+         "--max-resample >= 0"),
         (cfg.group_size >= 2, f"--group-size {cfg.group_size}: a sample alone in its group has no "
          "baseline (every advantage would be 0); use --group-size >= 2"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature}: rollouts must sample (> 0; "
@@ -345,17 +371,42 @@ def validate_config(cfg: Config, world: int) -> Config:
         (cfg.resume in ("auto", "fresh") or (Path(cfg.resume) / "meta.json").is_file(),
          f"--resume {cfg.resume} is not a complete checkpoint (no directory, or a save that never "
          "finished: no meta.json); use --resume auto or fresh"),
+        (cfg.teacher or cfg.adv_estimator != "none", "--adv-estimator none leaves no signal but a "
+         "--teacher's"),
+        (math.isfinite(cfg.distill_coef), f"--distill-coef {cfg.distill_coef}: not a number"),
     ]
-    if problem := next((message for ok, message in checks if not ok), None):
+    problem = next((message for ok, message in checks if not ok), None)
+    if problem:
         raise UserError(f"config error: {problem}")
     try:
         loss.check_loss_flags(cfg)
     except ValueError as e:
         raise UserError(f"config error: {e}") from None
-    modeling.check_lora(cfg.lora_rank, cfg.lora_adapter, cfg.model)
+    check_lora(cfg)
     rollout.check_rollout_config(cfg.rollout_backend, cfg.rollout_url, cfg.weight_sync,
-                                 cfg.sglang_deterministic, torch.cuda.is_available())
+                                 torch.cuda.is_available())
     return cfg
+
+
+def check_lora(cfg: Config) -> None:
+    """--lora-rank, and --lora-adapter against --model (its base), before anything loads."""
+    found = lora.read_config(cfg.lora_adapter) if cfg.lora_adapter else None
+    problem = None
+    if cfg.lora_rank < 0:
+        problem = f"--lora-rank {cfg.lora_rank}: must be >= 0 (0: full fine-tuning)"
+    elif cfg.lora_adapter and found is None:
+        problem = f"--lora-adapter {cfg.lora_adapter} is not a PEFT adapter directory"
+    elif found and found["r"] != cfg.lora_rank:
+        problem = f"--lora-adapter {cfg.lora_adapter} has rank {found['r']}, not --lora-rank " \
+            f"{cfg.lora_rank}"
+    elif found:
+        base = found["base_model_name_or_path"]
+        same = Path(base).exists() and Path(base).resolve() == Path(cfg.model).resolve()
+        if base != cfg.model and not same:
+            problem = f"--lora-adapter {cfg.lora_adapter} is an adapter of {base!r}, not of " \
+                f"--model {cfg.model}"
+    if problem:
+        raise UserError(f"config error: {problem}")
 
 
 @dataclass(frozen=True)
@@ -386,11 +437,15 @@ def setup_distributed(cp_size: int = 1) -> tuple[Ranks, torch.device]:
         # buffers page-faulted afresh (0.5B shape: 130-550k faults, ~1 s a training step): mmap
         # only past 1 GiB (older glibc: 32 MB), never trim the heap (M_MMAP_, M_TRIM_THRESHOLD)
         libc = ctypes.CDLL(None)
-        libc.mallopt(-3, 1 << 30) or libc.mallopt(-3, 32 << 20), libc.mallopt(-1, 2**31 - 1)
+        if not libc.mallopt(-3, 1 << 30):
+            libc.mallopt(-3, 32 << 20)
+        libc.mallopt(-1, 2**31 - 1)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
     cp = cp_size if world % cp_size == 0 else 1  # else: validate_config has said so
-    cp_group = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))[
-        "cp"].get_group() if cp > 1 else None
+    cp_group = None
+    if cp > 1:
+        mesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+        cp_group = mesh["cp"].get_group()
     return Ranks(rank, world, rank // cp, world // cp, rank % cp, cp, cp_group), device
 
 
@@ -401,9 +456,9 @@ def prepare_run(cfg: Config) -> tuple[tasks.Data, object, bool]:
     resuming = on_rank0(checkpoint.claim_run_dir, cfg.run_dir, asdict(cfg), VOLATILE,
                         cfg.resume == "fresh", DEFAULTS)
     torch.manual_seed(cfg.seed)
-    data = tasks.load_data(cfg.model, cfg.dataset, cfg.eval_dataset, cfg.reward, cfg.prompt_key,
-                           cfg.chat_template, cfg.max_new_tokens, cfg.micro_batch_tokens)
-    data.tools = tasks.load_env(cfg.env, data.tokenizer, cfg.chat_template, cfg.max_turns)
+    data = tasks.load_data(cfg)
+    if cfg.teacher:
+        tasks.check_teacher(cfg.teacher, cfg.model, data.tokenizer, cfg.temperature)
     return data, reward_fn, resuming
 
 
@@ -415,8 +470,10 @@ def every(n: int, step: int, last: int) -> bool:
 def set_lr(optimizer, updates: int, cfg: Config) -> float:
     """Linear warm-up, then constant or cosine to 0 at --steps, counted in steps that updated the
     weights (a step with nothing to learn from moves neither weights nor lr)."""
-    factor = (updates + 1) / (cfg.warmup_steps + 1) if updates < cfg.warmup_steps else 1.0
-    if updates >= cfg.warmup_steps and cfg.lr_schedule == "cosine":
+    factor = 1.0
+    if updates < cfg.warmup_steps:
+        factor = (updates + 1) / (cfg.warmup_steps + 1)
+    elif cfg.lr_schedule == "cosine":
         progress = (updates - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         factor = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
     for group in optimizer.param_groups:
@@ -426,23 +483,6 @@ def set_lr(optimizer, updates: int, cfg: Config) -> float:
 
 # -----------------------------------------------------------------------------
 # generate and reward: the batches in flight, one step's prompts, group_size samples each
-@dataclass
-class Sample:
-    group: int  # the GRPO group (the prompt's slot in the step): advantages compare within it
-    prompt_ids: list[int]
-    completion: Completion
-    reward: float = 0.0
-    advantage: float = 0.0
-    zero_variance: bool = False  # every reward of its group is equal (no GRPO signal)
-    row: int = -1  # the dataset row of the prompt
-    correct: bool | None = None
-    version: int = 0  # the policy version (step whose starting weights) that sampled it
-    metrics: dict = field(default_factory=dict)  # the reward's own
-    reward_error: str | None = None
-    gen_s: float = 0.0  # seconds its batch took to generate
-    seed: int = 0  # (seed, step, slot, k) mixed: its sampling noise and its reward's random state
-
-
 def cp_broadcast(obj, ranks: Ranks):
     """The CP group's first rank's object on every rank of the group (one rollout per CP group)."""
     box = [obj]
@@ -470,39 +510,76 @@ def prompts_for_step(num_rows: int, per_step: int, step: int, seed: int) -> list
 def rollout_batch(engine, data: tasks.Data, reward_fn, step: int, cfg: Config,
                   ranks: Ranks) -> list[Sample]:
     """This data-parallel rank's share of the step's groups (every dp_size-th slot: a group never
-    straddles ranks), sampled by the engine's current weights and scored. It may run on the
-    rollout thread, overlapping training: no collectives here. A CP group's first rank makes it."""
+    straddles ranks), sampled by the engine's current weights and scored. --zero-variance
+    resample: a slot whose group's rewards are all equal draws a fresh prompt (a function of
+    (seed, step, slot, round)) up to --max-resample times. It may run on the rollout thread,
+    overlapping training: no collectives here. A CP group's first rank makes it."""
     if ranks.cp_rank != 0:
         return []
-    prompts = prompts_for_step(len(data.rows), cfg.prompts_per_step, step, cfg.seed)
-    samples = generate(engine, data.prompts, list(enumerate(prompts))[ranks.dp_rank::ranks.dp_size],
-                       step, cfg, data.stop_ids, data.tools, data.rows)
-    score(samples, data.rows, reward_fn, data.tokenizer, cfg)
-    return samples
+    rows = prompts_for_step(len(data.rows), cfg.prompts_per_step, step, cfg.seed)
+    todo = list(enumerate(rows))[ranks.dp_rank :: ranks.dp_size]
+    rounds = cfg.max_resample if cfg.zero_variance == "resample" else 0
+    groups: dict[int, list[Sample]] = {}
+    discarded = Counter()  # tokens of the groups a slot threw away
+    for round_ in range(rounds + 1):
+        drawn = generate(engine, data, todo, step, cfg, round_)
+        score(drawn, data, reward_fn, cfg)
+        for slot, _ in todo:
+            old = groups.get(slot, [])
+            discarded[slot] += sum(len(s.completion.output_ids) for s in old)
+            groups[slot] = [s for s in drawn if s.group == slot]
+        flat = flat_groups(drawn)
+        todo = [(slot, resampled_row(len(data.rows), cfg.seed, step, slot, round_ + 1))
+                for slot, _ in todo if slot in flat]
+        if not todo:
+            break
+    for slot, group in groups.items():
+        if group:
+            group[0].discarded_tokens = discarded[slot]
+    return [s for slot in sorted(groups) for s in groups[slot]]
 
 
-def generate(engine, encoded: list[list[int]], prompts: list[tuple[int, int]], step: int,
-             cfg: Config, stop_ids: list[int], tools=None, rows=None) -> list[Sample]:
+def flat_groups(samples: list[Sample]) -> set[int]:
+    """The groups whose rewards are all equal: no GRPO signal."""
+    rewards: dict[int, set] = {}
+    for s in samples:
+        rewards.setdefault(s.group, set()).add(s.reward)
+    return {g for g, r in rewards.items() if len(r) == 1}
+
+
+def resampled_row(num_rows: int, seed: int, step: int, slot: int, round_: int) -> int:
+    """The row a slot draws at a resampling round: a function of (seed, step, slot, round)."""
+    return random.Random(mix_seed(seed, step, slot, round_, 0x5A3F)).randrange(num_rows)
+
+
+def generate(engine, data: tasks.Data, prompts: list[tuple[int, int]], step: int, cfg: Config,
+             round_: int = 0) -> list[Sample]:
     """group_size completions of each (slot, row) prompt, timed (gen_s; one the engine aborted is
-    dropped); the slot is the group; seeds (seed, step, slot, k), not the rank's or the batch's."""
-    sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, stop_ids)
+    dropped); the slot is the group; seeds (seed, step, slot, k[, round]), not the rank's."""
+    sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k,
+                              data.stop_ids)
     slots = [(slot, row) for slot, row in prompts for _ in range(cfg.group_size)]
-    seeds = [mix_seed(cfg.seed, step, slot, k) for slot, _ in prompts
+    extra = (round_,) if round_ else ()
+    seeds = [mix_seed(cfg.seed, step, slot, k, *extra) for slot, _ in prompts
              for k in range(cfg.group_size)]
+    encoded = [data.prompts[r] for _, r in slots]
+    rows = [data.rows[r] for _, r in slots] if data.tools else None
     version, start = engine.version, time.perf_counter()
-    completions = rollout.run_episodes(engine, [encoded[r] for _, r in slots], sampling, seeds,
-                                       tools, [rows[r] for _, r in slots] if tools else None)
+    completions = rollout.run_episodes(engine, encoded, sampling, seeds, data.tools, rows)
     took = time.perf_counter() - start
-    return [Sample(slot, encoded[row], c, row=row, version=version, seed=seed, gen_s=took) for
-            (slot, row), c, seed in zip(slots, completions, seeds) if c.finish_reason != "abort"]
+    return [Sample(slot, data.prompts[row], c, row=row, version=version, seed=seed, gen_s=took,
+                   round=round_)
+            for (slot, row), c, seed in zip(slots, completions, seeds)
+            if c.finish_reason != "abort"]
 
 
-def score(samples: list[Sample], rows: list[dict], reward_fn, tokenizer, cfg: Config) -> None:
+def score(samples: list[Sample], data: tasks.Data, reward_fn, cfg: Config) -> None:
     """Reward every completion (.reward, .correct, .metrics, .reward_error; random seeded by its
     seed, DAPO's overlong penalty added); a call that raises or hangs scores 0 and is counted."""
     scores = tasks.score_completions(
-        reward_fn, tokenizer, [s.completion for s in samples], [rows[s.row] for s in samples],
-        REWARD_TIMEOUT_S, [s.seed for s in samples], cfg.overlong_buffer, cfg.max_new_tokens)
+        reward_fn, data.tokenizer, [s.completion for s in samples],
+        [data.rows[s.row] for s in samples], REWARD_TIMEOUT_S, [s.seed for s in samples],
+        cfg.overlong_buffer, cfg.max_new_tokens)
     for s, sc in zip(samples, scores):
         s.reward, s.correct, s.metrics, s.reward_error = sc.reward, sc.correct, sc.metrics, sc.error
 
@@ -518,193 +595,254 @@ def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:
         sums.update({"reward": s.reward, "response_tokens": n, "version": s.version,
                      "truncated": s.completion.finish_reason == "length",
                      "reward_errors": s.reward_error is not None,
-                     "zero_adv": abs(s.advantage) < 1e-12})
+                     "zero_adv": abs(s.advantage) < 1e-12, "resampled": s.round > 0,
+                     "discarded_tokens": s.discarded_tokens})
         if s.correct is not None:  # response lengths split by correctness: who grows longer
             kind = "correct" if s.correct else "incorrect"
             sums.update({"judged": 1, "correct": s.correct, kind: 1, f"len_{kind}": n})
-        for k, v in [*((f"reward/{k}", v) for k, v in s.metrics.items()),
-                     *s.completion.episode.items()]:  # the reward's and env's: means per reporter
+        reported = [*((f"reward/{k}", v) for k, v in s.metrics.items()),
+                    *s.completion.episode.items()]
+        for k, v in reported:  # the reward's and env's: means per reporter
             sums.update({k: v, f"{k}#n": 1})
     sums["zero_var_groups"] = len({s.group for s in samples if s.zero_variance})
     error = next((s.reward_error for s in samples if s.reward_error), None)
-    return dict(sums) | ({"reward_error_message": error} if error else {}) | (
-        {"gen_s": samples[0].gen_s} if samples else {})
+    if error:
+        sums["reward_error_message"] = error
+    if samples:
+        sums["gen_s"] = max(s.gen_s for s in samples)
+    return dict(sums)
 
 
-def set_advantages(samples: list[Sample], cfg: Config, ranks: Ranks = Ranks()) -> None:
-    """Each sample's .advantage, and .zero_variance: its group's rewards are all equal."""
-    adv = group_advantages(torch.tensor([s.reward for s in samples], dtype=torch.float32),
-                           torch.tensor([s.group for s in samples], dtype=torch.long),
-                           cfg.adv_estimator, cfg.adv_std, copies=ranks.cp_size)
-    distinct = Counter(g for g, _ in {(s.group, s.reward) for s in samples})  # per group
+def set_advantages(samples: list[Sample], cfg: Config, ranks: Ranks = Ranks(),
+                   teacher=None) -> None:
+    """Each sample's .advantage (its reward against its group's, loss.ADVANTAGES) and
+    .zero_variance (its group's rewards are all equal); with a teacher, .token_advantages: the
+    advantage plus the teacher's per-token term (loss.distill_advantages)."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    groups = torch.tensor([s.group for s in samples], dtype=torch.long)
+    adv = loss.group_advantages(rewards, groups, cfg.adv_estimator, copies=ranks.cp_size)
+    flat = flat_groups(samples)
     for s, a in zip(samples, adv.tolist()):
-        s.advantage, s.zero_variance = a, distinct[s.group] == 1
+        s.advantage, s.zero_variance = a, s.group in flat
+    if teacher is None:
+        return
+    for s, scores in zip(samples, teacher_logprobs(teacher, samples, cfg, ranks)):
+        c = s.completion
+        policy = torch.tensor(c.policy_mask or [1] * len(c.output_ids), dtype=torch.float32)
+        distill = loss.distill_advantages(scores, torch.tensor(c.logprobs), policy,
+                                          cfg.distill_coef)
+        s.token_advantages = (s.advantage + distill).tolist()
+
+
+def teacher_logprobs(teacher, samples: list[Sample], cfg: Config, ranks: Ranks
+                     ) -> list[torch.Tensor]:
+    """The teacher's log-prob of each sampled token at --temperature: an SGLang server's
+    (prefill only), or a frozen Model's forward of the packed samples (every rank forwards the
+    same number of micro-batches: FSDP2 gathers per forward)."""
+    if isinstance(teacher, rollout.Scorer):
+        return teacher.score(samples, cfg.temperature)
+    mbs = packing.pack_microbatches(samples, "token_mean", None, cfg.micro_batch_tokens)
+    out = [[] for _ in samples]
+    with torch.no_grad():
+        for mb in packing.even_out(mbs):
+            logp = teacher.logprobs(mb, cfg.temperature)[0].float().cpu()
+            for i in mb.seq_ids[mb.seq_ids >= 0].unique().tolist():
+                out[i] = logp[mb.seq_ids == i]
+    return out
 
 
 # -----------------------------------------------------------------------------
-# loss and step: packed micro-batches, log-probs, LossReduction, clip, AdamW
-def train_on_samples(model, ref_model, optimizer, reduction: loss.LossReduction,
-                     samples: list[Sample], cfg: Config, device, ranks: Ranks
-                     ) -> tuple[dict, dict]:
+# loss and step: packed micro-batches, log-probs, the objective, clip, AdamW
+def train_on_samples(model, reference, optimizer, reduction: loss.LossReduction,
+                     samples: list[Sample], cfg: Config, ranks: Ranks) -> tuple[dict, dict]:
     """One rollout batch -> --ppo-epochs x --num-minibatches optimizer steps, each on a share of
     the groups. Returns this rank's counters (the first pass's; reduce_metrics sums them over ranks)
     and the step's stats: grad norm and loss terms (means), skipped steps, whether any update."""
     groups = sorted({s.group for s in samples})
-    shares = [set(groups[i :: cfg.num_minibatches]) for i in range(cfg.num_minibatches)]
     packed = []
-    for share in shares:  # pi_prox and pi_ref come from the weights before the first update
-        mbs = packing.even_out(pack_microbatches([s for s in samples if s.group in share], cfg))
-        mbs = frozen_logprobs(model, ref_model, mbs, cfg, device, ranks)
-        packed.append(loss.apply_global_mask(mbs, cfg.correction, cfg.correction_threshold,
-                                             dist.group.WORLD if ranks.world > 1 else None))
+    for i in range(cfg.num_minibatches):  # pi_prox and pi_ref: the weights before any update
+        share = set(groups[i :: cfg.num_minibatches])
+        packed.append(minibatch(model, reference, [s for s in samples if s.group in share],
+                                cfg, ranks))
     # positions: what the model was fed (fewer than trained_tokens: shared prompts, no last tokens)
-    sums = Counter({"trained_tokens": sum(len(s.prompt_ids) + len(s.completion.output_ids)
-                                          for s in samples),
-                    "positions": sum(len(mb.input_ids) for mbs in packed for mb in mbs)})
-    stats, iw_max, updates = Counter(), 0.0, packed * cfg.ppo_epochs  # pass after pass
+    sums = Counter({"positions": sum(len(mb.input_ids) for mbs in packed for mb in mbs),
+                    "trained_tokens": sum(len(s.prompt_ids) + len(s.completion.output_ids)
+                                          for s in samples)})
+    stats, updates = Counter(), packed * cfg.ppo_epochs  # pass after pass
     for i, mbs in enumerate(updates):
-        counters, mb_iw_max, out = train_minibatch(model, optimizer, reduction, mbs, cfg, device,
-                                                   ranks)
+        counters, out = train_minibatch(model, optimizer, reduction, mbs, cfg, ranks)
         if i < len(packed):  # later passes see the same tokens again
-            sums.update(counters)
-            iw_max = max(iw_max, mb_iw_max)
+            for k, v in counters.items():  # counters summed, extremes (_max) kept
+                sums[k] = max(sums.get(k, -math.inf), v) if k.endswith("_max") else sums[k] + v
         stats.update({k: v / len(updates) for k, v in out.items() if k != "updated"})
         stats["updated"] = max(stats["updated"], out["updated"])
     stats["skipped_steps"] *= len(updates)  # a count, not a mean
-    sums = dict(sums) if ranks.cp_rank == 0 else {}  # a CP group counts its tokens once
-    return sums | {"importance_weight_max": iw_max}, dict(stats)
+    return (dict(sums) if ranks.cp_rank == 0 else {}), dict(stats)  # a CP group counts once
 
 
-def frozen_logprobs(model, ref_model, mbs: list[MicroBatch], cfg: Config, device,
-                    ranks: Ranks) -> list[MicroBatch]:
-    """Each micro-batch with pi_prox's log-probs when they need a forward of their own (else the
-    training forward's serve) and the reference policy's (KL penalty)."""
-    policies = {"prox_logprobs": model} if loss.needs_proximal_forward(
-        cfg.correction, cfg.num_minibatches * cfg.ppo_epochs) else {}
-    policies |= {"ref_logprobs": ref_model} if ref_model is not None else {}
+def minibatch(model, reference, samples: list[Sample], cfg: Config, ranks: Ranks
+              ) -> list[loss.MicroBatch]:
+    """A mini-batch's micro-batches, the same number on every rank, with the frozen log-probs
+    they need: pi_prox's own forward (loss.needs_proximal_forward), the reference's (KL); then a
+    correction's masks from pi_prox (M2PO's over every rank; a mismatch rejection, taken out of
+    the denominators too: the mode's weights made again)."""
+    mbs = packing.even_out(pack_microbatches(samples, cfg))
+    updates = cfg.num_minibatches * cfg.ppo_epochs
+    frozen = {}
+    if loss.needs_proximal_forward(cfg.correction, updates):
+        frozen["prox_logprobs"] = model
+    if reference is not None:
+        frozen["ref_logprobs"] = reference
     with torch.no_grad():
-        return [replace(mb, **{k: microbatch_forward(p, mb, cfg, device, ranks)[0].float().cpu()
-                               for k, p in policies.items()}) for mb in mbs]
+        mbs = [replace(mb, **{k: m.logprobs(mb, cfg.temperature)[0].float().cpu()
+                              for k, m in frozen.items()}) for mb in mbs]
+    corr = loss.CORRECTIONS[cfg.correction]
+    if corr.reject is not None:
+        mbs = [reject(mb, corr, cfg.correction_threshold) for mb in mbs]
+        mbs = packing.reweigh(mbs, samples, cfg.loss_aggregation, cfg.loss_aggregation_divisor)
+    if corr.global_mask is None or not mbs:
+        return mbs
+    keep = corr.global_mask(*(torch.cat([getattr(mb, k) for mb in mbs]) for k in (
+        "prox_logprobs", "behave_logprobs", "loss_mask")), threshold=cfg.correction_threshold,
+        group=dist.group.WORLD if ranks.world > 1 else None)
+    sizes = [len(mb.loss_mask) for mb in mbs]
+    return [replace(mb, keep_mask=k) for mb, k in zip(mbs, keep.split(sizes))]
 
 
-def train_minibatch(model, optimizer, reduction: loss.LossReduction, mbs: list[MicroBatch],
-                    cfg: Config, device, ranks: Ranks) -> tuple[dict, float, dict]:
-    """One optimizer step on a mini-batch's micro-batches (the same number on every rank, for
-    FSDP); with nothing to learn from on any rank no step at all (AdamW's momentum would still
-    move). Returns this rank's counters, its largest pi_prox/pi_behave and the step's stats."""
-    # each token counted once in the normalizers: a CP group's ranks hold the same micro-batches,
-    # so its first rank counts (every CP rank computes the full loss: cp_factor puts N into Z)
+def reject(mb: loss.MicroBatch, corr: loss.Correction, cap: float) -> loss.MicroBatch:
+    """The micro-batch without the tokens a mismatch correction rejects, from m and from d."""
+    d = mb.denom_mask
+    behave = torch.where(d > 0, mb.behave_logprobs, mb.prox_logprobs)
+    keep = corr.reject(loss.log_ratio(mb.prox_logprobs, behave), mb.seq_ids, d, cap)
+    return replace(mb, loss_mask=mb.loss_mask * keep, denom_mask=d * keep, rejected=d - d * keep)
+
+
+def train_minibatch(model, optimizer, reduction: loss.LossReduction, mbs: list[loss.MicroBatch],
+                    cfg: Config, ranks: Ranks) -> tuple[dict, dict]:
+    """One optimizer step on a mini-batch's micro-batches. Its objective, over tokens t:
+
+        J = sum_t m_t w_t l_t / Z_policy - entropy_coef sum_t m_t H_t / Z_tokens
+                                         + kl_coef sum_t m_t kl_t / Z_tokens
+
+    l_t the surrogate's loss, w_t the mode's weight of the token's response times the
+    correction's importance weight, m_t the loss mask (a correction may reject tokens), H_t the
+    entropy, kl_t the KL estimator against the reference; Z_policy the mode's normaliser and
+    Z_tokens the token count, each over the whole mini-batch on every rank (one all_reduce). No
+    update when nothing is to be learned (AdamW's momentum would still move the weights)."""
+    surrogate = loss.SURROGATES[cfg.policy_loss]
+    params = loss.surrogate_params(cfg.policy_loss, cfg.eps_low, cfg.eps_high, cfg.correction)
+    corr = loss.CORRECTIONS[cfg.correction]
+    # each token counted once: a CP group's ranks hold the same micro-batches, its first counts
     reduction.begin_step(mbs if ranks.cp_rank == 0 else [])
     learn = any(reduction.Z.values())
-    # counters stay on the device until the end: a float() per micro-batch would sync the GPU
-    acc = torch.zeros(4, dtype=torch.float64, device=device)
-    iw_max = torch.zeros((), dtype=torch.float64, device=device)
+    metrics = StepMetrics(model.device)
     for i, mb in enumerate(mbs if learn else []):  # FSDP2: one reduce-scatter, after the last
-        model.set_requires_gradient_sync(i == len(mbs) - 1 or not model.defer_grad_sync)
-        logprobs, entropy = microbatch_forward(model, mb, cfg, device, ranks, grad=True)
-        batch = replace(mb.to(device), logprobs=logprobs, entropy=entropy)
-        reduction(batch).backward()
-        # |log pi_theta - log pi_behave| before the update: ~0 when the engine holds the same
-        # weights (larger: stale rollouts, a broken sync); pi_prox/pi_behave: what corrections weigh
-        d = batch.denom_mask
-        prox = logprobs.detach() if batch.prox_logprobs is None else batch.prox_logprobs
-        weight = torch.exp(loss.log_ratio(prox, batch.behave_logprobs)).double()
-        acc += torch.stack([x.double() for x in (d.sum(), (entropy.detach() * d).sum(),
-            ((logprobs.detach() - batch.behave_logprobs).abs() * d).sum(), (weight * d).sum())])
-        iw_max = torch.maximum(iw_max, torch.where(d > 0, weight, 0.0).max())
+        model.set_grad_sync(i == len(mbs) - 1 or not model.defer_grad_sync)
+        logp, entropy = model.logprobs(mb, cfg.temperature, grad=True,
+                                       entropy_grad=cfg.entropy_coef != 0)
+        mb = mb.to(model.device)
+        prox = loss.anchor(mb, logp, corr)  # pi_prox, or pi_behave (clip_to_behaviour)
+        weight, m, stats = loss.correct(corr, prox, mb, cfg.correction_threshold)
+        advantages = torch.where(mb.denom_mask > 0, mb.advantages, 0.0)
+        token_loss, indicators = surrogate.fn(logp, prox, advantages, mb.seq_ids, m, **params)
+        terms = {"policy": loss.masked_sum(token_loss, m, mb.loss_weight * weight)}
+        if cfg.entropy_coef:
+            terms["entropy"] = loss.masked_sum(entropy, mb.loss_mask)
+        if cfg.kl_coef:  # pi_ref outside d is arbitrary: ratio 1 there, exp() finite
+            ref = torch.where(mb.denom_mask > 0, mb.ref_logprobs, logp.detach())
+            kl = loss.kl_penalty(logp, ref, cfg.kl_estimator)
+            terms["kl"] = loss.masked_sum(kl, mb.loss_mask)
+        stats |= {f"policy/{k}": ((v * m).sum(), m.sum()) for k, v in indicators.items()}
+        reduction(terms, stats).backward()
+        pi_prox = logp.detach() if mb.prox_logprobs is None else mb.prox_logprobs
+        metrics.add(mb, logp, entropy, pi_prox)
+    out = optimizer_step(model, optimizer, cfg, learn)
+    return metrics.sums(), out | reduction.reported()
+
+
+class StepMetrics:
+    """A step's counters, on the device until the end (a float() per micro-batch would sync the
+    GPU): the engine-vs-trainer mismatch (loss.mismatch_sums), entropy, the correction's
+    importance weights; the largest weight and log rho over responses (and -the smallest)."""
+    NAMES = ("denom_tokens", "mismatch", "mismatch_k3", "responses", "log_ppl_gap", "rejected",
+             "rejected_responses", "entropy", "importance_weight")
+    MAXIMA = ("importance_weight_max", "seq_log_ratio_max", "seq_log_ratio_min_max")
+
+    def __init__(self, device):
+        self.acc = torch.zeros(len(self.NAMES), dtype=torch.float64, device=device)
+        self.most = torch.full((len(self.MAXIMA),), -math.inf, dtype=torch.float64,
+                               device=device)
+
+    def add(self, mb, logp, entropy, prox) -> None:
+        d, behave = mb.denom_mask, mb.behave_logprobs
+        iw = torch.exp(loss.log_ratio(prox, behave)).double()
+        mismatch = loss.mismatch_sums(logp, behave, d, mb.seq_ids, mb.rejected)
+        mine = torch.stack([(entropy.detach() * d).sum().double(), (iw * d).sum()])
+        self.acc += torch.cat([mismatch, mine])
+        iw_max = torch.where(d > 0, iw, 0.0).max()[None]
+        extremes = loss.seq_log_ratios(logp, behave, d, mb.seq_ids)
+        self.most = torch.maximum(self.most, torch.cat([iw_max, extremes]))
+
+    def sums(self) -> dict:
+        out = dict(zip(self.NAMES, self.acc.tolist()))
+        out["loss_tokens"] = out["denom_tokens"] + out["rejected"]
+        out["all_responses"] = out["responses"] + out["rejected_responses"]
+        return out | dict(zip(self.MAXIMA, self.most.tolist()))
+
+
+def optimizer_step(model, optimizer, cfg: Config, learn: bool) -> dict:
+    """Clip the global gradient norm, then step, unless it is not finite (all ranks agree: a
+    global norm) or there is nothing to learn; gradients cleared either way."""
     out = {"updated": 0.0, "skipped_steps": 0.0, "grad_norm": 0.0}
     if learn:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                              cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        limit = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(model.trainable(), limit)
         out["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        finite = math.isfinite(out["grad_norm"])  # a global norm: all ranks step or skip together
+        finite = math.isfinite(out["grad_norm"])
         if finite:
             optimizer.step()
         out["updated" if finite else "skipped_steps"] = 1.0
     optimizer.zero_grad(set_to_none=True)
-    counters = dict(zip(("denom_tokens", "entropy", "mismatch", "importance_weight"), acc.tolist()))
-    return counters, float(iw_max), out | reduction.reported()
+    return out
 
 
 def pack_microbatches(samples: list[Sample], cfg: Config,
-                      share_prompts: bool | None = None) -> list[MicroBatch]:
+                      share_prompts: bool | None = None) -> list[loss.MicroBatch]:
     """Samples -> packed micro-batches of at most --micro-batch-tokens positions (packing.py)."""
+    share = SHARE_PROMPTS if share_prompts is None else share_prompts
     return packing.pack_microbatches(samples, cfg.loss_aggregation, cfg.loss_aggregation_divisor,
-                                     cfg.micro_batch_tokens, cfg.mask_truncated,
-                                     SHARE_PROMPTS if share_prompts is None else share_prompts)
+                                     cfg.micro_batch_tokens, cfg.mask_truncated, share)
 
 
 # -----------------------------------------------------------------------------
-# the model: FSDP2 wiring, packed attention, log-probs in vocabulary chunks
+# the models: the policy, frozen copies for the KL penalty and distillation, AdamW
 def load_models(cfg: Config, device: torch.device, ranks: Ranks, engine=None) -> tuple:
-    """The policy, a frozen copy for the KL penalty (else None), its AdamW; the memory plan."""
-    gpu = torch.cuda.mem_get_info(device) if device.type == "cuda" else None  # (free, total)
-    model = load_model(cfg, device, ranks)
-    ref_model = (modeling.WithoutAdapters(model) if cfg.lora_rank else load_model(
-        cfg, device, ranks, trainable=False)) if cfg.kl_coef > 0 else None  # LoRA: base is free
-    undecided = model.checkpointed is None  # a GPU: checkpointed only where the plan needs it
-    line, model.defer_grad_sync, model.checkpointed = modeling.startup_memory(
-        model, ranks.world, -(-cfg.micro_batch_tokens // ranks.cp_size), model.checkpointed,
-        model.mixed, gpu, engine is not None and engine.overlaps == "", ref_model is not None)
-    if undecided and model.checkpointed:
-        modeling.checkpoint_layers(model)
-    print0(line)
-    return model, ref_model, modeling.adamw([p for p in model.parameters() if p.requires_grad],
-        lr=cfg.lr, betas=ADAM_BETAS, weight_decay=WEIGHT_DECAY)  # LoRA: the adapters alone
-
-
-def load_model(cfg: Config, device: torch.device, ranks: Ranks, trainable: bool = True):
-    """An HF causal LM sharded with FSDP2 over every rank as it loads (one rank in full precision:
-    plain), a unit per (checkpointed) decoder layer + the root. Master weights, AdamW in fp32/64."""
-    mixed = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
-    mp = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if mixed else {}
-    tokens = -(-cfg.micro_batch_tokens // ranks.cp_size)  # of a micro-batch on this rank
-
-    def shard(model):  # one rank in full precision: FSDP2 would only copy every weight and
-        if ranks.world > 1 or mixed:  # gradient twice a step (fresh buffers: 0.5B 19 -> 14 s)
-            mesh = init_device_mesh(device.type, (ranks.world,))
-            for block in modeling.decoder_layers(model):
-                fully_shard(block, mesh=mesh, **mp)
-            fully_shard(model, mesh=mesh, **mp)
-        else:
-            model.set_requires_gradient_sync = lambda sync: None  # no gradient to reduce
-        model.why_eager = modeling.compile_layers(model, device, COMPILE_FROM) if cfg.compile \
-            else "eager (--no-compile)"
-        elements = tokens * model.config.get_text_config().hidden_size  # a layer input's
-        big = model.why_eager is not None and elements >= SELECTIVE_FROM  # compiled (None): as is
-        model.checkpointed = trainable and (CHECKPOINT_LAYERS if CHECKPOINT_LAYERS is not None else
-                                            None if device.type == "cuda" else big and "selective")
-        if model.checkpointed:
-            modeling.checkpoint_layers(model, model.checkpointed == "selective",
-                                       RERUN_FROM if CHECKPOINT_LAYERS is None else 0)
-    model, attention = modeling.load_causal_lm(  # LoRA: the frozen base in the compute dtype
-        cfg.model, torch.bfloat16 if cfg.lora_rank and mixed else torch.float64 if
-        cfg.dtype == "float64" else torch.float32, device, ranks.cp_size, ATTENTION, mixed,
-        check=trainable, shard=shard, lora=(cfg.lora_rank, cfg.lora_adapter))
-    model.mixed, model.defer_grad_sync = mixed, False
-    if trainable:
-        compute = "bf16 (fp32 master weights)" if mixed else str(model.dtype).removeprefix("torch.")
-        print0(f"{attention}; compute: {compute}; {model.why_eager or 'layers compiled'}")
-    model.policy_logprobs = types.MethodType(modeling.policy_logprobs, model)
-    fsdp_method(model, "policy_logprobs")  # the root's parameters are gathered for it
-    loss.fsdp_sum_gradients(model)  # LossReduction divides by the *global* normalizer: sum ranks
-    for name, p in model.named_parameters():  # LoRA: the adapters alone
-        p.requires_grad_(trainable and (not cfg.lora_rank or ".lora_" in name))
-    return model
-
-
-def microbatch_forward(model, mb: MicroBatch, cfg: Config, device: torch.device, ranks: Ranks,
-                       grad: bool = False):
-    """(log-probs, entropy) [T] of a packed micro-batch's positions at --temperature."""
-    targets = mb.targets if mb.seq_ids is None else mb.targets.masked_fill(mb.seq_ids < 0, -1)
-    kw = {"temperature": cfg.temperature, "entropy_grad": cfg.entropy_coef != 0}  # else a metric
-    with torch.set_grad_enabled(grad):  # inputs, layout made on the host (FSDP2 moves them to a
-        # GPU); Ulysses: this rank's 1/N of the row runs, the whole row's log-probs are gathered
-        inputs, layout = modeling.row_inputs(mb.input_ids, mb.position_ids, targets, mb.segments,
-                                             device, getattr(model, "attention_kernel", None),
-                                             ranks.cp_group)
-        out = model.policy_logprobs(**inputs, layout=layout, **kw)
-        return out if ranks.cp_size < 2 else modeling.gather_row(*out, ranks.cp_group, len(targets))
+    """(policy, KL reference or None, teacher or None, AdamW), each model sharded over every rank;
+    the policy's memory plan agreed over ranks (modeling.gpu_memory) counts the engine and the
+    frozen copies."""
+    gpu, engine_bytes = modeling.gpu_memory(device, getattr(engine, "held", None))
+    frozen = [cfg.teacher] if cfg.teacher and not rollout.is_url(cfg.teacher) else []
+    if cfg.kl_coef > 0 and not cfg.lora_rank:  # LoRA's reference is its own base
+        frozen.append(cfg.model)
+    others = sum(modeling.parameter_count(path) for path in frozen)
+    memory = {"gpu": gpu, "engine": engine_bytes, "others": others}
+    load = lambda c, trainable: modeling.load_model(c, device, ranks.world, ranks.cp_group,
+                                                    trainable, memory)
+    model = load(cfg, True)
+    print0(model.summary)
+    reference = None
+    if cfg.kl_coef > 0 and cfg.lora_rank:  # LoRA: the frozen base is the reference, for free
+        reference = replace(model, base_only=True)
+    elif cfg.kl_coef > 0:
+        reference = load(cfg, False)
+    teacher = None
+    if cfg.teacher and rollout.is_url(cfg.teacher):
+        teacher = rollout.Scorer(cfg.teacher)
+    elif cfg.teacher:
+        teacher = load(replace(cfg, model=cfg.teacher, lora_rank=0, lora_adapter=None), False)
+    optimizer = modeling.adamw(model.trainable(), lr=cfg.lr, betas=ADAM_BETAS,
+                               weight_decay=WEIGHT_DECAY)  # LoRA: the adapters alone
+    return model, reference, teacher, optimizer
 
 
 # -----------------------------------------------------------------------------
@@ -725,8 +863,8 @@ class RunState:
 
     def flags(self, preempt: checkpoint.Preemption) -> dict:
         """What every rank must agree on: a checkpoint due by time, a signal one of them got."""
-        return {"due": float(time.monotonic() - self.last_save > 60 * CKPT_MINUTES)} | \
-            preempt.signal_sums()
+        due = float(time.monotonic() - self.last_save > 60 * CKPT_MINUTES)
+        return {"due": due} | preempt.signal_sums()
 
 
 def end_step(step: int, sums: dict, metrics: dict, cfg: Config, model, optimizer, run: RunState,
@@ -738,13 +876,14 @@ def end_step(step: int, sums: dict, metrics: dict, cfg: Config, model, optimizer
         last = checkpoint.complete_checkpoints(cfg.run_dir)
         raise cli.Stopped(f"error: {run.bad_steps} steps in a row had a non-finite loss or grad "
                           f"norm; last good checkpoint: {last[-1] if last else 'none'}", code=1)
-    if run.bad_steps == 0 and (sums["due"] or "signal" in sums or step == cfg.steps
-                               or every(cfg.ckpt_every, step, cfg.steps)):
+    due = sums["due"] or "signal" in sums or step == cfg.steps
+    if run.bad_steps == 0 and (due or every(cfg.ckpt_every, step, cfg.steps)):
         t0 = time.perf_counter()
         ahead = {s: [asdict(x) for x in b] for s, b in rollouts.wait().items()}
         meta = {"world": dist.get_world_size(), "updates": run.updates,
                 "last_eval": run.last_eval, "config": asdict(cfg)}
-        path = checkpoint.save_checkpoint(cfg.run_dir, step, model, optimizer, meta, ahead)
+        path = checkpoint.save_checkpoint(cfg.run_dir, step, model.module, optimizer, meta,
+                                          ahead)
         logger.line(f"saved {path} in {time.perf_counter() - t0:.2f}s")
         run.last_save = time.monotonic()
     if "signal" in sums:
@@ -756,24 +895,24 @@ def resume(cfg: Config, model, optimizer, engine, ranks: Ranks, resuming: bool) 
     """Restore --resume's checkpoint, or this run's newest readable one (a broken one set aside),
     into model, optimizer, RNGs, engine and batches made ahead; cut metrics.jsonl and samples.jsonl
     back to its step. Evaluating (--steps 0) touches no run's checkpoints or lines."""
-    path = (None if cfg.resume in ("auto", "fresh") else cfg.resume) if cfg.steps == 0 else \
-        on_rank0(checkpoint.choose_resume, cfg.run_dir, cfg.resume, resuming)
+    if cfg.steps == 0:
+        path = None if cfg.resume in ("auto", "fresh") else cfg.resume
+    else:
+        path = on_rank0(checkpoint.choose_resume, cfg.run_dir, cfg.resume, resuming)
     run = RunState()
     if path is not None:
-        try:  # passed the cheap checks (sizes, meta.json), yet unreadable: say which one
-            meta, ahead = checkpoint.load_checkpoint(Path(path), model, optimizer)
-        except Exception as e:
-            raise UserError(f"checkpoint {path} cannot be loaded ({cli.why(e)}); move it aside "
-                            "to resume from the one before it") from None
-        mine = lambda batch: [Sample(**x | {"completion": Completion(**x["completion"])})
-                              for x in batch if x["group"] % ranks.dp_size == ranks.dp_rank]
-        run = RunState(meta["step"], meta["updates"], meta["last_eval"] or {},
-                       {s: mine(b) for s, b in ahead.items()} if ranks.cp_rank == 0 else {})
+        meta, ahead = checkpoint.load_checkpoint(Path(path), model.module, optimizer)
+        mine = lambda batch: [rollout.sample_from_dict(x) for x in batch
+                              if x["group"] % ranks.dp_size == ranks.dp_rank]
+        pending = {s: mine(b) for s, b in ahead.items()} if ranks.cp_rank == 0 else {}
+        run = RunState(meta["step"], meta["updates"], meta["last_eval"] or {}, pending)
         done = " (nothing left to train)" if meta["step"] >= cfg.steps > 0 else ""
         print0(f"evaluating step {meta['step']} ({path})" if cfg.steps == 0 else
                f"resumed from step {meta['step']} ({path}){done}")
-    if path is not None or cfg.lora_adapter or engine.share:  # the engine loaded --model: these
-        engine.update_weights(model, run.step)  # weights instead (share: the trainer's tensors)
+    # the engine loaded --model: these weights instead (share: the trainer's tensors; an engine
+    # that released its weights to measure its memory holds none)
+    if path is not None or cfg.lora_adapter or engine.share or engine.version < 0:
+        engine.update_weights(model.module, run.step)
     if ranks.rank == 0:  # the run starts: its directory holds its config from now on
         checkpoint.write_config(cfg.run_dir, asdict(cfg))
         for name in ("metrics.jsonl", "samples.jsonl") if cfg.steps else ():

@@ -1,12 +1,11 @@
 """Packing: rollout samples -> micro-batches of at most a token budget, with no padding. A
 micro-batch is one packed row of many sequences (loss.MicroBatch): per-token tensors aligned with
 the *predicted* token (position j of a sequence predicts token j+1; a sequence's last token is never
-fed, it predicts nothing) and `segments` [R, 4] saying who attends to what (modeling.py). With
+fed, it predicts nothing) and `segments` [R, 4] saying who attends to what (attention.py). With
 shared prompts a micro-batch feeds each prompt prefix (the prompt minus its last token) once and
 each sample only its tail, at positions p-1.., attending to that copy. Exact: under causal attention
 the prefix's hidden states depend on the prefix alone, and backward sums every sample's gradient
-into the one copy. A sample is anything with .group, .prompt_ids, .advantage and .completion
-(.output_ids, .logprobs, .finish_reason, .policy_mask: only policy tokens train)."""
+into the one copy. Only the policy's tokens train (an episode's env tokens are context)."""
 
 from __future__ import annotations
 
@@ -17,31 +16,31 @@ import torch.distributed as dist
 
 import loss
 from loss import MicroBatch
+from rollout import Sample
 
 INT_COLUMNS = ("input_ids", "position_ids", "targets", "seq_ids")
 FLOAT_COLUMNS = ("loss_mask", "advantages", "behave_logprobs", "loss_weight", "norm_weight")
 
 
-def pack_microbatches(samples: list, mode: str, divisor: float | None, budget: int,
-                      mask_truncated: bool = False, share_prompts: bool = True) -> list[MicroBatch]:
+def pack_microbatches(samples: list[Sample], mode: str, divisor: float | None, budget: int,
+                      mask_truncated: bool = False, share_prompts: bool = True
+                      ) -> list[MicroBatch]:
     """Micro-batches of at most `budget` fed positions, cut in order as evenly as `cuts` can (a
     shared prefix costs its first sample in each). The mode's weights are the whole mini-batch's, so
-    any split is exact (loss.py's rule 2); mask_truncated: a cut response counts nowhere."""
-    dropped = [mask_truncated and s.completion.finish_reason == "length" for s in samples]
-    masks = [[0.0 if d else float(x) for x in s.completion.policy_mask or [1] * len(
-        s.completion.output_ids)] for s, d in zip(samples, dropped)]  # env tokens are context
-    denom = torch.tensor([sum(m) for m in masks], dtype=torch.float64)
-    weights, norm_weights = (w.tolist() for w in loss.response_weights(
-        mode, denom, torch.tensor([s.group for s in samples], dtype=torch.long), divisor))
+    any split is exact (loss.py's rule 2); mask_truncated: a cut response counts nowhere. A
+    sample's seq_id is its index in `samples`."""
+    masks = [loss_mask(s, mask_truncated) for s in samples]
+    weights, norm_weights = mode_weights([sum(m) for m in masks], samples, mode, divisor)
     keys = [tuple(s.prompt_ids[:-1]) if share_prompts else i for i, s in enumerate(samples)]
-    starts = set(cuts([(k, len(s.prompt_ids), len(s.completion.output_ids))
-                       for k, s in zip(keys, samples)], budget)[1:])
-    mbs, cols, first, prefix_at = [], defaultdict(list), 0, {}  # prefix_at: key -> its prefix's ctx
+    spans = [(k, len(s.prompt_ids), len(s.completion.output_ids)) for k, s in zip(keys, samples)]
+    starts = set(cuts(spans, budget)[1:])
+    mbs, cols, prefix_at = [], defaultdict(list), {}  # prefix_at: key -> its prefix's context
     for i, (s, key) in enumerate(zip(samples, keys)):
         full, p = s.prompt_ids + s.completion.output_ids, len(s.prompt_ids)
         r = len(full) - p
         if i in starts:
-            mbs, cols, first, prefix_at = mbs + [to_microbatch(cols)], defaultdict(list), i, {}
+            mbs.append(to_microbatch(cols))
+            cols, prefix_at = defaultdict(list), {}
         head, ctx = (p - 1, prefix_at.get(key)) if share_prompts else (0, (0, 0))
         if ctx is None:  # the prompt's first sample here: its prefix is fed, predicting nothing
             ctx = prefix_at[key] = (len(cols["input_ids"]), p - 1)
@@ -50,11 +49,49 @@ def pack_microbatches(samples: list, mode: str, divisor: float | None, budget: i
         # positions head..p+r-2: the prompt's (predicting prompt tokens: no loss), the response's
         n, fed_prompt = p + r - 1 - head, p - 1 - head
         if n:
-            feed(cols, full, head, p + r - 1, ctx, [-1] * fed_prompt + [i - first] * r,
-                 loss_mask=[0.0] * fed_prompt + masks[i], advantages=[s.advantage] * n,
+            advantages = s.token_advantages or [s.advantage] * r
+            feed(cols, full, head, p + r - 1, ctx, [-1] * fed_prompt + [i] * r,
+                 loss_mask=[0.0] * fed_prompt + masks[i],
+                 advantages=[0.0] * fed_prompt + list(advantages),
                  behave_logprobs=[0.0] * fed_prompt + s.completion.logprobs,
                  loss_weight=[weights[i]] * n, norm_weight=[norm_weights[i]] * n)
     return mbs + [to_microbatch(cols)] if samples else []
+
+
+def loss_mask(s: Sample, mask_truncated: bool) -> list[float]:
+    """A response's loss (and denominator) mask: its policy's tokens, none if mask_truncated and
+    cut by the length (DAPO)."""
+    c = s.completion
+    if mask_truncated and c.finish_reason == "length":
+        return [0.0] * len(c.output_ids)
+    return [float(x) for x in c.policy_mask or [1] * len(c.output_ids)]
+
+
+def mode_weights(counts: list[float], samples: list[Sample], mode: str, divisor: float | None):
+    """The mode's per-response (w_i, nw_i) as lists, from the responses' M_i and groups."""
+    groups = torch.tensor([s.group for s in samples], dtype=torch.long)
+    M = torch.tensor(counts, dtype=torch.float64)
+    w, nw = loss.response_weights(mode, M, groups, divisor)
+    return w.tolist(), nw.tolist()
+
+
+def reweigh(mbs: list[MicroBatch], samples: list[Sample], mode: str, divisor: float | None
+            ) -> list[MicroBatch]:
+    """The mode's weights again after tokens left the denominators (a mismatch correction's
+    rejection): M_i summed over every micro-batch, by seq_id (an index into `samples`)."""
+    counts = torch.zeros(len(samples), dtype=torch.float64)
+    for mb in mbs:
+        mine = mb.seq_ids >= 0
+        counts.index_add_(0, mb.seq_ids[mine], mb.denom_mask[mine].double())
+    w, nw = (torch.tensor(x + [0.0]) for x in mode_weights(counts.tolist(), samples, mode,
+                                                              divisor))
+    out = []
+    for mb in mbs:  # seq_id -1 (a prompt's positions) reads the appended 0
+        index = torch.where(mb.seq_ids >= 0, mb.seq_ids, len(samples))
+        out.append(MicroBatch(**{f: getattr(mb, f) for f in MicroBatch.__dataclass_fields__}
+                              | {"loss_weight": w[index].float(),
+                                 "norm_weight": nw[index].float()}))
+    return out
 
 
 def cuts(spans: list[tuple], budget: int) -> list[int]:
@@ -64,14 +101,20 @@ def cuts(spans: list[tuple], budget: int) -> list[int]:
     def greedy(cap: int) -> list[int]:
         starts, used, seen = [], 0, set()
         for i, (key, p, r) in enumerate(spans):
-            if not starts or used + (r if key in seen else p + r - 1) > cap:
+            cost = r if key in seen else p + r - 1
+            if not starts or used + cost > cap:
                 starts, used, seen = starts + [i], 0, set()
-            used += r if key in seen else p + r - 1
+                cost = p + r - 1
+            used += cost
             seen.add(key)
         return starts
     n, lo, hi = len(greedy(budget)), 1, budget
     while lo < hi:  # hi always cuts into at most n
-        lo, hi = (lo, mid) if len(greedy(mid := (lo + hi) // 2)) <= n else (mid + 1, hi)
+        mid = (lo + hi) // 2
+        if len(greedy(mid)) <= n:
+            hi = mid
+        else:
+            lo = mid + 1
     return greedy(hi)
 
 
@@ -90,14 +133,16 @@ def feed(cols: dict[str, list], full: list[int], start: int, stop: int, ctx: tup
 
 
 def to_microbatch(cols: dict[str, list]) -> MicroBatch:
-    t = {k: torch.tensor(cols[k], dtype=torch.float32 if k in FLOAT_COLUMNS else torch.long)
-         for k in INT_COLUMNS + FLOAT_COLUMNS}
-    return MicroBatch(**t, denom_mask=t["loss_mask"].clone(),
-                      segments=torch.tensor(cols["segments"], dtype=torch.long).view(-1, 4))
+    t = {}
+    for k in INT_COLUMNS + FLOAT_COLUMNS:
+        t[k] = torch.tensor(cols[k], dtype=torch.float32 if k in FLOAT_COLUMNS else torch.long)
+    segments = torch.tensor(cols["segments"], dtype=torch.long).view(-1, 4)
+    return MicroBatch(**t, denom_mask=t["loss_mask"].clone(), segments=segments)
 
 
 def even_out(mbs: list[MicroBatch], group=None) -> list[MicroBatch]:
     """The same number of micro-batches on every rank of `group` (FSDP2 all-gathers per forward):
     a rank with fewer adds ones of a single masked token."""
-    n = int(loss.all_reduce_vector(torch.tensor([len(mbs)]), group, op=dist.ReduceOp.MAX))
-    return mbs + [to_microbatch(feed(defaultdict(list), [0, 0], 0, 1)) for _ in range(n - len(mbs))]
+    most = loss.all_reduce_vector(torch.tensor([len(mbs)]), group, op=dist.ReduceOp.MAX)
+    single = lambda: to_microbatch(feed(defaultdict(list), [0, 0], 0, 1))
+    return mbs + [single() for _ in range(int(most) - len(mbs))]

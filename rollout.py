@@ -6,14 +6,17 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import ipaddress
 import itertools
 import json
 import mmap
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -32,10 +35,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import lora
 import modeling
 from cli import UserError, rank
 
-HTTP_TIMEOUT_S = 600.0  # one request to a server; a timed-out /generate is aborted, then re-posted
+HTTP_TIMEOUT_S = 600.0  # a request to a server; a streamed /generate: the wait for each chunk
 HTTP_RETRIES = 3  # retries of a timeout, connection error or 5xx, backing off exponentially
 HTTP_BACKOFF_S = 0.5  # the first back-off; it doubles at every retry
 ABORT_TIMEOUT_S = 10.0  # POST /abort_request before a timed-out /generate is re-posted
@@ -45,6 +49,7 @@ HTTP_THREADS = 1024  # requests in flight per rank: more than a rank's whole bat
 SYNC_BUCKET_MB = 512  # weights per update_weights_from_tensor / _from_distributed call
 WEIGHT_GROUP_TIMEOUT_S = 600.0  # the NCCL weight group: its rendezvous and every broadcast
 SGLANG_MEM_FRACTION = 0.5  # in-process engine: its share of the GPU (weights + KV cache)
+INT4_MAX = 7  # hf_int4: weights rounded to the integers -7..7 times a scale per row
 ENV_TIMEOUT_S = 30.0  # an --env step that takes longer ends its episode and is counted
 # torchrun's variables, hidden from SGLang's scheduler processes: with them its process group (a
 # tcp:// rendezvous) looks for torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) and waits
@@ -75,16 +80,46 @@ class Completion:
     episode: dict = dataclasses.field(default_factory=dict)  # env/turns, tool_calls, errors...
 
 
+@dataclasses.dataclass
+class Sample:
+    """One completion of a step's prompt, what scored it and what it trains with."""
+    group: int  # the GRPO group (the prompt's slot in the step): advantages compare within it
+    prompt_ids: list[int]
+    completion: Completion
+    reward: float = 0.0
+    advantage: float = 0.0
+    zero_variance: bool = False  # every reward of its group is equal (no GRPO signal)
+    row: int = -1  # the dataset row of the prompt
+    correct: bool | None = None
+    version: int = 0  # the policy version (step whose starting weights) that sampled it
+    metrics: dict = dataclasses.field(default_factory=dict)  # the reward's own
+    reward_error: str | None = None
+    gen_s: float = 0.0  # seconds its batch took to generate
+    seed: int = 0  # (seed, step, slot, k) mixed: its sampling noise and its reward's random state
+    round: int = 0  # --zero-variance resample: the round its slot drew this prompt at
+    discarded_tokens: int = 0  # tokens of its slot's groups resampled away (on its first sample)
+    token_advantages: list[float] | None = None  # per token (a teacher's term), else advantage
+
+
+def sample_from_dict(d: dict) -> Sample:
+    """A Sample from dataclasses.asdict's dict (a checkpoint's batches made ahead)."""
+    return Sample(**d | {"completion": Completion(**d["completion"])})
+
+
 class Engine(Protocol):
     """One completion per (prompt, seed); requests with one `groups` key (an episode's group) share
     a prefix: a server engine keeps them on one server. Every rank calls update_weights (FSDP2
     gathers are collectives); release/resume_memory bracket training: a colocated engine frees the
-    GPU, others inherit no-ops (no KV cache outlives a generate call; servers own their GPUs)."""
-    version: int  # the policy version (optimizer steps) of the weights it holds
+    GPU, others inherit no-ops (no KV cache outlives a generate call; servers own their GPUs).
+    `max_new_tokens`, one per prompt, overrides sampling.max_new_tokens (an episode's own room)."""
+    version: int  # the policy version (optimizer steps) of the weights it holds; -1: none yet
     overlaps: str  # how it generates while the trainer trains: "process", "thread" or "" (not)
     share: bool = False  # it generates with the trainer's own tensors: update_weights copies none
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
-                 seeds: list[int], groups: list | None = None) -> list[Completion]: ...
+    held: tuple[int, int] | None = None  # bytes of the trainer's GPU it keeps: (generating,
+    # released); None: none of its own there (a remote server; the hf engine's copy is counted)
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seeds: list[int],
+                 groups: list | None = None, max_new_tokens: list[int] | None = None
+                 ) -> list[Completion]: ...
     def update_weights(self, model: nn.Module, version: int) -> None: ...
     def release_memory(self) -> None: ...
     def resume_memory(self) -> None: ...
@@ -96,15 +131,17 @@ def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None
     """(name, full tensor) of each parameter and buffer: FSDP2 all-gathers, every rank iterates;
     floats cast to `dtype` before the gather (a bf16 engine's cost half an fp32 gather). A LoRA
     model's adapted layers come merged (in fp64, from full precision), the plain model's names."""
+    adapted = {n for n, m in model.named_modules() if isinstance(m, lora.LoraLinear)}
+
     def gathered():
         for name, t in model.state_dict().items():
-            if dtype is not None and t.is_floating_point() and ".lora_" not in name and \
-                    ".base_layer." not in name:
-                t = t.to(dtype)  # a DTensor casts its local shard
+            layer = name.rpartition(".")[0].removesuffix(".base")
+            if dtype is not None and t.is_floating_point() and layer not in adapted:
+                t = t.to(dtype)  # a DTensor casts its local shard; adapted layers merge first
             if hasattr(t, "full_tensor"):  # a DTensor; a mesh of one holds it whole (no gather)
                 t = t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()
             yield name, t.detach()
-    return modeling.merge_lora(gathered(), model)
+    return lora.merged(gathered(), model)
 
 
 def shared_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -167,11 +204,15 @@ class HFEngine(Engine):
     """Rollouts on a private transformers copy of the policy (CPU, or one GPU). On a CPU its weights
     and version live in shared memory: a forked process generates while the trainer trains (a thread
     shares the trainer's GIL: 3-12% slower training); on a GPU a thread does (CUDA does not survive
-    a fork). `share` (one rank, nothing generated ahead): the trainer's tensors where they match."""
+    a fork). `share` (one rank, nothing generated ahead): the trainer's tensors where they match.
+    `dtype` its weights' and compute's; `int4`: its linear weights rounded to 4 bits per output
+    channel at every update (a weight-quantized engine: a train-inference mismatch on purpose)."""
     def __init__(self, model_path: str, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None, batch_size: int = 512, share: bool = False):
+                 dtype: torch.dtype | None = None, batch_size: int = 512, share: bool = False,
+                 int4: bool = False):
         from transformers import AutoModelForCausalLM
         self.device, self.batch_size, self.share = torch.device(device), batch_size, share
+        self.int4 = int4
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32)
         self.model = self.model.to(self.device).eval().requires_grad_(False)  # no autograd graph
         self.packed, self.weights = {}, []  # the linears' weights; a generate call's packed copies
@@ -190,6 +231,14 @@ class HFEngine(Engine):
                 p.data = new[id(p)]
             for m in self.model.modules():
                 m._buffers.update({k: new[id(b)] for k, b in m._buffers.items() if b is not None})
+        self._quantize()
+
+    def _quantize(self) -> None:
+        """int4: W := round(W / s) s per output channel, s = max |W| / 7 (weight-only 4-bit)."""
+        layers = [m for m in self.model.modules() if isinstance(m, nn.Linear)]
+        for w in {id(m.weight): m.weight for m in layers}.values() if self.int4 else ():
+            scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / INT4_MAX
+            w.copy_(torch.round(w / scale).clamp(-INT4_MAX, INT4_MAX) * scale)
 
     @property
     def version(self) -> int:
@@ -208,24 +257,30 @@ class HFEngine(Engine):
             own = self.model.state_dict()
             for name, tensor in iter_full_tensors(model, self.model.dtype):
                 own[name].copy_(tensor)
+            self._quantize()
         self._version.fill_(version)
 
     def shutdown(self) -> None:
         self.model = None
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
-                 seeds: list[int], groups: list | None = None) -> list[Completion]:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seeds: list[int],
+                 groups: list | None = None, max_new_tokens: list[int] | None = None
+                 ) -> list[Completion]:
+        """A batch runs to its rows' longest limit, each row cut at its own ("length"): the noise
+        is keyed by (seed, position), so a row's tokens are those it samples alone."""
         assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
+        limits = _limits(sampling, len(prompt_ids), max_new_tokens)
         order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))  # less padding
         out, n = {}, self.batch_size
         try:  # this call's weights, packed once for its batches' rows; freed when it returns
             self.packed = modeling.pack_weights(self.weights, min(len(order), n))
             for idx in (order[i : i + n] for i in range(0, len(order), n)):
-                out |= zip(idx, self._generate_batch([prompt_ids[i] for i in idx], sampling,
+                longest = dataclasses.replace(sampling, max_new_tokens=max(limits[i] for i in idx))
+                out |= zip(idx, self._generate_batch([prompt_ids[i] for i in idx], longest,
                                                      [seeds[i] for i in idx]))
         finally:
             self.packed = {}
-        return [out[i] for i in range(len(prompt_ids))]
+        return [_cut(out[i], limits[i]) for i in range(len(prompt_ids))]
 
     @torch.inference_mode()  # no autograd bookkeeping (version counters) on the decode's tensors
     def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int]):
@@ -268,6 +323,22 @@ class HFEngine(Engine):
         ends = [next((j + 1 for j, t in enumerate(r) if t in stops), len(r)) for r in rows]
         return [Completion(r[:n], lps[:n], "stop" if set(r[n - 1 : n]) & stops else "length")
                 for r, lps, n in zip(rows, logps.tolist(), ends)]
+
+
+def _limits(sampling: SamplingParams, n: int, max_new_tokens: list[int] | None) -> list[int]:
+    """Each prompt's max_new_tokens: its own where given, else the sampling's."""
+    if max_new_tokens is None:
+        return [sampling.max_new_tokens] * n
+    assert len(max_new_tokens) == n, "generate: one max_new_tokens per prompt"
+    return [int(m) for m in max_new_tokens]
+
+
+def _cut(c: Completion, limit: int) -> Completion:
+    """A completion that ran past its own limit (its batch's was longer): its first `limit`
+    tokens, "length" (a stop among them would have ended it there)."""
+    if len(c.output_ids) <= limit:
+        return c
+    return Completion(c.output_ids[:limit], c.logprobs[:limit], "length")
 
 
 def kv_cache(capacity: int):
@@ -324,12 +395,14 @@ def run_episodes(engine: Engine, prompts: list[list[int]], sampling: SamplingPar
     eps = [Completion([], [], "stop", [], dict.fromkeys(counters, 0)) for _ in prompts]
     envs, live = [None] * len(prompts), list(range(len(prompts)))
     for turn in range(tools.max_turns):
+        # each episode its own room: one request past the context fails SGLang's whole batch
         room = [sampling.max_new_tokens - len(eps[i].output_ids) for i in live]
         outs = engine.generate([prompts[i] + eps[i].output_ids for i in live],
                                dataclasses.replace(calls, max_new_tokens=max(room)),
                                [mix_seed(seeds[i], turn) >> 1 if turn else seeds[i]  # 31 bits:
                                 for i in live],  # SGLang's sampling_seed
-                               [tuple(prompts[i]) for i in live])  # a group on one server
+                               [tuple(prompts[i]) for i in live],  # a group on one server
+                               max_new_tokens=room)
         going, live = live, []
         for i, n, out in zip(going, room, outs):
             e, ids = eps[i], out.output_ids[:n]
@@ -450,9 +523,29 @@ def _succeeded(result, what: str, step: int | None = None, where: str = "") -> N
         raise RuntimeError(f"SGLang {what} failed{at}: {get('message', '') or '(no message)'}")
 
 
+def weight_session(engine) -> tuple[Callable, Callable] | None:
+    """(begin, end) of an in-process engine's weight-update session, or None (< 0.5.21: none).
+    From 0.5.21 tensor updates outside one fail; the Engine's methods wrap its tokenizer manager's,
+    called directly where a branch requires a session but its Engine lacks them."""
+    if hasattr(engine, "begin_weight_update"):
+        return engine.begin_weight_update, engine.end_weight_update
+    manager = getattr(engine, "tokenizer_manager", None)
+    if not hasattr(manager, "begin_weight_update"):
+        return None
+    try:
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
+    except ImportError:
+        return None
+    run = engine.loop.run_until_complete  # as the Engine's own wrappers run them
+    return (lambda: run(manager.begin_weight_update(BeginWeightUpdateReqInput(selector="all"),
+                                                    None)),
+            lambda: run(manager.end_weight_update(EndWeightUpdateReqInput(), None)))
+
+
 class SGLangEngine(Engine):
     """One in-process `sglang.Engine` (tp=1) on this rank's GPU, shared with the trainer. Make it
-    before the trainer allocates: SGLang sizes its KV cache from the GPU memory free at start."""
+    before the trainer allocates: SGLang sizes its KV cache from the GPU memory free at start. It
+    is left released, holding no weights (version -1): push them before the first generate."""
     overlaps = ""  # it must free the GPU memory the trainer trains in
     def __init__(self, model_path: str, gpu_id: int = 0, seed: int = 0,
                  device: torch.device | str = "cuda", deterministic: bool = False, **engine_kwargs):
@@ -461,7 +554,7 @@ class SGLangEngine(Engine):
         from sglang.srt.server_args import ServerArgs
         _check_logprob_env()
         self.dtype = engine_dtype(model_path, fp32_as=torch.bfloat16)  # passed to SGLang too
-        self.device, self.version, self.released = torch.device(device), 0, set()
+        self.device, self.version, self.released = torch.device(device), -1, set()
         self.tags = ["kv_cache", "weights", GPU_MEMORY_TYPE_CUDA_GRAPH]
         # SGLang probes for free ports, binding them later: engines started together (torchrun's
         # ranks, two jobs on one host) may pick the same. In-process it binds nccl_port (its
@@ -486,21 +579,38 @@ class SGLangEngine(Engine):
         old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         hidden = {k: os.environ.pop(k) for k in list(os.environ)  # inherited by its processes
                   if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_")}
+        # release_memory_occupation frees CUDA graphs only if this is set when its scheduler
+        # starts (inherited; a bool env, default off, 0.5.10-0.5.23); left set: later engines too
+        os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
+        measure = self.device.type == "cuda"
+        before = torch.cuda.mem_get_info(self.device)[0] if measure else 0
         try:
             self.engine = sglang.Engine(**kw | engine_kwargs)
         finally:
             os.environ.update(hidden)
             if main:
                 signal.signal(signal.SIGINT, old)
-        self.has_session = hasattr(self.engine, "begin_weight_update")  # SGLang >= 0.5.21
+        running = torch.cuda.mem_get_info(self.device)[0] if measure else 0
+        self.session = weight_session(self.engine)
+        # its state while the trainer trains; released weights come back uninitialised (without
+        # --enable-weights-cpu-backup): version -1 until update_weights pushes them
+        self.release_memory()
+        released = torch.cuda.mem_get_info(self.device)[0] if measure else 0
+        # even released, its scheduler keeps a CUDA context and untagged buffers
+        self.held = (before - running, before - released) if measure else None
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
-                 seeds: list[int], groups: list | None = None) -> list[Completion]:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seeds: list[int],
+                 groups: list | None = None, max_new_tokens: list[int] | None = None
+                 ) -> list[Completion]:
         assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
+        if self.version < 0:
+            raise RuntimeError("SGLangEngine.generate before update_weights: the engine starts "
+                               "released, and released weights come back uninitialised")
         if not prompt_ids:
             return []
         self._resume(*self.tags)  # never without a KV cache
-        params = [_sampling_dict(sampling, sampling.max_new_tokens, s) for s in seeds]
+        params = [_sampling_dict(sampling, n, s) for n, s in
+                  zip(_limits(sampling, len(prompt_ids), max_new_tokens), seeds)]
         return [completion_from_sglang(o, sampling.stop_token_ids) for o in self.engine.generate(
             input_ids=[list(p) for p in prompt_ids], sampling_params=params, return_logprob=True)]
 
@@ -527,16 +637,16 @@ class SGLangEngine(Engine):
         """By CUDA IPC in the engine's dtype (NCCL on one GPU fails: "Duplicate GPU detected")."""
         self.version, ok = version, lambda result, what: _succeeded(result, what, version)
         self.resume_memory()
-        if self.has_session:
-            ok(self.engine.begin_weight_update(), "begin_weight_update")
+        if self.session is not None:
+            ok(self.session[0](), "begin_weight_update")
         try:
             for bucket, last in iter_buckets(iter_full_tensors(model, self.dtype),
                                              SYNC_BUCKET_MB * 2**20, self.dtype, self.device):
                 ok(self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=last),
                    "update_weights_from_tensor")
         finally:
-            if self.has_session:
-                ok(self.engine.end_weight_update(), "end_weight_update")
+            if self.session is not None:
+                ok(self.session[1](), "end_weight_update")
         self._resume(*self.tags)
         ok(self.engine.flush_cache(), "flush_cache")  # its prefix cache holds the old weights' KV
 
@@ -544,6 +654,35 @@ class SGLangEngine(Engine):
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+def http_request(url: str, path: str, payload: dict | None = None, retries: int | None = None,
+                 timeout: float | None = None):
+    """POST `payload` (None: GET) to url + path; the JSON (or text) reply. A timeout, connection
+    error or 5xx is retried with back-off; another refusal raises HTTPError."""
+    last, retries = None, HTTP_RETRIES if retries is None else retries
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(HTTP_BACKOFF_S * 2 ** (attempt - 1))
+        data = None if payload is None else json.dumps(payload).encode()  # POST, else GET
+        req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or HTTP_TIMEOUT_S) as r:
+                code, body = None, r.read().decode()
+        except urllib.error.HTTPError as e:
+            code, body = e.code, e.read().decode(errors="replace")
+        except OSError as e:  # URLError, TimeoutError, ConnectionError
+            last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+            continue
+        with suppress(json.JSONDecodeError):
+            body = json.loads(body)  # else the text
+        if code is None:
+            return body
+        if code < 500:
+            raise HTTPError(url + path, code, body)
+        last = f"HTTP {code}: {body}"
+    raise RuntimeError(f"SGLang server {url}{path} failed {retries + 1} times; last error: "
+                       f"{last}")
 
 
 class HTTPError(RuntimeError):
@@ -557,6 +696,19 @@ def groupable(info: dict) -> bool:
     rank_offset + tp_rank (PP stages collide), refuses DP replicas (not DP attention: inside TP)."""
     pp, dp = (int(info.get(k) or 1) for k in ("pp_size", "dp_size"))
     return pp == 1 and (dp == 1 or bool(info.get("enable_dp_attention")))
+
+
+def streams_increments(info: dict) -> bool:
+    """Whether a server's streamed /generate sends only the new tokens' log-probs in each chunk
+    (--incremental-streaming-output, 0.5.11+); by default every chunk repeats all so far, and
+    0.5.10's flag makes only output_ids incremental (its log-probs stay cumulative)."""
+    version = tuple(int(x) for x in re.findall(r"\d+", str(info.get("version") or ""))[:3])
+    return bool(info.get("incremental_streaming_output")) and (not version or
+                                                                version >= (0, 5, 11))
+
+
+class _Retry(Exception):
+    """A /generate to try again: a timeout (between chunks), a dropped connection, a 5xx."""
 
 
 def weight_group_ranks(url: str, info: dict) -> int:
@@ -578,12 +730,81 @@ def route_address(url: str) -> str:
         return s.getsockname()[0]
 
 
+def on_this_host(url: str) -> bool:
+    """Whether a server's URL names this machine: a loopback (or unspecified) address, one of the
+    host name's, or one that routes to itself (an address of any of this host's interfaces)."""
+    host = urllib.parse.urlsplit(url).hostname or "localhost"
+    try:
+        theirs = {a[4][0].partition("%")[0] for a in socket.getaddrinfo(host, None)}
+    except OSError:  # unresolvable: not reachable from here either
+        return False
+    if any(ipaddress.ip_address(a).is_loopback or ipaddress.ip_address(a).is_unspecified
+           for a in theirs):
+        return True
+    mine = set()
+    with suppress(OSError):
+        mine.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    with suppress(OSError):  # towards one of our own addresses the source is that address
+        mine.add(route_address(url))
+    return bool(theirs & mine)
+
+
+def gpu_neighbours(device: torch.device | str | int | None = None) -> list[int] | None:
+    """The ids of the processes other than this one on `device`'s GPU, or None where that cannot be
+    told. nvidia-smi (wherever the driver is; torch.cuda.list_gpu_processes needs pynvml) by UUID:
+    CUDA_VISIBLE_DEVICES renumbers torch's indices. In a container it may list host process ids:
+    with our own context on that GPU and our id not among them, one of them may be us."""
+    try:
+        index = torch.device("cuda" if device is None else device).index
+        index = torch.cuda.current_device() if index is None else index
+        gpu = str(torch.cuda.get_device_properties(index).uuid)  # torch's has no "GPU-" prefix
+        gpu = gpu if gpu.startswith("GPU-") else f"GPU-{gpu}"
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader",
+                              f"--id={gpu}"], capture_output=True, text=True, timeout=60)
+    except Exception:  # no CUDA, no driver tools, an old torch: unknown
+        return None
+    if out.returncode != 0:
+        return None
+    pids = {int(w) for w in out.stdout.split() if w.isdigit()}
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", lambda i: True)
+    if not pids or os.getpid() in pids or not has_context(index):
+        return sorted(pids - {os.getpid()})
+    return None
+
+
+def auto_weight_sync(urls: list[str], infos: dict, group_backend: str,
+                     device: torch.device | str | None = None) -> tuple[str, str]:
+    """--weight-sync auto: (nccl or disk, why). nccl wherever a group can form (disk writes the
+    whole model and every server reloads it, every step), except with a server that may share
+    rank 0's GPU: NCCL between two processes on one GPU fails ("Duplicate GPU detected"), and
+    SGLang says nothing of its GPU's identity (/server_info: ids relative to its own
+    CUDA_VISIBLE_DEVICES), so a server on this host is judged by the processes on our GPU."""
+    if group_backend == "nccl" and not torch.cuda.is_available():
+        return "disk", "no CUDA here for an NCCL weight group"
+    bad = [u for u in urls if not groupable(infos[u])]
+    if bad:
+        return "disk", f"the SGLang server {bad[0]} runs PP stages or DP replicas"
+    local = [u for u in urls if on_this_host(u)] if group_backend == "nccl" else []
+    others = gpu_neighbours(device) if local else []
+    if others is None:
+        return "disk", (f"the SGLang server {local[0]} runs on this host and whether it shares "
+                        "rank 0's GPU cannot be told (NCCL fails on a shared GPU)")
+    if others:
+        return "disk", (f"the SGLang server {local[0]} runs on this host and process(es) "
+                        f"{', '.join(map(str, others[:4]))} share rank 0's GPU (NCCL fails on a "
+                        "shared GPU)")
+    why = "a weight group can form with every server"
+    if local:
+        why += f" ({local[0]} is on this host, but no other process is on rank 0's GPU)"
+    return "nccl", why
+
+
 class RemoteSGLangEngine(Engine):
     """SGLang servers over HTTP: every rank generates; rank 0 alone pushes weights, others wait."""
     overlaps = "thread"  # the servers generate while the trainer trains
     def __init__(self, urls: list[str], model_path: str, run_dir: str = "runs/remote",
                  weight_sync: str = "auto", deterministic: bool = False, nccl_addr: str = "",
-                 group_backend: str = "nccl"):
+                 group_backend: str = "nccl", device: torch.device | str | None = None):
         assert urls and weight_sync in ("auto", "disk", "nccl"), "servers, synced by disk or nccl"
         _check_logprob_env()
         self.urls, self.run_dir, self.group = [u.rstrip("/") for u in urls], run_dir, None
@@ -592,50 +813,28 @@ class RemoteSGLangEngine(Engine):
         self.send_seed, self.version, self.sessionless = True, 0, set()  # SGLang < 0.5.21
         self.wait_healthy(HEALTH_TIMEOUT_S)
         self.infos = {u: self.server_info(u) for u in self.urls}
+        self.increments = {u: streams_increments(i) for u, i in self.infos.items()}
         info = self.infos[self.urls[0]]  # the first server's
-        if weight_sync == "auto":  # nccl wherever a group can form (NCCL needs a CUDA trainer):
-            # disk writes the whole model and every server reloads it, every step
-            weight_sync = "nccl" if (group_backend != "nccl" or torch.cuda.is_available()) and \
-                all(map(groupable, self.infos.values())) else "disk"
+        if weight_sync == "auto":
+            weight_sync, why = auto_weight_sync(self.urls, self.infos, group_backend, device)
+            if rank() == 0:
+                print(f"--weight-sync auto: {weight_sync} ({why})", flush=True)
         self.weight_sync, nccl = weight_sync, weight_sync == "nccl"
         self.group_sizes = [weight_group_ranks(u, self.infos[u]) for u in self.urls if nccl]  # now
         self.sync_dtype = engine_dtype(model_path, info.get("dtype"))
         if deterministic and (bad := [u for u, i in self.infos.items()
                                       if not i.get("enable_deterministic_inference")]):
-            raise UserError(f"--sglang-deterministic: the SGLang server {bad[0]} runs without "
-                            "deterministic inference; launch it with "
+            raise UserError(f"--rollout-backend sglang_deterministic: the SGLang server {bad[0]} "
+                            "runs without deterministic inference; launch it with "
                             "--enable-deterministic-inference")
         if self.sync_dtype != torch.float32 and not info.get("enable_fp32_lm_head") and not rank():
             print(f"warning: the SGLang server {self.urls[0]} computes its lm_head in "
                   f"{self.sync_dtype}: pi/pi_behave != 1 at equal weights (launch it with "
                   "--enable-fp32-lm-head)", flush=True)
 
-    def _request(self, url: str, path: str, payload: dict | None = None, before_retry=lambda: None,
+    def _request(self, url: str, path: str, payload: dict | None = None,
                  retries: int | None = None, timeout: float | None = None):
-        last, retries = None, HTTP_RETRIES if retries is None else retries
-        for attempt in range(retries + 1):
-            if attempt:
-                time.sleep(HTTP_BACKOFF_S * 2 ** (attempt - 1))
-                before_retry()
-            data = None if payload is None else json.dumps(payload).encode()  # POST, else GET
-            req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=timeout or HTTP_TIMEOUT_S) as r:
-                    code, body = None, r.read().decode()
-            except urllib.error.HTTPError as e:
-                code, body = e.code, e.read().decode(errors="replace")
-            except OSError as e:  # URLError, TimeoutError, ConnectionError
-                last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-                continue
-            with suppress(json.JSONDecodeError):
-                body = json.loads(body)  # else the text
-            if code is None:
-                return body
-            if code < 500:
-                raise HTTPError(url + path, code, body)
-            last = f"HTTP {code}: {body}"
-        raise RuntimeError(f"SGLang server {url}{path} failed {retries + 1} times; last error: "
-                           f"{last}")
+        return http_request(url, path, payload, retries, timeout)
 
     def _call(self, url: str, route: str, payload: dict, retries: int | None = None) -> None:
         """POST a control route: a refusal (400, success false) raises naming call, step, server."""
@@ -682,45 +881,108 @@ class RemoteSGLangEngine(Engine):
             info = self._request(url, "/get_server_info")
         return info if isinstance(info, dict) else {}
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
-                 seeds: list[int], groups: list | None = None) -> list[Completion]:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seeds: list[int],
+                 groups: list | None = None, max_new_tokens: list[int] | None = None
+                 ) -> list[Completion]:
         assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
+        limits = _limits(sampling, len(prompt_ids), max_new_tokens)
         group, shift = {}, rank()  # group key -> its index: groups round robin, offset by rank
         url = lambda k: self.urls[(group.setdefault(k, len(group)) + shift) % len(self.urls)]
-        jobs = [self.pool.submit(self._generate_one, url(k), list(p), sampling, s)
-                for p, s, k in zip(prompt_ids, seeds, groups or [tuple(p) for p in prompt_ids])]
+        jobs = [self.pool.submit(self._generate_one, url(k), list(p), sampling, s, n)
+                for p, s, k, n in zip(prompt_ids, seeds, groups or [tuple(p) for p in prompt_ids],
+                                      limits)]
         return [j.result() for j in jobs]
 
-    def _generate_one(self, url: str, prompt: list[int], sampling: SamplingParams,
-                      seed: int) -> Completion:
-        ids, logprobs, reason = [], [], "abort"
-        for _ in range(ABORT_RESUBMITS + 1):  # an abort: resubmit prompt + the tokens so far
-            if len(ids) >= sampling.max_new_tokens:
-                return Completion(ids, logprobs, "length")
-            out = self._post_generate(url, prompt + ids, _sampling_dict(
-                sampling, sampling.max_new_tokens - len(ids), seed if self.send_seed else None))
-            c = completion_from_sglang(out, sampling.stop_token_ids)
-            ids, logprobs, reason = ids + c.output_ids, logprobs + c.logprobs, c.finish_reason
-            if reason != "abort":
-                break
-        return Completion(ids, logprobs, reason)
-
-    def _post_generate(self, url: str, input_ids: list[int], params: dict) -> dict:
-        payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True,
-                   "rid": uuid.uuid4().hex}
-        def abort_and_renew():  # a timed-out request may still run there: abort it first
-            with suppress(RuntimeError):  # best effort: a dead server has nothing left to abort
-                self._request(url, "/abort_request", {"rid": payload["rid"]}, retries=0,
-                              timeout=ABORT_TIMEOUT_S)  # an unknown rid is a no-op
-            payload["rid"] = uuid.uuid4().hex
-        while True:
+    def _generate_one(self, url: str, prompt: list[int], sampling: SamplingParams, seed: int,
+                      budget: int) -> Completion:
+        """A streamed /generate. A stall (no chunk in HTTP_TIMEOUT_S), a dropped connection or a
+        5xx (HTTP_RETRIES tries in a row without a token), and a server's abort (ABORT_RESUBMITS),
+        resubmit prompt + the tokens received so far, the same seed, the budget less those tokens,
+        under a new rid; a request that failed is aborted there first (it may still run)."""
+        pairs, tries, aborts = [], 0, 0  # [logprob, id, None] so far; failed tries since a token
+        while len(pairs) < budget:
+            got: list = []  # this try's
+            payload = {"input_ids": prompt + [int(p[1]) for p in pairs], "return_logprob": True,
+                       "stream": True, "rid": uuid.uuid4().hex, "sampling_params": _sampling_dict(
+                           sampling, budget - len(pairs), seed if self.send_seed else None)}
             try:
-                return self._request(url, "/generate", payload, abort_and_renew)
+                finish = self._stream(url, payload, got)
+            except _Retry as e:
+                pairs, tries = pairs + got, 1 if got else tries + 1
+                if tries > HTTP_RETRIES:
+                    raise RuntimeError(f"SGLang server {url}/generate failed {tries} times; last "
+                                       f"error: {e}") from None
+                self._abort(url, payload["rid"])
+                time.sleep(HTTP_BACKOFF_S * 2 ** (tries - 1))
+                continue
             except HTTPError as e:  # a server whose SamplingParams has no sampling_seed (< 0.5.10)
                 if e.status != 400 or "sampling_seed" not in str(e.body) or \
-                        params.pop("sampling_seed", None) is None:
+                        "sampling_seed" not in payload["sampling_params"]:
                     raise
-                self.send_seed, payload["rid"] = False, uuid.uuid4().hex
+                self.send_seed = False
+                continue
+            pairs, tries = pairs + got, 0
+            c = completion_from_sglang({"meta_info": {"output_token_logprobs": pairs,
+                                                      "finish_reason": finish}},
+                                       sampling.stop_token_ids)
+            aborts += c.finish_reason == "abort"
+            if c.finish_reason != "abort" or aborts > ABORT_RESUBMITS:
+                return c
+        return completion_from_sglang({"meta_info": {"output_token_logprobs": pairs,
+                                                     "finish_reason": "length"}},
+                                      sampling.stop_token_ids)
+
+    def _stream(self, url: str, payload: dict, pairs: list) -> object:
+        """POST a streamed /generate (SSE lines "data: {chunk}", then "data: [DONE]"): the socket
+        timeout applies between chunks, not to the whole answer. `pairs` gets the [logprob, id,
+        None] received (also when it fails); returns the last chunk's finish_reason. A cumulative
+        stream (SGLang's default) repeats every token so far in each chunk: only the last one
+        received is parsed. An error chunk (SGLang streams it on HTTP 200) raises as a 400."""
+        def take(data: bytes) -> object:
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise HTTPError(url + "/generate", 400, chunk["error"])
+            meta = chunk.get("meta_info") or {}
+            new = meta.get("output_token_logprobs") or []
+            if chunk.get("output_ids") and not new:
+                raise RuntimeError("SGLang returned output_ids without output_token_logprobs: "
+                                   "send return_logprob=True")
+            pairs[len(pairs) if increments else 0 :] = new
+            return meta.get("finish_reason")
+        increments, latest, finish = self.increments.get(url, False), None, None
+        req = urllib.request.Request(url + "/generate", json.dumps(payload).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as r:
+                for line in r:
+                    if not line.startswith(b"data:") or not line.endswith(b"\n"):
+                        continue  # the blank line after each event; a line cut short
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return take(latest) if latest is not None else finish
+                    if increments:
+                        finish = take(data)
+                    else:
+                        latest = data
+            error = "the stream ended before data: [DONE]"
+        except urllib.error.HTTPError as e:  # before any chunk: a refusal, or a 5xx to retry
+            body = e.read().decode(errors="replace")
+            with suppress(json.JSONDecodeError):
+                body = json.loads(body)
+            if e.code < 500:
+                raise HTTPError(url + "/generate", e.code, body) from None
+            error = f"HTTP {e.code}: {body}"
+        except OSError as e:  # URLError, a timeout between chunks, a dropped connection
+            error = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+        if latest is not None:
+            take(latest)  # the tokens a cumulative stream had sent
+        raise _Retry(error)
+
+    def _abort(self, url: str, rid: str) -> None:
+        """Best effort (a dead server has nothing left to abort; an unknown rid is a no-op): a
+        client that hangs up is aborted there ~2 s later anyway."""
+        with suppress(RuntimeError):
+            self._request(url, "/abort_request", {"rid": rid}, retries=0, timeout=ABORT_TIMEOUT_S)
 
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
@@ -804,13 +1066,14 @@ class RemoteSGLangEngine(Engine):
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def check_rollout_config(backend: str, urls: list[str], weight_sync: str, deterministic: bool,
-                         cuda: bool) -> None:
+BACKENDS = {"hf": None, "hf_bf16": torch.bfloat16, "hf_int4": None,  # the weights' dtype
+            "sglang": None, "sglang_deterministic": None}
+
+
+def check_rollout_config(backend: str, urls: list[str], weight_sync: str, cuda: bool) -> None:
     """Every combination of rollout flags and the GPU-only settings, before anything loads."""
-    local = backend == "sglang" and not urls
-    for bad, why in [(backend == "hf" and urls, "--rollout-url needs --rollout-backend sglang"),
-        (backend == "hf" and deterministic, "--sglang-deterministic is for --rollout-backend "
-         "sglang (the hf engine is always reproducible from --seed)"),
+    hf, local = backend.startswith("hf"), backend.startswith("sglang") and not urls
+    for bad, why in [(hf and urls, "--rollout-url needs --rollout-backend sglang"),
         (urls and weight_sync == "tensor", "--weight-sync tensor needs an in-process engine (drop "
          "--rollout-url)"),
         (local and weight_sync not in ("auto", "tensor"), "the in-process SGLang engine syncs "
@@ -823,14 +1086,48 @@ def check_rollout_config(backend: str, urls: list[str], weight_sync: str, determ
             raise UserError(f"config error: {why}")
 
 
-def make_engine(backend: str, urls: list[str], model_path: str, device: torch.device, *,
-                run_dir: str, seed: int, deterministic: bool = False,
-                weight_sync: str = "auto", share: bool = False) -> Engine:
-    if backend == "hf":
-        return HFEngine(model_path, device, torch.bfloat16 if device.type == "cuda" else None,
-                        share=share)
-    return RemoteSGLangEngine(urls, model_path, run_dir, weight_sync, deterministic) if urls else \
-        SGLangEngine(model_path, device.index or 0, seed, device, deterministic)
+def make_engine(cfg, device: torch.device, share: bool = False) -> Engine:
+    """The engine --rollout-backend names, for cfg.model on this rank's device."""
+    backend = cfg.rollout_backend
+    deterministic = backend == "sglang_deterministic"
+    if backend.startswith("sglang") and cfg.rollout_url:
+        return RemoteSGLangEngine(cfg.rollout_url, cfg.model, cfg.run_dir, cfg.weight_sync,
+                                  deterministic, device=device)
+    if backend.startswith("sglang"):
+        return SGLangEngine(cfg.model, device.index or 0, cfg.seed, device, deterministic)
+    dtype = BACKENDS[backend] or (torch.bfloat16 if device.type == "cuda" else None)
+    exact = backend == "hf"  # the trainer's own tensors can serve only the trainer's precision
+    return HFEngine(cfg.model, device, dtype, share=share and exact, int4=backend == "hf_int4")
+
+
+def is_url(name: str) -> bool:
+    return name.startswith(("http://", "https://"))
+
+
+class Scorer:
+    """A teacher served by SGLang: the log-prob of every sampled token, by a prefill-only
+    /generate (input_ids prompt + completion, max_new_tokens 0, logprob_start_len at the prompt's
+    last token: input_token_logprobs' first entry is None, the rest score the completion).
+    SGLang computes input log-probs at temperature 1 (0.5.13+): the trainer refuses another."""
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.pool = ThreadPoolExecutor(max_workers=HTTP_THREADS, thread_name_prefix="teacher")
+
+    def score(self, samples: list, temperature: float = 1.0) -> list[torch.Tensor]:
+        jobs = [self.pool.submit(self._score, s.prompt_ids, s.completion.output_ids)
+                for s in samples]
+        return [j.result() for j in jobs]
+
+    def _score(self, prompt: list[int], output: list[int]) -> torch.Tensor:
+        payload = {"input_ids": prompt + output, "return_logprob": True,
+                   "logprob_start_len": len(prompt) - 1,
+                   "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}}
+        out = http_request(self.url, "/generate", payload)
+        pairs = out["meta_info"]["input_token_logprobs"][1:]
+        if [int(p[1]) for p in pairs] != output:
+            raise RuntimeError(f"teacher {self.url}: input_token_logprobs do not score the "
+                               "completion's tokens")
+        return torch.tensor([float(p[0]) for p in pairs], dtype=torch.float32)
 
 
 # -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ each logged too. A reward's `random` and numpy are seeded by its sample's (seed,
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import logging
 import math
@@ -33,7 +34,11 @@ EVAL_SEED = 0xE7A1  # eval samples' seeds: the same noise at every eval, so only
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+(?:/\d+)?")  # 1,234 | -3.5 | .5 | 3/4
 _INTEGER = re.compile(r"-?\d+")
 OVERLONG_FACTOR = 1.0  # DAPO's (and verl's default) penalty at --max-new-tokens, in reward units
+# SGLang 0.5.10-0.5.23 serves prompt + max_new_tokens <= context - 2 whole (beyond, it refuses the
+# batch or caps the request) and prompts <= context - 7 (its scheduler aborts longer ones)
+SGLANG_CONTEXT_MARGIN, SGLANG_PROMPT_MARGIN = 2, 7
 PROBE_CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "XQZ7"}]
+MAX_TURNS = 4  # an --env's policy turns per episode, unless its class says (max_turns)
 
 # -----------------------------------------------------------------------------
 # built-in rewards
@@ -338,29 +343,60 @@ class Data:
     tools: Tools | None = None  # the --env, if any
 
 
-def load_data(model: str, dataset: str, eval_dataset: str | None, reward: str, prompt_key: str,
-              chat_template: bool, max_new_tokens: int, micro_batch_tokens: int) -> Data:
-    """The tokenizer, rows, prompts tokenized once (BOS as the model expects), stop tokens, and no
-    weights; or a one-line error: no tokenizer, prompts it cannot encode, a sequence too long."""
+def load_data(cfg) -> Data:
+    """cfg.model's tokenizer, the rows of cfg.dataset (and cfg.eval_dataset), prompts tokenized once
+    (BOS as the model expects), stop tokens, cfg.env, and no weights; or a one-line error: no
+    tokenizer, prompts it cannot encode, a sequence too long."""
+    model, dataset, eval_dataset = cfg.model, cfg.dataset, cfg.eval_dataset
+    chat_template, prompt_key = cfg.chat_template, cfg.prompt_key
+    max_new_tokens, micro_batch_tokens = cfg.max_new_tokens, cfg.micro_batch_tokens
     from transformers import AutoTokenizer
     quiet_libraries()  # transformers' progress bars and info lines off (imported from here)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
     except Exception as e:  # a directory without tokenizer files ends in sentencepiece advice
         raise UserError(f"--model {model}: no usable tokenizer there ({why(e)})") from None
-    rows, eval_rows = load_dataset(dataset, eval_dataset, reward, prompt_key)
+    rows, eval_rows = load_dataset(dataset, eval_dataset, cfg.reward, prompt_key)
     prompts, eval_prompts = (encode_prompts(r, tokenizer, chat_template, name, prompt_key)
                              for r, name in ((rows, dataset), (eval_rows, eval_dataset or "")))
     stop_ids = stop_token_ids(tokenizer, model,
                               chat_template or any("messages" in r for r in rows + eval_rows))
     # sequences are never cut: the longest possible one must fit the model and a micro-batch
-    longest = max(map(len, prompts + eval_prompts), default=0) + max_new_tokens
-    for limit, what in ((context_length(model), "the model's context length"),
-                        (micro_batch_tokens, "--micro-batch-tokens")):
-        if limit is not None and longest > limit:
-            raise UserError(f"config error: the longest prompt + --max-new-tokens is {longest} "
-                            f"tokens, over {what} ({limit})")
-    return Data(tokenizer, rows, prompts, list(zip(eval_rows, eval_prompts)), stop_ids)
+    prompt = max(map(len, prompts + eval_prompts), default=0)
+    longest, context = prompt + max_new_tokens, context_length(model)
+    if context is not None and longest > context - SGLANG_CONTEXT_MARGIN:
+        raise UserError(f"config error: the longest prompt + --max-new-tokens is {longest} tokens, "
+                        f"over the model's context length ({context}) less "
+                        f"{SGLANG_CONTEXT_MARGIN}: SGLang refuses or cuts a longer request")
+    if context is not None and prompt > context - SGLANG_PROMPT_MARGIN:
+        raise UserError(f"config error: the longest prompt is {prompt} tokens, over the model's "
+                        f"context length ({context}) less {SGLANG_PROMPT_MARGIN}: SGLang aborts "
+                        "a longer prompt")
+    if micro_batch_tokens is not None and longest > micro_batch_tokens:
+        raise UserError(f"config error: the longest prompt + --max-new-tokens is {longest} "
+                        f"tokens, over --micro-batch-tokens ({micro_batch_tokens})")
+    tools = load_env(cfg.env, tokenizer, chat_template)
+    return Data(tokenizer, rows, prompts, list(zip(eval_rows, eval_prompts)), stop_ids, tools)
+
+
+def check_teacher(teacher: str, model: str, tokenizer, temperature: float) -> None:
+    """--teacher scores the policy's token ids: it must read them as the policy does (the same
+    vocabulary and chat template), and an SGLang server scores at temperature 1 alone."""
+    from transformers import AutoTokenizer
+    if teacher.startswith(("http://", "https://")):
+        if temperature != 1.0:
+            raise UserError(f"--teacher {teacher}: an SGLang server's prompt log-probs are at "
+                            f"temperature 1, not --temperature {temperature}")
+        return
+    try:
+        theirs = AutoTokenizer.from_pretrained(teacher)
+    except Exception as e:
+        raise UserError(f"--teacher {teacher}: no usable tokenizer there ({why(e)})") from None
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"--teacher {teacher}: its tokenizer is not --model {model}'s (another "
+                        "vocabulary: it cannot score the policy's token ids)")
+    if theirs.chat_template != tokenizer.chat_template:
+        raise UserError(f"--teacher {teacher}: its chat template is not --model {model}'s")
 
 
 # -----------------------------------------------------------------------------
@@ -375,14 +411,19 @@ def load_reward(spec: str) -> Callable:
         logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" etc.
     if spec in REWARDS:
         return REWARDS[spec]
-    if "," in spec or "*" in spec:  # weighted terms: "exact_match,0.1*format,-0.01*length"
-        terms = [t.strip().rpartition("*") for t in spec.split(",")]
+    if "," in spec or "*" in spec:  # weighted terms: "exact_match, 0.1 * format, -0.01*length"
+        terms = [t.rpartition("*") for t in spec.split(",")]
+        names = [name.strip() for _, _, name in terms]  # spaces around "," and "*" are layout
         try:
-            weights = [float(w) if star else 1.0 for w, star, _ in terms]
+            weights = [float(w) if star else 1.0 for w, star, _ in terms]  # float() strips too
         except ValueError:
             raise UserError(f"--reward {spec}: weights are numbers (0.1*format)") from None
+        if not all(map(math.isfinite, weights)):  # nan or inf would poison every advantage
+            raise UserError(f"--reward {spec}: weights are finite numbers (0.1*format)")
+        if not all(names):
+            raise UserError(f"--reward {spec}: a term names no reward (exact_match,0.1*format)")
         return weighted_reward([(w, name.rpartition(":")[2], load_reward(name))
-                                for w, (_, _, name) in zip(weights, terms)])
+                                for w, name in zip(weights, names)])
     return load_plugin("--reward", spec, f"not a built-in reward ({', '.join(REWARDS)}) nor ")
 
 
@@ -405,10 +446,12 @@ def load_plugin(flag: str, spec: str, builtins: str = "") -> Callable:
     return fn
 
 
-def load_env(spec: str | None, tokenizer, chat: bool, max_turns: int) -> Tools | None:
+def load_env(spec: str | None, tokenizer, chat: bool) -> Tools | None:
     """--env path/to/file.py:Name: Name(row) is an episode's env, step(turn text) -> the text to
-    append or None; Name.stop its tool-call stops, token ids or one-token strings. A reply is raw
-    text, or with --chat-template the template's tool turn where it extends the turns before."""
+    append or None; Name.stop its tool-call stops, token ids or one-token strings; Name.max_turns
+    the most policy turns of an episode (default MAX_TURNS). A reply is raw text, or with
+    --chat-template the template's tool turn where it extends the turns before.
+    Stops and signatures are checked here, before a misfit fails every episode at run time."""
     if not spec:
         return None
     make = load_plugin("--env", spec)
@@ -417,11 +460,56 @@ def load_env(spec: str | None, tokenizer, chat: bool, max_turns: int) -> Tools |
     if not ids or {None, tokenizer.unk_token_id} & set(ids):
         raise UserError(f"--env {spec}: its .stop must list the tool-call stops (token ids or "
                         "strings of one token each)")
+    outside = [i for i in ids if not 0 <= i < len(tokenizer)]  # never sampled: no call, ever
+    if outside:
+        raise UserError(f"--env {spec}: stop token id {outside[0]} is outside the tokenizer's "
+                        f"vocabulary of {len(tokenizer)} ids")
+    misfit = env_misfit(make, spec.rpartition(":")[2])
+    if misfit:  # said now, not as an env/errors count in every episode
+        raise UserError(f"--env {spec}: {misfit}")
+    max_turns = getattr(make, "max_turns", MAX_TURNS)
+    if not isinstance(max_turns, int) or max_turns < 1:
+        raise UserError(f"--env {spec}: its .max_turns must be an int >= 1, got {max_turns!r}")
     pre, post = wrap = (tool_turn(tokenizer) if chat else None) or ("", "")
     print0(f"--env {spec}: replies as " + ("the chat template's tool turn" if any(wrap) else
            "raw text" + " (the template has no tool turn extending the turns before)" * chat))
     return Tools(make, ids, lambda text: tokenizer(pre + text + post, add_special_tokens=False)[
         "input_ids"], tokenizer.decode, max_turns)
+
+
+def env_misfit(make: Callable, name: str) -> str | None:
+    """What in make(row).step(text), as episodes call them, does not fit the signatures, or None;
+    read from the signatures only: episodes build their own envs. A factory that is not a class
+    is checked itself; the step of what it returns cannot be seen before an episode makes one."""
+    sig = refusing_signature(make, {})
+    if sig is not None and getattr(make, "__init__", None) is object.__init__:
+        return f"{name}(row) must take the dataset row as its one argument: it has no __init__"
+    if sig is not None:
+        return f"{name}(row) must take the dataset row as its one argument, not {sig}"
+    raw = inspect.getattr_static(make, "step", None)
+    if not isinstance(make, type) or isinstance(raw, property):  # the instance's to say
+        return None
+    step = getattr(make, "step", None)
+    if not callable(step):
+        return f"{name} has no method step(text) (the text to append, or None: the episode ends)"
+    args = (None, "") if inspect.isfunction(raw) else ("",)  # a method binds the instance first
+    sig = refusing_signature(step, *args)
+    if sig is not None:
+        return f"{name}(row).step(text) must take the turn's text as its one argument, not {sig}"
+    return None
+
+
+def refusing_signature(fn: Callable, *args) -> str | None:
+    """fn's signature if fn(*args) cannot bind to it, else None (a builtin without one too)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read: trusted
+        return None
+    try:
+        sig.bind(*args)
+    except TypeError:
+        return str(sig)
+    return None
 
 
 def tool_turn(tokenizer) -> tuple[str, str] | None:
@@ -450,11 +538,14 @@ def weighted_reward(terms: list[tuple[float, str, Callable]]) -> Callable:
     return reward
 
 
-def evaluate(engine, data: Data, reward_fn: Callable, max_new_tokens: int, temperature: float,
-             k: int, seed: int, rank: int = 0, world: int = 1, timeout: float = 30.0) -> dict:
+def evaluate(engine, data: Data, reward_fn: Callable, cfg, rank: int = 0, world: int = 1,
+             timeout: float = 30.0) -> dict:
     """Held-out metrics (rows split across ranks, one collective): eval/accuracy of greedy answers;
-    with k > 0, k samples per prompt give eval/mean@k and eval/pass@j, j = 2, 4, ..., k: 1 -
-    C(k-c, j)/C(k, j) for c of k correct (Chen et al. 2021), over prompts with all k judged."""
+    with cfg.eval_k = k > 0, k samples per prompt at cfg.temperature give eval/mean@k and
+    eval/pass@j, j = 2, 4, ..., k: 1 - C(k-c, j)/C(k, j) for c of k correct (Chen et al. 2021),
+    over prompts with all k judged."""
+    max_new_tokens, k, seed = cfg.max_new_tokens, cfg.eval_k, cfg.seed
+
     def judge(todo: list, temperature: float, seeds: list[int]) -> list:  # (row, prompt) pairs
         sampling = SamplingParams(max_new_tokens, temperature, stop_token_ids=data.stop_ids)
         outs = run_episodes(engine, [p for _, p in todo], sampling, seeds, data.tools,
@@ -467,7 +558,7 @@ def evaluate(engine, data: Data, reward_fn: Callable, max_new_tokens: int, tempe
     if k:
         seeds = [mix_seed(seed, EVAL_SEED, i, j) for i in range(rank, len(data.evalset), world)
                  for j in range(k)]
-        verdicts = judge([pair for pair in mine for _ in range(k)], temperature, seeds)
+        verdicts = judge([pair for pair in mine for _ in range(k)], cfg.temperature, seeds)
         js = sorted({2**e for e in range(1, k.bit_length()) if 2**e < k} | {k}) if k > 1 else []
         for i in range(len(mine)):
             if None not in (answers := verdicts[i * k : (i + 1) * k]):

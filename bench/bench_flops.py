@@ -7,9 +7,9 @@ r"""Achieved FLOP/s of nanoareal's training forward+backward against the measure
     python bench/bench_flops.py --model qwen2.5-0.5b --num-layers 1 --seqs 8 --prompt-len 16 \
         --completion-len 8                      # the GPU model's path (152k vocabulary) on a CPU
 
-The model goes through nanoareal's own path: `load_model` (FSDP2, world of one; on CUDA bf16
-mixed precision and flash-attn varlen when installed, else the packed per-sequence sdpa) and
-`policy_logprobs` on packed micro-batches, then `backward()` of the summed log-probs. Timed:
+The model goes through nanoareal's own path: `modeling.load_model` (FSDP2, world of one; on CUDA
+bf16 mixed precision and flash-attn varlen when installed, else the packed per-sequence sdpa) and
+`Model.logprobs` on packed micro-batches, then `backward()` of the summed log-probs. Timed:
 forward + backward of every micro-batch of a batch of `--seqs` sequences of `--prompt-len +
 --completion-len` tokens (no optimizer).
 
@@ -30,7 +30,9 @@ import tempfile
 import time
 
 import torch
-from common import N, fix_threads, fmt_spread, summarize  # noqa: I001
+from common import N, Sample, fix_threads, fmt_spread, load_policy, summarize  # noqa: I001
+
+from rollout import Completion
 
 QWEN25_05B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
@@ -114,22 +116,22 @@ def main():
     budget = args.micro_batch_tokens or (16384 if gpu else N.Config.micro_batch_tokens)
     cfg = N.Config(model=model_dir(name, args.num_layers), micro_batch_tokens=budget)
     ranks, device = N.setup_distributed(cfg.cp_size)
-    model = N.load_model(cfg, device, ranks)
-    hf = model.config
+    model = load_policy(cfg, device, ranks)
+    hf = model.module.config
     vocab = hf.vocab_size
 
     # a packed batch of identical-length sequences in GRPO groups of 8 (one prompt each), through
     # nanoareal's packing
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, vocab, (plen,), generator=g).tolist() for _ in range(-(-seqs // 8))]
-    samples = [N.Sample(i // 8, prompts[i // 8],
-                        N.Completion(torch.randint(2, vocab, (clen,), generator=g).tolist(),
-                                     [-1.0] * clen, "length"),
-                        advantage=1.0) for i in range(seqs)]
+    samples = [Sample(i // 8, prompts[i // 8],
+                      Completion(torch.randint(2, vocab, (clen,), generator=g).tolist(),
+                                 [-1.0] * clen, "length"),
+                      advantage=1.0) for i in range(seqs)]
     mbs = N.pack_microbatches(samples, cfg)
     T = sum(mb.input_ids.numel() for mb in mbs)
 
-    n_matmul = sum(matmul_weights(model))
+    n_matmul = sum(matmul_weights(model.module))
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     d_attn = hf.num_attention_heads * head_dim
     L = plen + clen
@@ -138,9 +140,10 @@ def main():
 
     def fwd_bwd():
         for mb in mbs:
-            logprobs, _ = N.microbatch_forward(model, mb, cfg, device, ranks, grad=True)
+            logprobs, _ = model.logprobs(mb, cfg.temperature, grad=True,
+                                         entropy_grad=cfg.entropy_coef != 0)
             logprobs.sum().backward()
-        model.zero_grad(set_to_none=True)
+        model.module.zero_grad(set_to_none=True)
 
     times = []
     for i in range(args.warmup + args.steps):
@@ -158,7 +161,7 @@ def main():
     name = f"Qwen2.5-0.5B config{layers}, random init" if cfg.model != args.model else args.model
     where = torch.cuda.get_device_name() if gpu else f"CPU, {torch.get_num_threads()} thread"
     print(f"\n## Training forward+backward FLOP/s: {name}, {where}, attention "
-          f"{model.config._attn_implementation}, median (min-max) of {args.steps} steps\n")
+          f"{model.attention}, median (min-max) of {args.steps} steps\n")
     print("| quantity | value |")
     print("|---|---|")
     print(f"| matmul weights N | {n_matmul / 1e6:.2f} M |")

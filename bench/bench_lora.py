@@ -23,6 +23,7 @@ from pathlib import Path
 from common import ROOT, fix_threads
 
 import nanoareal as N
+from rollout import Completion, Sample
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
@@ -55,19 +56,18 @@ def child(model: str, rank: int, dtype: str, steps: int, warmup: int, prompts: i
     cfg = N.validate_config(N.Config(model=model, lora_rank=rank, dtype=dtype, warmup_steps=0,
                                      prompts_per_step=prompts, group_size=group,
                                      max_new_tokens=new_tokens), 1)
-    model, _, optimizer = N.load_models(cfg, N.torch.device("cpu"), N.Ranks())
-    vocab, rng = model.config.vocab_size, random.Random(0)
-    samples = [N.Sample(g, [rng.randrange(3, vocab) for _ in range(prompt_len)],
-                        N.Completion([rng.randrange(3, vocab) for _ in range(new_tokens)],
-                                     [-1.0] * new_tokens, "length"), advantage=(-1.0) ** k)
+    model, _, _, optimizer = N.load_models(cfg, N.torch.device("cpu"), N.Ranks())
+    vocab, rng = model.module.config.vocab_size, random.Random(0)
+    samples = [Sample(g, [rng.randrange(3, vocab) for _ in range(prompt_len)],
+                      Completion([rng.randrange(3, vocab) for _ in range(new_tokens)],
+                                 [-1.0] * new_tokens, "length"), advantage=(-1.0) ** k)
                for g in range(prompts) for k in range(group)]
     times = []
     for _ in range(warmup + steps):
         t0 = time.perf_counter()
-        N.train_on_samples(model, None, optimizer, L.build_loss(cfg), samples, cfg,
-                           N.torch.device("cpu"), N.Ranks())
+        N.train_on_samples(model, None, optimizer, L.build_loss(cfg), samples, cfg, N.Ranks())
         times.append(time.perf_counter() - t0)
-    params, size = list(model.parameters()), lambda t: t.numel() * t.element_size()
+    params, size = list(model.module.parameters()), lambda t: t.numel() * t.element_size()
     state = sum(size(p) * (1 + p.requires_grad) for p in params) + sum(  # weights, grads, AdamW
         size(t) for s in optimizer.state.values() for t in s.values() if t.dim())
     return {"trainable": sum(p.numel() for p in params if p.requires_grad),

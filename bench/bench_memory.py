@@ -5,13 +5,14 @@ r"""Peak memory of one training step on a CPU against the start-up plan (`modeli
 
 Each (micro-batch, checkpointing) runs in a fresh process on one thread, through nanoareal's own
 path: `setup_distributed` (a world of one, its malloc settings), `load_models` (FSDP2, fp32,
-AdamW) with `CHECKPOINT_LAYERS` set, two packed micro-batches of at most `--tokens` positions
-(groups of 8 samples sharing a 32-token prompt, 120-token completions; gradients accumulate
-unsharded between them, as the trainer does) and `train_minibatch` twice (forward, backward, AdamW
-step). Measured: the peak resident set during the second step (AdamW's state then exists; VmHWM,
-reset through /proc/self/clear_refs just before it) minus the resident set before the model
-loaded (Python, torch, transformers). Predicted: `modeling.startup_memory`'s plan for the same
-model, positions and checkpointing. Linux only; a random-init model saved to a temporary folder.
+AdamW) with `modeling.CHECKPOINT_LAYERS` set ("full" or ""), two packed micro-batches of at most
+`--tokens` positions (groups of 8 samples sharing a 32-token prompt, 120-token completions;
+gradients accumulate unsharded between them, as the trainer does) and `train_minibatch` twice
+(forward, backward, AdamW step). Measured: the peak resident set during the second step (AdamW's
+state then exists; VmHWM, reset through /proc/self/clear_refs just before it) minus the resident
+set before the model loaded (Python, torch, transformers). Predicted: `modeling.memory_decisions`'
+plan for the same model, positions and checkpointing. Linux only; a random-init model saved to a
+temporary folder.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from common import N, fix_threads  # noqa: I001
 
 import loss as L
 import modeling
-from rollout import Completion
+from rollout import Completion, Sample
 
 STATUS = Path("/proc/self/status")
 
@@ -43,21 +44,22 @@ def child(model: str, tokens: int, checkpointing: bool) -> dict:
     ranks, device = N.setup_distributed()
     import transformers.models.llama.modeling_llama  # noqa: F401  (libraries: not the step's)
     base = rss("VmRSS")
-    N.CHECKPOINT_LAYERS = checkpointing
+    modeling.CHECKPOINT_LAYERS = "full" if checkpointing else ""
     cfg = N.validate_config(N.Config(model=model, micro_batch_tokens=tokens, max_new_tokens=120), 1)
-    model_, _, optimizer = N.load_models(cfg, device, ranks)
-    vocab, g = model_.config.vocab_size, torch.Generator().manual_seed(0)
+    model_, _, _, optimizer = N.load_models(cfg, device, ranks)
+    vocab, g = model_.module.config.vocab_size, torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(2, vocab, (n,), generator=g).tolist()
-    samples = [N.Sample(group, prompt, Completion(ids(120), [-1.0] * 120, "length"), 0.0,
-                        (-1.0) ** k) for group, prompt in enumerate(ids(32) for _ in range(64))
+    samples = [Sample(group, prompt, Completion(ids(120), [-1.0] * 120, "length"), 0.0,
+                      (-1.0) ** k) for group, prompt in enumerate(ids(32) for _ in range(64))
                for k in range(8)]
     mbs = N.pack_microbatches(samples, cfg)[:2]
     positions = max(len(mb.input_ids) for mb in mbs)
-    plan, defer, _ = modeling.startup_memory(model_, 1, positions, checkpointing, False)
+    _, defer, plan = modeling.memory_decisions(modeling.shape_of(model_.module, model_.mixed), 1,
+                                               positions, model_.compiled)
     assert model_.defer_grad_sync and defer  # gradients accumulate unsharded, as planned
     for _ in range(2):  # the second: AdamW's state exists, as in every step after the first
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        N.train_minibatch(model_, optimizer, L.build_loss(cfg), mbs, cfg, device, ranks)
+        N.train_minibatch(model_, optimizer, L.build_loss(cfg), mbs, cfg, ranks)
     predicted = float(re.search(r"= ([\d.]+)", plan)[1]) * (2**30 if "GiB" in plan else 2**20)
     return {"positions": positions, "measured": rss("VmHWM") - base, "predicted": predicted,
             "plan": plan}

@@ -223,12 +223,12 @@ def nano_config(args, model: str, data: str) -> N.Config:
 def nano_child(args, ch: Channel) -> None:
     nano = NanoRun(nano_config(args, args.model_dir, args.data))
     torch.set_num_threads(args.threads)
-    train = Forwards(nano.model.model, lambda: "train")  # the engine's model is its own
+    train = Forwards(nano.model.module.model, lambda: "train")  # the engine's model is its own
     gen = Forwards(nano.engine.model.base_model, lambda: "gen")  # (a forked one goes uncounted)
     taken, rollout = [], nano.rollout
     nano.rollout = lambda step: taken.append(rollout(step)) or taken[-1]
-    ch.send(model_facts(nano.model) | {"micro_batch_tokens": nano.cfg.micro_batch_tokens,
-                                        "startup_hwm": vm_hwm()})
+    ch.send(model_facts(nano.model.module) | {"micro_batch_tokens": nano.cfg.micro_batch_tokens,
+                                               "startup_hwm": vm_hwm()})
     step = 0
     while ch.recv()["cmd"] == "step":
         train.reset(), gen.reset(), taken.clear(), vm_hwm(reset=True)

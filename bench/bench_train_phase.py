@@ -70,14 +70,16 @@ def child(a) -> dict:
     import torch
 
     import loss as L
+    import modeling
     import nanoareal as N
+    from rollout import Completion, Sample
     path = model_dir(a.shape)
     cfg = N.validate_config(N.Config(model=path, prompts_per_step=a.prompts, group_size=a.group,
                                      max_new_tokens=a.length), 1)
     ranks, device = N.setup_distributed(cfg.cp_size)
     torch.set_num_threads(a.threads)
-    model, ref, optimizer = N.load_models(cfg, device, ranks)
-    reduction, hf = L.build_loss(cfg), model.config
+    model, ref, _, optimizer = N.load_models(cfg, device, ranks)
+    reduction, hf = L.build_loss(cfg), model.module.config
     vocab, g = hf.vocab_size, torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, vocab, (a.prompt_len,), generator=g).tolist()
                for _ in range(a.prompts)]
@@ -85,27 +87,27 @@ def child(a) -> dict:
     lengths = [a.length if not a.uneven else int(torch.randint(a.length // 8, a.length + 1, (),
                                                                generator=g))
                for _ in range(a.prompts * a.group)]
-    samples = [N.Sample(i // a.group, prompts[i // a.group], N.Completion(
+    samples = [Sample(i // a.group, prompts[i // a.group], Completion(
         torch.randint(2, vocab, (n,), generator=g).tolist(), [lp] * n, "length"),
         advantage=float(torch.randn((), generator=g))) for i, n in enumerate(lengths)]
     mbs = N.pack_microbatches(samples, cfg)
     T = sum(len(mb.input_ids) for mb in mbs)
     seg = torch.cat([mb.segments for mb in mbs])
     pairs = int((seg[:, 1] * seg[:, 3] + seg[:, 1] * (seg[:, 1] + 1) // 2).sum())
-    n_body = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2
+    n_body = sum(p.numel() for n, p in model.module.named_parameters() if p.dim() == 2
                  and "embed_tokens" not in n and "lm_head" not in n)
     scored = sum(int((mb.seq_ids >= 0).sum()) for mb in mbs)  # the head's rows (not a prefix's)
     d_attn = hf.num_attention_heads * (getattr(hf, "head_dim", None)
                                        or hf.hidden_size // hf.num_attention_heads)
     flops = 6 * n_body * T + 6 * vocab * hf.hidden_size * scored + \
         12 * hf.num_hidden_layers * d_attn * pairs
-    times, load_peak, saved = [], vm("VmHWM"), saved_bytes(N)
-    state = sum(p.numel() * p.element_size() for p in model.parameters())
+    times, load_peak, saved = [], vm("VmHWM"), saved_bytes(modeling)
+    state = sum(p.numel() * p.element_size() for p in model.module.parameters())
     for i in range(a.warmup + a.steps):
         if i == a.warmup:
             Path("/proc/self/clear_refs").write_text("5")  # the timed steps' own peak from here
         t = time.perf_counter()
-        N.train_on_samples(model, ref, optimizer, reduction, samples, cfg, device, ranks)
+        N.train_on_samples(model, ref, optimizer, reduction, samples, cfg, ranks)
         times.append(time.perf_counter() - t)
         if i == 0:  # weights, their gradients (freed by zero_grad) and AdamW's two moments
             state += sum(v.numel() * v.element_size() for st in optimizer.state.values()
@@ -122,11 +124,12 @@ def child(a) -> dict:
             "mb_positions": [len(mb.input_ids) for mb in mbs]}
 
 
-def saved_bytes(N) -> list[float]:
-    """Wraps microbatch_forward: the GiB of distinct storages autograd saves for backward in each
-    training micro-batch (activations as the graph holds them), appended to the list returned."""
+def saved_bytes(modeling) -> list[float]:
+    """Wraps modeling.Model.logprobs: the GiB of distinct storages autograd saves for backward in
+    each training micro-batch (activations as the graph holds them), appended to the list
+    returned."""
     import torch
-    out, forward, seen = [], N.microbatch_forward, {}
+    out, forward, seen = [], modeling.Model.logprobs, {}
 
     def pack(t):
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
@@ -139,7 +142,7 @@ def saved_bytes(N) -> list[float]:
         if grad:
             out.append(sum(seen.values()) / 2**30)
         return result
-    N.microbatch_forward = wrapped
+    modeling.Model.logprobs = wrapped
     return out
 
 

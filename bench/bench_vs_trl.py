@@ -208,7 +208,8 @@ def main():
     nano = NanoRun(make_config(**over))
     trainer = build_trl(args, nano, total)
     fix_threads(1)
-    alt = Alternate(nano, PositionCounter(trainer.model.model), PositionCounter(nano.model.model))
+    alt = Alternate(nano, PositionCounter(trainer.model.model),
+                    PositionCounter(nano.model.module.model))
     trainer.add_callback(alt)
     wrap_generate(trainer, alt)
     trainer.train()

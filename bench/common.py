@@ -8,6 +8,7 @@ in the same process.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
@@ -22,9 +23,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import loss as L  # noqa: E402
+import modeling  # noqa: E402
 import nanoareal as N  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
+from rollout import Sample  # noqa: E402
 
 
 def fix_threads(n: int = 1) -> None:
@@ -35,6 +38,22 @@ def fix_threads(n: int = 1) -> None:
 
 def make_config(**overrides) -> N.Config:
     return N.validate_config(N.Config(**overrides), 1)
+
+
+def load_policy(cfg: N.Config, device: torch.device, ranks: N.Ranks) -> modeling.Model:
+    """The policy as N.load_models loads it (its memory plan agreed over ranks, nothing else on
+    the GPU), without a reference, a teacher or AdamW."""
+    gpu, engine = modeling.gpu_memory(device)
+    return modeling.load_model(cfg, device, ranks.world, ranks.cp_group, True,
+                               {"gpu": gpu, "engine": engine})
+
+
+def compile_note(model: modeling.Model) -> str:
+    """Whether its decoder layers run compiled, else why eager (its start-up summary's words)."""
+    if model.compiled:
+        return "compiled"
+    return next(part for part in model.summary.splitlines()[0].split("; ")
+                if part.startswith("eager"))
 
 
 class NanoRun:
@@ -49,17 +68,18 @@ class NanoRun:
         else:
             self.ranks, self.device = N.setup_distributed(cfg.cp_size)
         torch.manual_seed(cfg.seed)
-        self.data = tasks.load_data(cfg.model, cfg.dataset, cfg.eval_dataset, cfg.reward,
-                                    cfg.prompt_key, cfg.chat_template, cfg.max_new_tokens,
-                                    cfg.micro_batch_tokens)
+        self.data = tasks.load_data(cfg)
         self.reward_fn = tasks.load_reward(cfg.reward)
-        self.engine = rollout.make_engine(cfg.rollout_backend, cfg.rollout_url, cfg.model,
-                                          self.device, run_dir="runs/bench", seed=cfg.seed,
+        self.engine = rollout.make_engine(dataclasses.replace(cfg, run_dir=cfg.run_dir or
+                                                              "runs/bench"), self.device,
                                           share=cfg.max_staleness == 0 and self.ranks.world == 1)
-        self.model, _, self.optimizer = N.load_models(cfg, self.device, self.ranks, self.engine)
-        if self.engine.share:  # as nanoareal.resume does: generate with the trainer's tensors
-            self.engine.update_weights(self.model, 0)
-        self.reduction = L.build_loss(cfg)
+        self.model, _, _, self.optimizer = N.load_models(cfg, self.device, self.ranks,
+                                                         self.engine)
+        # as nanoareal.resume does: the trainer's tensors (share), its adapters, or the weights
+        # an engine that started released lacks (version -1)
+        if cfg.lora_adapter or self.engine.share or self.engine.version < 0:
+            self.engine.update_weights(self.model.module, 0)
+        self.reduction = L.build_loss(cfg, dist.group.WORLD, cp_factor=self.ranks.cp_size)
         self.rollouts = rollout.Rollouts(
             lambda s: N.rollout_batch(self.engine, self.data, self.reward_fn, s, cfg, self.ranks),
             cfg.max_staleness, self.engine.overlaps, {})
@@ -68,15 +88,15 @@ class NanoRun:
         return N.prompts_for_step(len(self.data.rows), self.cfg.prompts_per_step, step,
                                   self.cfg.seed)
 
-    def rollout(self, step: int) -> list[N.Sample]:
+    def rollout(self, step: int) -> list[Sample]:
         """This step's batch, its advantages set: what train_on_samples takes."""
         samples = self.rollouts.take(step)
         N.set_advantages(samples, self.cfg)
         return samples
 
-    def train(self, samples: list[N.Sample]) -> tuple[dict, dict]:
+    def train(self, samples: list[Sample]) -> tuple[dict, dict]:
         return N.train_on_samples(self.model, None, self.optimizer, self.reduction, samples,
-                                  self.cfg, self.device, self.ranks)
+                                  self.cfg, self.ranks)
 
     def step(self, step: int) -> dict[str, float]:
         """One full GRPO step, timed like `main`; returns times and token counts (main's metric
@@ -88,7 +108,7 @@ class NanoRun:
         t2 = time.perf_counter()
         self.rollouts.wait()
         t3 = time.perf_counter()
-        self.engine.update_weights(self.model, step + 1)
+        self.engine.update_weights(self.model.module, step + 1)
         t4 = time.perf_counter()
         generated = sum(len(s.completion.output_ids) for s in samples)
         return {"time/step": t4 - t0, "time/rollout": t1 - t0 + t3 - t2, "time/train": t2 - t1,

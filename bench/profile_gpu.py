@@ -23,9 +23,11 @@ from pathlib import Path
 
 import torch
 from bench_flops import model_dir, sync
-from common import N  # noqa: I001  (puts the repository on the path)
+from common import N, load_policy  # noqa: I001  (puts the repository on the path)
 
+import modeling
 import rollout
+from rollout import Completion, Sample
 
 
 def timed(fn, device, reps: int = 1) -> float:
@@ -70,11 +72,12 @@ def decode(path: str, device, rows: int, tokens: int) -> tuple[list[str], str]:
     return lines, top_ops(lambda: run(16), device)
 
 
-def forward_backward(model, mbs, cfg, device, ranks) -> None:
+def forward_backward(model, mbs, cfg) -> None:
     for mb in mbs:
-        logprobs, _ = N.microbatch_forward(model, mb, cfg, device, ranks, grad=True)
+        logprobs, _ = model.logprobs(mb, cfg.temperature, grad=True,
+                                     entropy_grad=cfg.entropy_coef != 0)
         logprobs.sum().backward()
-    model.zero_grad(set_to_none=True)
+    model.module.zero_grad(set_to_none=True)
 
 
 def train(path: str, device, ranks, seqs: int, plen: int, clen: int) -> tuple[list[str], str]:
@@ -82,26 +85,26 @@ def train(path: str, device, ranks, seqs: int, plen: int, clen: int) -> tuple[li
     cfg = N.Config(model=path, micro_batch_tokens=16384)
     vocab, g = AutoConfig.from_pretrained(path).vocab_size, torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, vocab, (plen,), generator=g).tolist() for _ in range(-(-seqs // 8))]
-    mbs = N.pack_microbatches([N.Sample(i // 8, prompts[i // 8], N.Completion(
+    mbs = N.pack_microbatches([Sample(i // 8, prompts[i // 8], Completion(
         torch.randint(2, vocab, (clen,), generator=g).tolist(), [-1.0] * clen, "length"),
         advantage=1.0) for i in range(seqs)], cfg)
     positions = sum(mb.input_ids.numel() for mb in mbs)
-    out, table, default = [], "", N.CHECKPOINT_LAYERS
-    for choice in (False, "selective", True):
-        N.CHECKPOINT_LAYERS = choice
-        model = N.load_model(cfg, device, ranks)
-        fwd_bwd = functools.partial(forward_backward, model, mbs, cfg, device, ranks)
+    out, table, default = [], "", modeling.CHECKPOINT_LAYERS
+    for choice in ("", "selective", "full"):
+        modeling.CHECKPOINT_LAYERS = choice
+        model = load_policy(cfg, device, ranks)
+        fwd_bwd = functools.partial(forward_backward, model, mbs, cfg)
         fwd_bwd()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t = timed(fwd_bwd, device, reps=2)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0
-        out.append(f"| forward+backward, checkpointing {choice} ({positions} positions in "
-                   f"{len(mbs)} micro-batches) | {t:.3f} s, peak {peak:.1f} GiB |")
-        if choice is False:  # the work itself, no rerun (a GPU's choice where memory allows)
+        out.append(f"| forward+backward, checkpointing {choice or 'none'} ({positions} "
+                   f"positions in {len(mbs)} micro-batches) | {t:.3f} s, peak {peak:.1f} GiB |")
+        if not choice:  # the work itself, no rerun (a GPU's choice where memory allows)
             table = top_ops(fwd_bwd, device)
         del model, fwd_bwd
-    N.CHECKPOINT_LAYERS = default
+    modeling.CHECKPOINT_LAYERS = default
     return out, table
 
 

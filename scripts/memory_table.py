@@ -46,14 +46,18 @@ def lora_parameters(rank, layers, hidden, inter, heads, kv, head_dim, *_) -> int
 
 def plan(shape: tuple, world: int, tokens: int, checkpointing: bool, gpu_gib: float = 0,
          grads_unsharded: bool = False, lora: int = 0) -> dict[str, float]:
-    """The trainer's plan; `lora`: rank of adapters on a bf16 base (frozen, no master copy)."""
+    """The trainer's plan in bf16 compute (fp32 master weights); `checkpointing`: every layer
+    ("full") or none; `lora`: rank of adapters on a bf16 base (frozen, no master copy). The
+    in-process engine holds its share of the GPU while it generates, nothing while released."""
     layers, hidden, inter, _, kv, head_dim, vocab, tied, _ = shape
     n = parameters(*shape)
     trainable = lora_parameters(lora, *shape) if lora else n
-    return modeling.memory_plan(n + trainable * (lora > 0), trainable, layers, hidden, inter,
-                                kv * head_dim, vocab, world, tokens, checkpointing, tied=tied,
-                                grads_unsharded=grads_unsharded, frozen_bytes=2,
-                                engine_generating=SGLANG_MEM_FRACTION * gpu_gib * GIB)
+    model = modeling.Shape(n + trainable * (lora > 0), trainable, layers, hidden, inter,
+                           kv * head_dim, vocab, tied=tied, master_bytes=4, frozen_bytes=2,
+                           compute_bytes=2)
+    return modeling.memory_plan(model, world, tokens, "full" if checkpointing else "",
+                                engine=(SGLANG_MEM_FRACTION * gpu_gib * GIB, 0.0),
+                                grads_unsharded=grads_unsharded)
 
 
 def largest_fit(shape: tuple, world: int, gpu_gib: float, lora: int = 0) -> str:

@@ -189,15 +189,16 @@ def test_compare_groups_run_directories_by_name_or_as_named_groups(study, tmp_pa
 
 
 def test_the_bench_studies_are_the_old_default_studies():
-    """bench/studies: arithmetic, the four modes; chain, those and seq_mean/constant with
-    --adv-std none; seeds 0-2 (chain 0-1), 100 steps, the chain task's own model and flags."""
+    """bench/studies: arithmetic, the four modes; chain, those and seq_mean/constant without the
+    std division (--adv-estimator dr_grpo, once --adv-std none); seeds 0-2 (chain 0-1), 100 steps,
+    the chain task's own model and flags."""
     spec = importlib.util.spec_from_file_location("ablate", ROOT / "scripts" / "ablate.py")
     ablate_mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ablate_mod)
     modes = {m: ["--loss-aggregation", m] for m in ("token_mean", "seq_mean", "prompt_mean",
                                                      "constant")}
-    no_std = {f"{m}-nostd": ["--loss-aggregation", m, "--adv-std", "none"] for m in ("seq_mean",
-                                                                                 "constant")}
+    no_std = {f"{m}-nostd": ["--loss-aggregation", m, "--adv-estimator", "dr_grpo"]
+              for m in ("seq_mean", "constant")}
     import nanoareal
 
     for task, variants, want_seeds in (("arithmetic", modes, [0, 1, 2]),

@@ -18,8 +18,10 @@ from reference import GradCapture
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import loss as L
+import modeling
 import nanoareal as N
 from cli import UserError
+from rollout import Completion, Sample
 
 COMMON = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -60,7 +62,7 @@ def build(tmp_path, family: str, extra: dict) -> str:
     return str(path)
 
 
-def samples(seed: int = 0) -> list[N.Sample]:
+def samples(seed: int = 0) -> list[Sample]:
     """Five groups of 2-4 samples, prompts of 2-9 tokens, completions of 1-8 (longer than the
     windows), advantages of both signs."""
     rng = random.Random(seed)
@@ -69,12 +71,12 @@ def samples(seed: int = 0) -> list[N.Sample]:
         prompt = [rng.randrange(2, 32) for _ in range(rng.randint(2, 9))]
         for _ in range(rng.randint(2, 4)):
             ids = [rng.randrange(2, 32) for _ in range(rng.randint(1, 8))]
-            out.append(N.Sample(g, prompt, N.Completion(ids, [-1.0] * len(ids), "stop"),
-                                advantage=rng.uniform(-1, 1)))
+            out.append(Sample(g, prompt, Completion(ids, [-1.0] * len(ids), "stop"),
+                              advantage=rng.uniform(-1, 1)))
     return out
 
 
-def padded_reference_grads(path: str, batch: list[N.Sample]) -> dict[str, torch.Tensor]:
+def padded_reference_grads(path: str, batch: list[Sample]) -> dict[str, torch.Tensor]:
     """token_mean PPO at ratio 1 (-A * ratio summed over completion tokens / their count) from a
     plain padded forward: its gradient is -sum_i A_i sum_t grad log pi(o_it) / sum_i |o_i|."""
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
@@ -113,10 +115,9 @@ def test_training_step_gradient_equals_a_plain_padded_forward(family, tmp_path, 
         monkeypatch.setattr(N, "SHARE_PROMPTS", share)
         cfg = N.Config(model=path, micro_batch_tokens=24, grad_clip=1e9,
                        loss_aggregation="token_mean")
-        model = N.load_model(cfg, torch.device("cpu"), N.Ranks())
-        capture = GradCapture(model)
-        N.train_on_samples(model, None, capture, L.build_loss(cfg), batch, cfg,
-                           torch.device("cpu"), N.Ranks())
+        model = modeling.load_model(cfg, torch.device("cpu"))
+        capture = GradCapture(model.module)
+        N.train_on_samples(model, None, capture, L.build_loss(cfg), batch, cfg, N.Ranks())
         got = capture.grads
         assert got.keys() <= want.keys() and len(got) >= len(want) - 1  # tied weights: one name
         diff = torch.cat([(got[n] - want[n]).flatten() for n in got]).norm()
@@ -136,6 +137,6 @@ def test_a_family_nanoareal_does_not_reproduce_is_refused_in_one_line(family, tm
                                                                       one_rank_group):
     path = build(tmp_path, family, REFUSED[family])
     with pytest.raises(UserError) as refused:
-        N.load_model(N.Config(model=path), torch.device("cpu"), N.Ranks())
+        modeling.load_model(N.Config(model=path), torch.device("cpu"))
     message = str(refused.value)
     assert "\n" not in message and f"({family})" in message and "not supported" in message

@@ -1,8 +1,8 @@
 """The ablation axes of issue 31, each against a hand-written reference: several optimizer passes
 over one batch (--ppo-epochs), top-p / top-k sampling, DAPO's soft overlong penalty, weighted reward
-terms, the reward's random state, and the flags that replaced --adv-std's bool. The KL estimators
-and the batch std are in test_loss.py and test_nanoareal.py (next to their siblings); runs end to
-end with a random reward in test_checkpoint.py, staleness with the auto correction in
+terms, the reward's random state, and the removed --adv-std (--adv-estimator took its place). The
+KL estimators and the batch std are in test_loss.py and test_nanoareal.py (next to their siblings);
+runs end to end with a random reward in test_checkpoint.py, staleness with the auto correction in
 test_staleness.py."""
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ import torch
 from reference import whole
 
 import loss as L
+import modeling
 import nanoareal as N
 import rollout
 import tasks
 from cli import UserError
+from rollout import Completion, Sample
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "assets" / "tiny-arith")
@@ -41,12 +43,12 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-def _samples() -> list[N.Sample]:
-    return [N.Sample(g, [4 + g, 13, 5], N.Completion([6 + g, 7 + g % 2, 1], [-1.0] * 3, "stop"),
-                     advantage=(-1.0) ** g * (1 + g / 4)) for g in range(4)]
+def _samples() -> list[Sample]:
+    return [Sample(g, [4 + g, 13, 5], Completion([6 + g, 7 + g % 2, 1], [-1.0] * 3, "stop"),
+                   advantage=(-1.0) ** g * (1 + g / 4)) for g in range(4)]
 
 
-def hand_written_passes(samples: list[N.Sample], epochs: int, minibatches: int, lr: float,
+def hand_written_passes(samples: list[Sample], epochs: int, minibatches: int, lr: float,
                         eps: float = 0.2) -> tuple[list[torch.Tensor], list[float]]:
     """PPO straight from its formula on an unsharded float64 copy, one sequence at a time: pi_prox
     once, before any update; then `epochs` passes of `minibatches` SGD steps on token_mean of
@@ -56,7 +58,7 @@ def hand_written_passes(samples: list[N.Sample], epochs: int, minibatches: int, 
     model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float64)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
 
-    def logprobs(s: N.Sample) -> torch.Tensor:
+    def logprobs(s: Sample) -> torch.Tensor:
         ids = torch.tensor(s.prompt_ids + s.completion.output_ids)
         logits = model(input_ids=ids[None], use_cache=False).logits[0, len(s.prompt_ids) - 1 : -1]
         return torch.log_softmax(logits, -1).gather(-1, ids[len(s.prompt_ids):, None])[:, 0]
@@ -90,16 +92,16 @@ def test_ppo_epochs_second_pass_clips_around_the_first_pass_pi_prox_like_a_hand_
     cfg = N.Config(model=TINY, dtype="float64", warmup_steps=0, grad_clip=0.0, ppo_epochs=2,
                    num_minibatches=minibatches)
     assert cfg.correction == "none"
-    model = N.load_model(cfg, CPU, N.Ranks())
-    forwards, forward = [], N.microbatch_forward
-    monkeypatch.setattr(N, "microbatch_forward", lambda *a, **k: forwards.append(
-        k.get("grad", False)) or forward(*a, **k))
-    _, stats = N.train_on_samples(model, None, torch.optim.SGD(model.parameters(), lr=lr),
-                                  L.build_loss(cfg), _samples(), cfg, CPU, N.Ranks())
+    model = modeling.load_model(cfg, CPU)
+    forwards, forward = [], modeling.Model.logprobs  # every micro-batch forward of the trainer
+    monkeypatch.setattr(modeling.Model, "logprobs", lambda self, *a, **k: forwards.append(
+        k.get("grad", False)) or forward(self, *a, **k))
+    _, stats = N.train_on_samples(model, None, torch.optim.SGD(model.module.parameters(), lr=lr),
+                                  L.build_loss(cfg), _samples(), cfg, N.Ranks())
     weights, clip_shares = hand_written_passes(_samples(), 2, minibatches, lr)
     assert forwards.count(False) == minibatches  # pi_prox: one forward per micro-batch, once
     assert stats["updated"] == 1 and forwards.count(True) == 2 * minibatches
-    for got, want in zip(model.parameters(), weights, strict=True):
+    for got, want in zip(model.module.parameters(), weights, strict=True):
         torch.testing.assert_close(whole(got.detach()), want, rtol=1e-9, atol=1e-11)
     assert clip_shares[0] == 0 and clip_shares[-1] > 0  # the first update is on policy
     assert stats["policy/clip_frac"] == pytest.approx(sum(clip_shares) / len(clip_shares))
@@ -158,7 +160,8 @@ def test_the_config_sends_top_p_and_top_k_to_every_engine():
             return [rollout.Completion([1], [0.0], "stop") for _ in prompts]
 
     engine, cfg = Capture(), N.Config(top_p=0.9, top_k=5, group_size=2)
-    N.generate(engine, [[4, 5]], [(0, 0)], 0, cfg, [1])
+    data = tasks.Data(tokenizer=None, rows=[{}], prompts=[[4, 5]], evalset=[], stop_ids=[1])
+    N.generate(engine, data, [(0, 0)], 0, cfg)
     assert (engine.sampling.top_p, engine.sampling.top_k) == (0.9, 5)
     sent = rollout._sampling_dict(engine.sampling, 8, None)  # what the SGLang engines post
     assert (sent["top_p"], sent["top_k"]) == (0.9, 5)
@@ -183,14 +186,15 @@ def test_the_overlong_penalty_is_added_to_the_reward_and_logged_apart():
 
     tok = AutoTokenizer.from_pretrained(TINY)
     cfg = N.Config(max_new_tokens=8, overlong_buffer=4)
-    samples = [N.Sample(0, [4], rollout.Completion(tok("12")["input_ids"][:1] * n, [0.0] * n,
-                                                   "length"), row=0) for n in (3, 4, 5, 8)]
-    N.score(samples, [{"prompt": "1+1=", "answer": "2"}], lambda c, row: 1.0, tok, cfg)
+    samples = [Sample(0, [4], Completion(tok("12")["input_ids"][:1] * n, [0.0] * n, "length"),
+                      row=0) for n in (3, 4, 5, 8)]
+    data = tasks.Data(tok, [{"prompt": "1+1=", "answer": "2"}], [[4]], [], [])
+    N.score(samples, data, lambda c, row: 1.0, cfg)
     assert [s.metrics["overlong"] for s in samples] == pytest.approx([0, 0, -0.25, -1.0])
     assert [s.reward for s in samples] == pytest.approx([1.0, 1.0, 0.75, 0.0])
     assert N.rollout_sums(samples, N.Ranks())["reward/overlong"] == pytest.approx(-1.25)
-    plain = [N.Sample(**{**s.__dict__, "metrics": {}}) for s in samples]
-    N.score(plain, [{"prompt": "1+1=", "answer": "2"}], lambda c, row: 1.0, tok, N.Config())
+    plain = [Sample(**{**s.__dict__, "metrics": {}}) for s in samples]
+    N.score(plain, data, lambda c, row: 1.0, N.Config())
     assert [s.reward for s in plain] == [1.0] * 4 and all(not s.metrics for s in plain)
 
 
@@ -232,21 +236,31 @@ def test_a_reward_drawing_random_numbers_gets_its_samples_seed_on_any_batch():
 
 
 # -----------------------------------------------------------------------------
-# --adv-std replaced a bool; --correction auto
+# --adv-std is gone (--adv-estimator dr_grpo is its "none"); --correction auto
 
 
-def test_the_old_adv_std_bool_fails_in_one_line_naming_the_new_values(tmp_path):
-    with pytest.raises(UserError, match="did you mean --adv-std"):
-        N.parse_config(["--no-adv-std"])
+def test_the_removed_adv_std_fails_in_one_line_naming_adv_estimator(tmp_path):
+    """--adv-std (a bool, then group | batch | none) became values of --adv-estimator: the old flag
+    in either form and its TOML key are refused in one line (the flag naming its successor); its
+    "none" is dr_grpo."""
+    refusals = []
+    for argv in (["--no-adv-std"], ["--adv-std", "none"]):
+        with pytest.raises(UserError, match=f"unknown flag {argv[0]} ") as refused:
+            N.parse_config(argv)
+        refusals.append(str(refused.value))
+    assert "did you mean --adv-estimator?" in refusals[1]
     (tmp_path / "old.toml").write_text("adv-std = false\n")
-    with pytest.raises(UserError, match="--adv-std False: choose one of group, batch, none"):
+    with pytest.raises(UserError, match="unknown key 'adv-std'") as refused:
         N.parse_config(["--config", str(tmp_path / "old.toml")])
-    assert N.parse_config(["--adv-std", "none"]).adv_std == "none"
+    refusals.append(str(refused.value))
+    assert not any("\n" in r for r in refusals)
+    assert N.parse_config(["--adv-estimator", "dr_grpo"]).adv_estimator == "dr_grpo"
 
 
-def test_an_old_run_directory_with_the_bool_adv_std_is_refused_in_one_line_naming_it(tmp_path):
-    """A run made before --adv-std took a value (config.json "adv_std": false) is another run: a
-    rerun says which flags differ instead of mixing two configs in one directory."""
+def test_an_old_run_directory_with_adv_std_is_refused_in_one_line_naming_it(tmp_path):
+    """A run made while --adv-std existed (config.json "adv_std": false) is another run: a rerun
+    with its successor (--adv-estimator dr_grpo) says which flags differ instead of mixing two
+    configs in one directory."""
     import json
 
     import checkpoint
@@ -254,9 +268,10 @@ def test_an_old_run_directory_with_the_bool_adv_std_is_refused_in_one_line_namin
     old = json.loads((ROOT / "bench/results/modes_chain/constant-nostd-s0/config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(old))
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    new = {k: (v if k != "adv_std" else "none") for k, v in old.items()}
-    with pytest.raises(UserError, match="its config differs in adv_std"):
+    new = {k: v for k, v in old.items() if k != "adv_std"} | {"adv_estimator": "dr_grpo"}
+    with pytest.raises(UserError, match="its config differs in adv_estimator, adv_std\\)") as e:
         checkpoint.claim_run_dir(tmp_path, new, N.VOLATILE, fresh=False)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("flags, want", [

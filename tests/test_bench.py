@@ -100,7 +100,7 @@ def test_the_gpu_profile_runs_its_cpu_smoke_mode():
                     "--rows", "8", "--tokens", "4", "--seqs", "8", "--prompt-len", "8",
                     "--completion-len", "8")
     assert "| of which the sampler (sample_tokens on [8, 1024] logits) |" in out, out
-    for choice in ("False", "selective", "True"):
+    for choice in ("none", "selective", "full"):  # modeling.CHECKPOINT_LAYERS "", ...
         assert f"| forward+backward, checkpointing {choice} (" in out, out
     assert out.count("Self CPU time total") == 2, out
 

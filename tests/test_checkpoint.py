@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import warm
+from test_staleness import AFTER_UPDATES, ONE_STEP
 
 import checkpoint
 import nanoareal as N
@@ -217,9 +218,12 @@ def test_a_reward_drawing_random_numbers_gives_identical_runs_resumes_and_two_ra
         run(args, run_dir, nproc=nprocs[1])
         assert "resumed from" in log_of(run_dir)
         for a, b in zip(rows, [r for r in metrics(run_dir) if "reward" in r], strict=True):
-            assert {k: b[k] for k in ("reward", "reward/noisy", "reward/format", "accuracy",
-                                      "grad_norm")} == pytest.approx({k: a[k] for k in (
-                "reward", "reward/noisy", "reward/format", "accuracy", "grad_norm")}, rel=1e-5)
+            # the same draws: their means differ only by the order the ranks sum them in
+            assert {k: b[k] for k in ("reward", "reward/noisy", "reward/format", "accuracy")
+                    } == pytest.approx({k: a[k] for k in (
+                        "reward", "reward/noisy", "reward/format", "accuracy")}, rel=1e-12)
+            tolerance = ONE_STEP if a["step"] == 1 else AFTER_UPDATES  # test_staleness.py's
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], **tolerance), a["step"]
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +299,7 @@ def test_sigterm_to_one_rank_stops_both_after_a_checkpoint_and_the_rerun_matches
 
 
 # -----------------------------------------------------------------------------
-# guard rails, all in one faulty two-rank run with --filter-zero-variance: step index 0: every
+# guard rails, all in one faulty two-rank run with --zero-variance filter: step index 0: every
 # reward raises (all rewards 0, every group constant: both ranks' batches are empty)
 #   step index 1: the first reward call on each rank hangs past REWARD_TIMEOUT_S (0.5 here)
 #   step index 2: rank 1's rewards are all 0 (its batch is empty, rank 0's is not)
@@ -312,7 +316,7 @@ def faulty_run(tmp_path_factory):
                                                 "nanoareal.MAX_BAD_STEPS": 2,
                                                 "checkpoint.KEEP_CHECKPOINTS": 0}}
     args = ["--prompts-per-step", "8", "--group-size", "4", "--eval-every", "0", "--steps", "6",
-            "--ckpt-every", "1", "--filter-zero-variance"]
+            "--ckpt-every", "1", "--zero-variance", "filter"]
     code = wait(start(args, run_dir, nproc=2, faults=faults))  # None: it hung
     return run_dir, code, {r["step"]: r for r in metrics(run_dir)}
 
@@ -448,7 +452,7 @@ def _bad_options(tmp: Path) -> list[tuple[list[str], int, str]]:
         (["--cp-size", "3"], 2, "--cp-size 3 must divide the number of ranks"),
         (["--correction", "behave", "--correction-threshold", "2"], 1,
          "--correction-threshold: --correction behave has none"),
-        (["--max-staleness", "-1"], 1, "--max-staleness >= 0"),
+        (["--max-staleness", "-1"], 1, "--max-staleness and --max-resample >= 0"),
         (["--resume", str(tmp / "nope")], 1, "--resume .* is not a complete checkpoint"),
         (["--resume", str(tmp / "step_000004.tmp")], 1, "--resume .* is not a complete checkpoint"),
     ]
@@ -465,8 +469,7 @@ def test_impossible_options_fail_in_one_line_naming_the_flags(case, tmp_path):
 def test_a_micro_batch_budget_below_the_longest_prompt_plus_max_new_tokens_fails_at_start_up():
     def load(budget: int):
         cfg = N.parse_config(["--micro-batch-tokens", str(budget), "--max-new-tokens", "8"])
-        return tasks.load_data(cfg.model, cfg.dataset, None, cfg.reward, cfg.prompt_key, False,
-                               cfg.max_new_tokens, cfg.micro_batch_tokens)
+        return tasks.load_data(cfg)
 
     assert max(map(len, load(14).prompts)) == 6  # the longest arithmetic prompt: 6 + 8 fits
     with pytest.raises(UserError, match=r"longest prompt \+ --max-new-tokens is 14 tokens, over "
@@ -476,9 +479,13 @@ def test_a_micro_batch_budget_below_the_longest_prompt_plus_max_new_tokens_fails
 
 def test_a_sequence_longer_than_the_models_context_fails_at_start_up_naming_both_numbers():
     """tiny-arith was trained on 64 positions: the hf engine would run past them silently, and
-    SGLang would reject the request mid-run."""
-    load = lambda new: tasks.load_data(str(ROOT / "assets" / "tiny-arith"), "arithmetic", None,
-                                       "exact_match", "prompt", False, new, 4096)
-    assert load(58).prompts  # 6 + 58 = 64 fits
-    with pytest.raises(UserError, match=r"is 65 tokens, over the model's context length \(64\)"):
-        load(59)
+    SGLang would reject the request mid-run (it serves prompt + max_new_tokens up to the context
+    less tasks.SGLANG_CONTEXT_MARGIN, 2, whole)."""
+    load = lambda new: tasks.load_data(N.Config(
+        model=str(ROOT / "assets" / "tiny-arith"), dataset="arithmetic", reward="exact_match",
+        max_new_tokens=new, micro_batch_tokens=4096))
+    assert tasks.SGLANG_CONTEXT_MARGIN == 2
+    assert load(56).prompts  # 6 + 56 = 62 = 64 - 2 fits
+    with pytest.raises(UserError, match=r"is 63 tokens, over the model's context length \(64\) "
+                                        r"less 2"):
+        load(57)

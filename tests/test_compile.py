@@ -16,6 +16,7 @@ from reference import GradCapture
 
 import modeling
 import nanoareal as N
+from rollout import Completion, Sample
 
 torch.set_num_threads(1)
 
@@ -40,13 +41,20 @@ def train_grads(cfg, samples) -> tuple[object, dict, int]:
     capture = GradCapture(model)
     with torch._dynamo.config.patch(suppress_errors=False):  # (the trainer's: run eager)
         # compiled here; the later rows of other lengths must reuse it (dynamic shapes)
-        N.microbatch_forward(model, mbs[0], cfg, torch.device("cpu"), N.Ranks(), grad=True)[
-            0].sum().backward()
-        model.zero_grad(set_to_none=True)
+        model.logprobs(mbs[0], cfg.temperature, grad=True,
+                       entropy_grad=cfg.entropy_coef != 0)[0].sum().backward()
+        model.module.zero_grad(set_to_none=True)
         with torch._dynamo.config.patch(error_on_recompile=True):
-            N.train_minibatch(model, capture, N.loss.build_loss(cfg), mbs, cfg,
-                              torch.device("cpu"), N.Ranks())
+            N.train_minibatch(model, capture, N.loss.build_loss(cfg), mbs, cfg, N.Ranks())
     return model, capture.grads, len({len(mb.input_ids) for mb in mbs})
+
+
+def why_eager(model) -> str | None:
+    """Why the layers run eager, as the start-up line says it (None: they are compiled)."""
+    line = next(x for x in model.summary.splitlines() if x.startswith("attention: "))
+    said = re.search(r"; compute: [^;]+; (.*)$", line).group(1)
+    assert (said == "layers compiled") == model.compiled, line
+    return None if model.compiled else said
 
 
 def rel_error(got: dict, want: dict) -> float:
@@ -60,48 +68,49 @@ def test_compiled_layers_are_as_exact_as_eager_ones_with_and_without_checkpointi
     """Float rounding is all that differs (inductor fuses and reorders float32 work, HF's norms
     too): compiled float32 gradients are as far from the float64 eager ones as eager float32's."""
     cfg = N.validate_config(replace(N.Config(), micro_batch_tokens=24, entropy_coef=0.01), 1)
-    samples = [N.Sample(g, [4 + g, 13, 5][: 2 + g % 2], N.Completion(
+    samples = [Sample(g, [4 + g, 13, 5][: 2 + g % 2], Completion(
         [6 + g, 7, 8 + g, 1][: 2 + g % 3], [-0.5] * (2 + g % 3), "stop"),
         advantage=(-1.0) ** (g + k)) for g in range(6) for k in range(2)]
-    monkeypatch.setattr(N, "CHECKPOINT_LAYERS", False)
+    monkeypatch.setattr(modeling, "CHECKPOINT_LAYERS", "")
     exact = train_grads(replace(cfg, dtype="float64"), samples)[1]
     eager, grads32, _ = train_grads(replace(cfg, compile=False), samples)
-    assert eager.why_eager == "eager (--no-compile)"
+    assert why_eager(eager) == "eager (--no-compile)"
     rounding = rel_error(grads32, exact)
     assert 0 < rounding < 1e-4
-    monkeypatch.setattr(N, "COMPILE_FROM", 0)  # the shipped model is far under 50M parameters
-    for checkpointing in (False, True):
-        monkeypatch.setattr(N, "CHECKPOINT_LAYERS", checkpointing)
+    monkeypatch.setattr(modeling, "COMPILE_FROM", 0)  # the shipped model: far under 50M params
+    for checkpointing in ("", "full"):
+        monkeypatch.setattr(modeling, "CHECKPOINT_LAYERS", checkpointing)
         model, grads, lengths = train_grads(cfg, samples)
-        assert model.why_eager is None and model.checkpointed == checkpointing and lengths >= 2
-        layer = modeling.decoder_layers(model)[0]
+        assert why_eager(model) is None and model.checkpointing == checkpointing and lengths >= 2
+        layer = modeling.decoder_layers(model.module)[0]
         compiled = layer.forward.args[0] if checkpointing else layer.forward  # (rerun's partial)
         assert hasattr(compiled, "_torchdynamo_orig_callable"), "the layer is not compiled"
         assert rel_error(grads, exact) < 2 * rounding, (rel_error(grads, exact), rounding)
 
 
 def test_lora_adapters_compile_with_their_reference_policy(monkeypatch):
-    """LoRA with a KL penalty (train_on_samples): peft's adapters inside the compiled layers, the
-    reference policy the same layers with the adapters off (a second variant, compiled once);
-    float rounding is all that differs, as above."""
-    pytest.importorskip("peft")
+    """LoRA with a KL penalty (train_on_samples): the adapters (lora.py's) inside the compiled
+    layers, the reference policy the same layers with the adapters off (a second variant,
+    compiled once); float rounding is all that differs, as above."""
+    import lora
     cfg = N.validate_config(replace(N.Config(), lora_rank=4, kl_coef=0.1, micro_batch_tokens=24,
                                     lr=1e-3), 1)
-    samples = [N.Sample(g, [4 + g, 13, 5], N.Completion([6 + g, 7, 8 + g, 1][: 2 + g % 3],
-                                                        [-0.5] * (2 + g % 3), "stop"),
-                        advantage=(-1.0) ** (g + k)) for g in range(4) for k in range(2)]
+    samples = [Sample(g, [4 + g, 13, 5], Completion([6 + g, 7, 8 + g, 1][: 2 + g % 3],
+                                                    [-0.5] * (2 + g % 3), "stop"),
+                      advantage=(-1.0) ** (g + k)) for g in range(4) for k in range(2)]
 
     def grads(cfg) -> dict:
-        model, ref, _ = N.load_models(cfg, torch.device("cpu"), N.Ranks())
+        model, ref, _, _ = N.load_models(cfg, torch.device("cpu"), N.Ranks())
+        assert ref.base_only and ref.module is model.module  # the frozen base: no second copy
         capture = GradCapture(model)
         with torch._dynamo.config.patch(suppress_errors=False):
             N.train_on_samples(model, ref, capture, N.loss.build_loss(cfg), samples, cfg,
-                               torch.device("cpu"), N.Ranks())
-        assert capture.grads and all(".lora_" in n for n in capture.grads)
+                               N.Ranks())
+        assert capture.grads and all(lora.is_adapter(n) for n in capture.grads)
         return capture.grads
-    monkeypatch.setattr(N, "CHECKPOINT_LAYERS", False)
+    monkeypatch.setattr(modeling, "CHECKPOINT_LAYERS", "")
     exact, eager = grads(replace(cfg, dtype="float64")), grads(replace(cfg, compile=False))
-    monkeypatch.setattr(N, "COMPILE_FROM", 0)
+    monkeypatch.setattr(modeling, "COMPILE_FROM", 0)
     assert rel_error(grads(cfg), exact) < 2 * rel_error(eager, exact)
 
 
@@ -110,16 +119,17 @@ def test_a_cpu_adds_no_selective_checkpointing_to_compiled_layers_and_plans_them
     """Inductor keeps what selective checkpointing would (the matmuls' outputs) and reruns the
     rest in backward itself: a CPU does not checkpoint compiled layers, and the start-up plan
     counts them as selective, without the "without checkpointing" alternative."""
-    monkeypatch.setattr(N, "CHECKPOINT_LAYERS", None)
-    monkeypatch.setattr(N, "SELECTIVE_FROM", 1)  # every budget counts as big
+    monkeypatch.setattr(modeling, "CHECKPOINT_LAYERS", None)
+    monkeypatch.setattr(modeling, "SELECTIVE_FROM", 1)  # every budget counts as big
     cfg = N.validate_config(N.Config(), 1)
-    eager = N.load_model(cfg, torch.device("cpu"), N.Ranks())
-    monkeypatch.setattr(N, "COMPILE_FROM", 0)
-    compiled = N.load_model(cfg, torch.device("cpu"), N.Ranks())
-    assert eager.checkpointed == "selective" and eager.why_eager is not None
-    assert compiled.checkpointed is False and compiled.why_eager is None
-    plan = lambda m: modeling.startup_memory(m, 1, cfg.micro_batch_tokens, m.checkpointed,
-                                             False)[0]
+    eager = modeling.load_model(cfg, torch.device("cpu"))
+    monkeypatch.setattr(modeling, "COMPILE_FROM", 0)
+    compiled = modeling.load_model(cfg, torch.device("cpu"))
+    assert eager.checkpointing == "selective" and why_eager(eager) is not None
+    assert compiled.checkpointing == "" and why_eager(compiled) is None
+    plan = lambda m: next(x for x in m.summary.splitlines() if x.startswith("memory per rank"))
+    assert plan(eager) == modeling.memory_decisions(
+        modeling.shape_of(eager.module, eager.mixed), 1, cfg.micro_batch_tokens, False)[2]
     assert re.sub(r" \([0-9.]+ without checkpointing\)", "", plan(eager)) == plan(compiled)
     assert "without checkpointing" in plan(eager)
 
@@ -127,15 +137,34 @@ def test_a_cpu_adds_no_selective_checkpointing_to_compiled_layers_and_plans_them
 def test_layers_stay_eager_where_compiling_cannot_run_or_would_not_pay(monkeypatch, capsys):
     cfg = N.validate_config(N.Config(), 1)
     model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
-    assert model.why_eager == "eager (decoder layers under 50M parameters)"
+    assert why_eager(model) == "eager (decoder layers under 50M parameters)"
     assert "eager (decoder layers under 50M parameters)" in capsys.readouterr().out
-    monkeypatch.setattr(N, "COMPILE_FROM", 0)
+    monkeypatch.setattr(modeling, "COMPILE_FROM", 0)
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/g++",))
     model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
-    assert model.why_eager.startswith("eager (") and "C++ compiler" in model.why_eager
-    assert not hasattr(modeling.decoder_layers(model)[0].forward, "_torchdynamo_orig_callable")
+    assert why_eager(model).startswith("eager (") and "C++ compiler" in why_eager(model)
+    assert not hasattr(modeling.decoder_layers(model.module)[0].forward,
+                       "_torchdynamo_orig_callable")
     monkeypatch.undo()  # a compiler again: what dynamo or inductor cannot compile runs eager
     monkeypatch.setattr(torch._dynamo.config, "suppress_errors", False)
-    monkeypatch.setattr(N, "COMPILE_FROM", 0)
-    assert N.load_models(cfg, torch.device("cpu"), N.Ranks())[0].why_eager is None
+    monkeypatch.setattr(modeling, "COMPILE_FROM", 0)
+    assert why_eager(N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]) is None
     assert torch._dynamo.config.suppress_errors
+
+
+def test_a_toolchain_that_fails_at_the_first_launch_leaves_the_layers_eager_and_says_why(
+        monkeypatch, capsys):
+    """On a GPU without a C compiler triton fails at the first kernel launch, after compiling;
+    under suppress_errors every layer would silently run eager while the plan counted compiled
+    layers. A probe compiles and runs a tiny function at start-up, errors raised."""
+    def compile_that_fails_at_launch(fn, **kwargs):
+        def launch(*args, **kw):
+            raise RuntimeError("Failed to find C compiler. Please specify via CC environment")
+        return launch
+    monkeypatch.setattr(modeling, "COMPILE_FROM", 0)
+    monkeypatch.setattr(torch, "compile", compile_that_fails_at_launch)
+    cfg = N.validate_config(N.Config(), 1)
+    model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
+    assert why_eager(model).startswith("eager (torch.compile cannot run on this cpu: RuntimeError")
+    assert "Failed to find C compiler" in capsys.readouterr().out
+    assert model.checkpointing == ""  # planned and run as eager layers

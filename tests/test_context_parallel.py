@@ -83,11 +83,11 @@ def reference(tiny_models, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("cp_ref") / "ref.pt"
     models = [tiny_models[m] for m in ("gqa", "kv1", "kv3", "gemma2")]
     worker = _load_worker()
-    default = worker.na.CHECKPOINT_LAYERS  # main sets the trainer's: this process's other tests
-    try:  # (same worker) must find its default again
+    default = worker.modeling.CHECKPOINT_LAYERS  # main sets the trainer's: this process's other
+    try:  # tests (same worker) must find its default again
         worker.main(["--models", *models, "--cp", "1", "--out", str(out)])
     finally:
-        worker.na.CHECKPOINT_LAYERS = default
+        worker.modeling.CHECKPOINT_LAYERS = default
     return torch.load(out)["models"]
 
 
@@ -174,13 +174,43 @@ def test_cp2_episodes_grads_and_reported_losses_equal_one_process_for_every_mode
     assert_matches_reference(got, want, "2 ranks, episodes")
 
 
-def test_query_heads_not_divisible_by_cp_size_is_a_startup_error(tiny_models):
+@pytest.mark.parametrize("nproc", [2, 4], ids=["cp2_on_2_ranks", "dp2_x_cp2_on_4_ranks"])
+def test_distillation_and_a_sequence_correction_under_cp_equal_one_process(nproc, tiny_models,
+                                                                          tmp_path):
+    """A teacher sharded like the policy scores each rank's samples (its per-token advantages
+    those of one process); geo-MIS rejects whole responses from pi_prox's forward, a sequence's
+    tokens split over the CP ranks (its geometric mean needs them all: the gathered row): every
+    mode's gradients and reported terms equal one process's."""
+    worker, models = _load_worker(), [tiny_models["gqa"]]
+    ref, out = tmp_path / "ref.pt", tmp_path / "cp.pt"
+    flags = ["--models", *models, "--teacher", tiny_models["kv1"]]
+    default = worker.modeling.CHECKPOINT_LAYERS  # main sets its own: restored for later tests
+    try:
+        worker.main([*flags, "--cp", "1", "--out", str(ref)])
+    finally:
+        worker.modeling.CHECKPOINT_LAYERS = default
+    torchrun(nproc, "tests/support/cp_worker.py", *flags, "--cp", "2", "--out", str(out))
+    want, got = torch.load(ref)["models"], torch.load(out)["models"]
+    assert 0 < want["gqa"]["rejected"]["token_mean"]  # the correction bites
+    if nproc == 2:  # one DP rank: the same samples, the same teacher scores and rejections
+        for a, b in zip(got["gqa"]["token_advantages"], want["gqa"]["token_advantages"]):
+            assert a == pytest.approx(b, abs=1e-5)
+        assert got["gqa"]["rejected"] == want["gqa"]["rejected"]
+    assert_matches_reference(got, want, f"{nproc} ranks, distillation, geo-MIS")
+
+
+def test_query_heads_not_divisible_by_cp_size_is_a_startup_error(tiny_models, monkeypatch):
+    """load_model reads the CP size from its group: here a stand-in group of 2 (one process)."""
+    import modeling
     import nanoareal as na
     from cli import UserError
 
+    group, size = object(), torch.distributed.get_world_size
+    monkeypatch.setattr(torch.distributed, "get_world_size",
+                        lambda g=None: 2 if g is group else size(g))
     cfg = na.Config(model=tiny_models["heads3"], cp_size=2)
     with pytest.raises(UserError, match=r"--cp-size 2 must divide the model's 3 attention heads"):
-        na.load_model(cfg, torch.device("cpu"), na.Ranks(world=2, cp_size=2))
+        modeling.load_model(cfg, torch.device("cpu"), world=2, cp_group=group)
 
 
 def test_world_not_divisible_by_cp_size_is_a_config_error():
@@ -218,7 +248,7 @@ def test_cli_cp2_run_logs_the_same_first_step_as_one_process(tmp_path):
 
 def test_a_context_parallel_group_scores_its_batch_once(tmp_path):
     """A reward that differs between the CP group's ranks (a judge, a random draw, a timeout on
-    one rank) used to give each rank its own rewards: with --filter-zero-variance they kept
+    one rank) used to give each rank its own rewards: with --zero-variance filter they kept
     different samples, and the Ulysses all-to-alls saw different rows. The group's first rank
     scores; here its rewards are random and the other rank's all 0, so a rank that scored for
     itself would filter every group away and leave the other rank training alone."""
@@ -227,7 +257,7 @@ def test_a_context_parallel_group_scores_its_batch_once(tmp_path):
                       "    return random.random() if os.environ['RANK'] == '0' else 0.0\n")
     torchrun(2, "nanoareal.py", "--model", str(ROOT / "assets" / "tiny-arith"), "--steps", "2",
              "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0", "--cp-size", "2",
-             "--filter-zero-variance", "--reward", f"{reward}:score",
+             "--zero-variance", "filter", "--reward", f"{reward}:score",
              "--run-dir", str(tmp_path / "run"))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [r["step"] for r in rows] == [1, 2]

@@ -18,6 +18,7 @@ import warm
 
 import nanoareal as N
 import tasks
+from rollout import Completion
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--prompts-per-step", "8", "--group-size", "4", "--warmup-steps", "0", "--lr", "1e-3"]
@@ -45,7 +46,7 @@ class ScriptedEngine:
             i = p[0]
             j = seen[i] = seen.get(i, -1) + 1
             ok = i % 2 == 0 if sampling.temperature == 0 else j < self.RIGHT[i]
-            out.append(N.Completion([1 if ok else 2], [0.0], "stop"))
+            out.append(Completion([1 if ok else 2], [0.0], "stop"))
         return out
 
 
@@ -57,7 +58,8 @@ def test_pass_at_k_and_mean_at_k_are_the_unbiased_estimators(one_rank_group):
                                                                       "wrong" for x in ids])
     rows = [{"prompt": "q", "answer": "right"} for _ in ScriptedEngine.RIGHT]
     data = tasks.Data(tokenizer, [], [], [(r, [i]) for i, r in enumerate(rows)], [0])
-    got = tasks.evaluate(ScriptedEngine(), data, tasks.exact_match, 8, 1.0, n, seed=0)
+    cfg = types.SimpleNamespace(max_new_tokens=8, temperature=1.0, eval_k=n, seed=0)
+    got = tasks.evaluate(ScriptedEngine(), data, tasks.exact_match, cfg)
     assert set(got) == {"eval/accuracy", f"eval/mean@{n}", "eval/pass@2", "eval/pass@4",
                         f"eval/pass@{n}"}
     assert got["eval/accuracy"] == pytest.approx(3 / 5)  # prompts 0, 2, 4

@@ -1,8 +1,8 @@
 """Installed beside other code, nanoareal collides with nothing: `pip install -e .` adds one name,
 `nanoareal` (the trainer; its files as nanoareal.cli, nanoareal.loss, ...: __init__.py), and a
 script importing it from a folder that holds its own `logs/`, `tasks/`, `cli.py`, `loss.py` gets
-nanoareal's files under nanoareal and its own under their plain names. (The nine flat files
-used to be nine top-level modules: such a script failed with "cannot import name
+nanoareal's files under nanoareal and its own under their plain names. (The flat files
+(eleven now) used to be top-level modules: such a script failed with "cannot import name
 'quiet_libraries' from 'logs'".)"""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ print(json.dumps({"trainer_file": nanoareal.__file__, "trainer": main.__module__
                   "helper": nanoareal.loss.__file__, "config": Config.__module__,
                   "theirs": [cli.WHO, loss.WHO, list(logs.__path__), list(tasks.__path__)],
                   "one_error_type": nanoareal.rollout.UserError is nanoareal.cli.UserError,
-                  "plain_names_left": sorted({"rollout", "modeling", "packing", "checkpoint"}
-                                             & set(sys.modules))}))
+                  "plain_names_left": sorted({"rollout", "modeling", "packing", "checkpoint",
+                                              "attention", "lora"} & set(sys.modules))}))
 """
 
 

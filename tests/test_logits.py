@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
+import attention
 import modeling
 
 torch.set_num_threads(1)
@@ -196,7 +197,7 @@ def test_policy_logprobs_of_an_fp32_model_equal_its_own_forward_values_and_gradi
                                   num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, tie_word_embeddings=True)
     torch.manual_seed(0)
-    AttentionInterface.register("packed", modeling.packed_attention)
+    AttentionInterface.register("packed", attention.packed_attention)
     model = AutoModelForCausalLM.from_config(config).eval()
     seqs = [torch.randint(V, (n,)).tolist() for n in (9, 6)]
     ids = sum((s[:-1] for s in seqs), [])
@@ -260,7 +261,7 @@ def test_policy_logprobs_keeps_the_heads_logits_only_where_a_backward_can_follow
     config = AutoConfig.for_model("llama", vocab_size=V, hidden_size=D, intermediate_size=32,
                                   num_hidden_layers=1, num_attention_heads=4,
                                   num_key_value_heads=2)
-    AttentionInterface.register("packed", modeling.packed_attention)
+    AttentionInterface.register("packed", attention.packed_attention)
     model = AutoModelForCausalLM.from_config(config)
     model.set_attn_implementation("packed")
     calls, apply = [], modeling.HeadLogprobs.apply
@@ -272,3 +273,105 @@ def test_policy_logprobs_keeps_the_heads_logits_only_where_a_backward_can_follow
     with torch.no_grad():
         modeling.policy_logprobs(model, *args)
     assert calls == [modeling.HEAD_KEEP, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_heads_gradients_over_many_chunks_are_rounded_once_not_per_chunk(dtype):
+    """Recomputed in chunks of 2 rows (12 chunks), d weight and d bias are summed in fp32 and
+    rounded to half once: as close to the fp32 reference as one chunk's (a half accumulator
+    rounds at every chunk: ~sqrt(12) x the error)."""
+    *inputs, targets = head_inputs(dtype)
+    want = run(reference, [x.float() for x in inputs], targets)
+    one = run(functools.partial(fused, chunk=N), inputs, targets)
+    many = run(functools.partial(fused, chunk=2), inputs, targets)
+    for k, name in ((3, "weight"), (4, "bias")):
+        assert many[k].dtype == dtype, name
+        err = [(g[k].float() - want[k]).norm() / want[k].norm() for g in (one, many)]
+        assert err[1] <= 1.05 * err[0], \
+            f"{name}: {err[1]:.2e} over {N // 2} chunks, {err[0]:.2e} in one"
+
+
+def plain(hidden, weight, bias, targets, temperature=1.0, scale=1.0, softcap=None,
+          entropy_grad=True):
+    """modeling.plain_head, the head as written (autograd's backward), with fused's arguments."""
+    return modeling.plain_head(hidden, weight, bias, targets, temperature, scale, softcap,
+                               entropy_grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("entropy_grad", [True, False])
+@pytest.mark.parametrize("transform", [(1.0, 1.0, None), ARGS, (1.3, 2.0, 3.0)],
+                         ids=["plain", "T0.7-scale0.5-cap30", "T1.3-scale2-cap3"])
+@pytest.mark.parametrize("keep", KEEP.values(), ids=KEEP.keys())
+def test_plain_head_equals_the_chunked_head_values_and_gradients(dtype, entropy_grad, transform,
+                                                                 keep, monkeypatch):
+    """modeling.plain_head (every row's fp32 logits at once, autograd's backward) and HeadLogprobs
+    (chunks of 5 rows, blocks of 3, logits kept or recomputed) compute the same log-probs and
+    entropies (fp32 at least), with a graph for the entropy only when asked, and the same
+    gradients: equal to each other in fp32/fp64, each within half rounding of the fp32 ones for
+    a bf16 head."""
+    monkeypatch.setattr(modeling, "HEAD_ROWS", (3, 3))
+    *inputs, targets = head_inputs(dtype)
+    mix = torch.randn(2, N, generator=torch.Generator().manual_seed(1),
+                      dtype=torch.promote_types(dtype, torch.float32))
+    results = []
+    for head in (plain, functools.partial(fused, chunk=5, keep=keep)):
+        xs = [x.detach().clone().requires_grad_() for x in inputs]
+        lp, ent = head(*xs, targets, *transform, entropy_grad=entropy_grad)
+        assert lp.dtype == ent.dtype == mix.dtype
+        assert ent.requires_grad == entropy_grad
+        ((lp * mix[0]).sum() + (ent * mix[1]).sum() * entropy_grad).backward()
+        results.append([lp, ent, *(x.grad for x in xs)])
+    tol = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 2e-5}[dtype]
+    (want_lp, want_ent, *want_grads), (lp, ent, *grads) = results
+    torch.testing.assert_close(lp, want_lp, rtol=tol, atol=tol)
+    torch.testing.assert_close(ent, want_ent, rtol=tol, atol=tol)
+    up = [x.detach().float().requires_grad_() for x in inputs]
+    ref_lp, ref_ent = reference(*up, targets, *transform)
+    ((ref_lp * mix[0]).sum() + (ref_ent * mix[1]).sum() * entropy_grad).backward()
+    for g, w, x, name in zip(grads, want_grads, up, ("hidden", "weight", "bias")):
+        assert g.dtype == w.dtype == dtype, name
+        if dtype in HALF:  # each a rounding of its own fp32 gradient to half
+            for got in (g, w):
+                assert (got.float() - x.grad).norm() / x.grad.norm() < torch.finfo(dtype).eps, name
+        else:
+            torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("scored", [None, [2, 3, 4, 9, 10, 12]], ids=["all", "scored"])
+def test_fast_head_off_runs_policy_logprobs_through_the_plain_head_with_equal_results(
+        scored, monkeypatch):
+    """modeling.FAST_HEAD = False: policy_logprobs takes plain_head, never HeadLogprobs, and its
+    log-probs, entropies and every parameter's gradient equal the chunked head's, for a float64
+    Gemma 2 (final logit softcap) at temperature 0.8, on every position or the scored ones."""
+    config = AutoConfig.for_model("gemma2", vocab_size=V, hidden_size=D, intermediate_size=32,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                  final_logit_softcapping=0.5, max_position_embeddings=64,
+                                  pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    torch.manual_seed(0)
+    AttentionInterface.register("packed", attention.packed_attention)
+    model = AutoModelForCausalLM.from_config(config).double().eval()
+    model.set_attn_implementation("packed")
+    assert modeling.head_transform(model.config) == (1.0, 0.5)
+    seqs = [torch.randint(V, (n,)).tolist() for n in (9, 6)]
+    ids = torch.tensor([sum((s[:-1] for s in seqs), [])])
+    pos = torch.tensor([sum((list(range(len(s) - 1)) for s in seqs), [])])
+    targets = torch.tensor(sum((s[1:] for s in seqs), []))
+    scored = None if scored is None else torch.tensor(scored)
+    mix = torch.randn(2, ids.shape[1], dtype=torch.float64)
+    heads, fused_apply, plain_head = [], modeling.HeadLogprobs.apply, modeling.plain_head
+    monkeypatch.setattr(modeling.HeadLogprobs, "apply", staticmethod(
+        lambda *a: heads.append("fused") or fused_apply(*a)))
+    monkeypatch.setattr(modeling, "plain_head", lambda *a: heads.append("plain") or plain_head(*a))
+    results = []
+    for fast in (True, False):
+        monkeypatch.setattr(modeling, "FAST_HEAD", fast)
+        model.zero_grad()
+        lp, ent = modeling.policy_logprobs(model, ids, pos, targets, temperature=0.8,
+                                           scored=scored, chunk=5)
+        ((lp * mix[0]).sum() + (ent * mix[1]).sum()).backward()
+        results.append([lp.detach(), ent.detach()] + [p.grad.clone() for p in model.parameters()])
+    assert heads == ["fused", "plain"]
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

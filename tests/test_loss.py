@@ -14,7 +14,7 @@ from dataclasses import fields, replace
 
 import pytest
 import torch
-from reference import build, policy_token_loss
+from reference import aggregate, build, policy_token_loss
 
 import loss as L
 
@@ -135,16 +135,18 @@ def anywhere_cuts(mb: dict, rng: random.Random) -> list[int]:
     return rng.sample(range(1, T), k=min(T - 1, rng.randint(3, 8)))
 
 
-def run(red: L.LossReduction, mbs: list[dict], params: list[torch.Tensor]) -> tuple[list, dict]:
-    """The trainer's loop: begin_step, one backward per micro-batch, reported. Returns (grads,
-    reported)."""
-    for p in params:
-        p.grad = None
+def run(objective, mbs: list[dict], params: list[torch.Tensor], forward=None) -> tuple[list, dict]:
+    """The trainer's step (train_minibatch) on these micro-batches: (grads, reported)."""
+    grads, reported, _ = objective.run(mbs, params, forward)
+    return grads, reported
+
+
+def reduce(red: L.LossReduction, mbs: list[dict], numerators: dict) -> dict:
+    """A LossReduction's loop, numerators given by fn(mb): begin_step, one per micro-batch."""
     red.begin_step(mbs)
     for mb in mbs:
-        red(mb).backward()
-    grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
-    return grads, red.reported()
+        red({k: fn(mb) for k, fn in numerators.items()})
+    return red.reported()
 
 
 def with_leaf_logprobs(mb: dict) -> tuple[dict, torch.Tensor]:
@@ -172,9 +174,13 @@ def with_params(monkeypatch, cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k != "params"}
 
 
-def sum_term(name: str = "policy", key: str = "token_loss") -> L.LossTerm:
-    return L.LossTerm(name, lambda mb: L.masked_sum(mb[key], mb["loss_mask"], mb["loss_weight"]),
-                      lambda mb: (mb["denom_mask"] * mb["norm_weight"]).sum())
+def sum_term(name: str = "policy") -> L.LossTerm:
+    return L.LossTerm(name, lambda mb: (mb.denom_mask * mb.norm_weight).sum())
+
+
+def token_losses(mb) -> torch.Tensor:
+    """A policy numerator: the given token losses, by the mode's weights, over m."""
+    return L.masked_sum(mb["token_loss"], mb["loss_mask"], mb["loss_weight"])
 
 
 # -----------------------------------------------------------------------------
@@ -190,7 +196,7 @@ REF_GROUPS = [0, 0, 1]
 def test_aggregate_matches_hand_computed_vectors(mode, expected):
     losses = torch.tensor([[1.0, 3.0, 0.0], [2.0, 4.0, 6.0], [10.0, 0.0, 0.0]], dtype=F64)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], dtype=F64)
-    got = L.aggregate(losses, mask, mode=mode, group_ids=torch.tensor(REF_GROUPS), divisor=4.0)
+    got = aggregate(losses, mask, mode=mode, group_ids=torch.tensor(REF_GROUPS), divisor=4.0)
     assert got.item() == pytest.approx(expected, rel=1e-12)
 
 
@@ -207,11 +213,9 @@ def test_loss_reduction_reported_matches_hand_computed_vectors(mode, expected, c
     ]
     mb = pack(responses, mode, divisor=4.0)
     red = L.LossReduction([sum_term()])
-    red.begin_step(split(mb, cuts))
-    for part in split(mb, cuts):
-        red(part)
-    assert red.reported()["policy"] == pytest.approx(expected, rel=1e-12)
-    assert red.reported()["loss"] == pytest.approx(expected, rel=1e-12)
+    reported = reduce(red, split(mb, cuts), {"policy": token_losses})
+    assert reported["policy"] == pytest.approx(expected, rel=1e-12)
+    assert reported["loss"] == pytest.approx(expected, rel=1e-12)
 
 
 # -----------------------------------------------------------------------------
@@ -246,17 +250,15 @@ def test_every_mode_matches_naive_loop_on_ragged_batches(mode, seed):
     expected = naive_objective(responses, mode, divisor=7.0)
     mb = pack(responses, mode, divisor=7.0, seed=seed)
 
-    got_ref = L.aggregate(to_padded(mb, "token_loss"), to_padded(mb, "loss_mask"), mode=mode,
+    got_ref = aggregate(to_padded(mb, "token_loss"), to_padded(mb, "loss_mask"), mode=mode,
                           group_ids=torch.tensor([r["group"] for r in responses]),
                           denom_mask=to_padded(mb, "denom_mask"), divisor=7.0)
     assert got_ref.item() == pytest.approx(expected, rel=1e-12)
 
     red = L.LossReduction([sum_term()])
     parts = split(mb, anywhere_cuts(mb, random.Random(seed)))
-    red.begin_step(parts)
-    for part in parts:
-        red(part)
-    assert red.reported()["policy"] == pytest.approx(expected, rel=1e-12)
+    reported = reduce(red, parts, {"policy": token_losses})
+    assert reported["policy"] == pytest.approx(expected, rel=1e-12)
 
 
 def test_inactive_responses_get_zero_weights_without_nan():
@@ -293,7 +295,7 @@ def reference_policy_objective(mb: dict, leaf: torch.Tensor, mode: str, groups: 
     """The full-batch objective: the reference token loss, `aggregate`, one piece, no weights."""
     token_loss, m = policy_token_loss(cfg, leaf, mb["prox_logprobs"], mb["behave_logprobs"],
                                       mb["advantages"], mb["seq_ids"], mb["loss_mask"])
-    return L.aggregate(to_padded(mb, "", token_loss), to_padded(mb, "", m), mode=mode,
+    return aggregate(to_padded(mb, "", token_loss), to_padded(mb, "", m), mode=mode,
                        group_ids=groups, denom_mask=to_padded(mb, "denom_mask"), divisor=divisor)
 
 
@@ -371,32 +373,28 @@ def test_multi_term_policy_entropy_kl_on_linear_model_split_invariant(kl_estimat
     pad = lambda x: to_padded(mb, "", x)
     kl_token = {"k1": lambda lr: lr, "k2": lambda lr: 0.5 * lr**2,
                 "k3": lambda lr: torch.exp(-lr) - 1 + lr}
-    policy = L.aggregate(pad(L.ppo_surrogate(logp, mb["prox_logprobs"], mb["advantages"])[0]),
+    policy = aggregate(pad(L.ppo_surrogate(logp, mb["prox_logprobs"], mb["advantages"])[0]),
                          pad(mb["loss_mask"]), mode=mode, group_ids=groups,
                          denom_mask=pad(mb["denom_mask"]))
-    ent = L.aggregate(pad(entropy), pad(mb["loss_mask"]), mode="token_mean", group_ids=groups,
+    ent = aggregate(pad(entropy), pad(mb["loss_mask"]), mode="token_mean", group_ids=groups,
                       denom_mask=pad(mb["denom_mask"]))
-    kl = L.aggregate(pad(kl_token[kl_estimator](logp - mb["ref_logprobs"])), pad(mb["loss_mask"]),
+    kl = aggregate(pad(kl_token[kl_estimator](logp - mb["ref_logprobs"])), pad(mb["loss_mask"]),
                      mode="token_mean", group_ids=groups, denom_mask=pad(mb["denom_mask"]))
     reference = policy - 0.01 * ent + 0.1 * kl
     ref_grads = torch.autograd.grad(reference, params)
 
-    mb["features"], mb["targets"] = features, targets  # sliced along tokens with everything else
+    # each token's features by its input id, sliced along tokens with everything else
+    mb["input_ids"], mb["targets"] = torch.arange(T), targets
     rng = random.Random(seed)
     for cuts in ([], budget_cuts(mb, responses, rng), anywhere_cuts(mb, rng)):
         parts = split(mb, cuts)
         red = build(mode=mode, policy_loss="ppo", eps_low=0.2, eps_high=0.2, entropy_coef=0.01,
                     kl_coef=0.1, kl_estimator=kl_estimator)
-        assert [t.name for t in red.terms] == ["policy", "entropy", "kl"]
-        for p in params:
-            p.grad = None
-        red.begin_step(parts)
-        for part in parts:
-            part["logprobs"], part["entropy"] = forward(part["features"], part["targets"])
-            red(part).backward()
-        for g, ref in zip((p.grad for p in params), ref_grads, strict=True):
+        assert [t.name for t in red.reduction.terms] == ["policy", "entropy", "kl"]
+        grads, rep = run(red, parts, params,
+                         lambda mb: forward(features[mb.input_ids], mb.targets))
+        for g, ref in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(g, ref, rtol=1e-9, atol=1e-12)
-        rep = red.reported()
         assert rep["policy"] == pytest.approx(policy.item(), rel=1e-9)
         assert rep["entropy"] == pytest.approx(ent.item(), rel=1e-9)
         assert rep["kl"] == pytest.approx(kl.item(), rel=1e-9)
@@ -419,21 +417,33 @@ def test_zero_global_normalizer_gives_zero_loss_and_finite_zero_grads(mode, surr
     # junk that would overflow exp() if it ever reached the surrogate unmasked
     mb["prox_logprobs"] = mb["prox_logprobs"] - 800.0
     mb["ref_logprobs"] = mb["ref_logprobs"] + 800.0
-    red = build(mode=mode, divisor=5.0, entropy_coef=0.01, kl_coef=0.1,
-                **with_params(monkeypatch, SURROGATE_CONFIGS[surrogate]))
+    objective = build(mode=mode, divisor=5.0, entropy_coef=0.01, kl_coef=0.1,
+                      **with_params(monkeypatch, SURROGATE_CONFIGS[surrogate]))
     full, leaf = with_leaf_logprobs(mb)
     full["entropy"] = full["entropy"].clone().requires_grad_()
     parts = split(full, [5, 17])
+    # the reduction: every Z is 0, so every term is exactly 0 with finite zero gradients
+    red = objective.reduction
     red.begin_step(parts)
     assert all(z == 0.0 for z in red.Z.values())
     for part in parts:
-        loss = red(part)
+        numerators = {"policy": L.masked_sum(part["logprobs"] * 1e30, part["loss_mask"]),
+                      "entropy": L.masked_sum(part["entropy"], part["loss_mask"]),
+                      "kl": L.masked_sum(L.kl_penalty(part["logprobs"], part["ref_logprobs"]),
+                                         part["loss_mask"])}
+        loss = red(numerators)
         assert loss.item() == 0.0
         loss.backward()
     for g in (leaf.grad, full["entropy"].grad):
         assert g is not None and torch.isfinite(g).all() and g.abs().sum() == 0
     rep = red.reported()
     assert rep["loss"] == 0.0 and all(math.isfinite(v) for v in rep.values())
+    # the step: nothing to learn from, so no forward and no update (AdamW's momentum would move)
+    forwards = []
+    grads, rep = run(objective, parts, [leaf], lambda mb: forwards.append(mb) or (mb.logprobs,
+                                                                                mb.entropy))
+    assert not forwards and rep["updated"] == 0.0 and rep["loss"] == 0.0
+    assert all(g.abs().sum() == 0 for g in grads)
 
 
 @pytest.mark.parametrize("mode", L.MODES)
@@ -447,7 +457,7 @@ def test_every_token_rejected_gives_zero_loss_and_finite_zero_grads(mode):
                 correction_threshold=2.0)
     full, leaf = with_leaf_logprobs(mb)
     (grad,), rep = run(red, split(full, [7]), [leaf])
-    assert red.Z["policy"] > 0
+    assert red.Z["policy"] > 0 and rep["updated"] == 1.0
     assert rep["policy"] == 0.0 and rep["policy/behave_capped_frac"] == 1.0
     assert torch.isfinite(grad).all() and grad.abs().sum() == 0
 
@@ -463,12 +473,12 @@ def test_microbatch_without_active_token_runs_forward_backward(surrogate):
     full, leaf = with_leaf_logprobs(mb)
     empty_leaf = empty["logprobs"].clone().requires_grad_()
     empty["logprobs"] = empty_leaf
-    red.begin_step([full, empty])
-    red(full).backward()
-    loss = red(empty)
-    assert loss.item() == 0.0
-    loss.backward()
-    assert torch.isfinite(empty_leaf.grad).all() and empty_leaf.grad.abs().sum() == 0
+    seen = []
+    forward = lambda mb: seen.append(len(mb.logprobs)) or (mb.logprobs, mb.entropy)
+    (grad, empty_grad), rep = run(red, [full, empty], [leaf, empty_leaf], forward)
+    assert seen == [len(leaf), 1]  # forward and backward ran on it too
+    assert torch.isfinite(empty_grad).all() and empty_grad.abs().sum() == 0
+    assert grad.abs().sum() > 0 and rep["updated"] == 1.0
 
 
 # -----------------------------------------------------------------------------
@@ -478,8 +488,7 @@ def test_microbatch_without_active_token_runs_forward_backward(surrogate):
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), torch.tensor(-0.5)])
 def test_negative_or_non_finite_normalizer_raises_naming_the_term(bad):
     mb = pack(ragged_batch(0), "token_mean")
-    red = L.LossReduction([sum_term("policy"), L.LossTerm("my_aux", lambda mb: mb["logprobs"].sum(),
-                                                          lambda mb: bad)])
+    red = L.LossReduction([sum_term("policy"), L.LossTerm("my_aux", lambda mb: bad)])
     with pytest.raises(ValueError, match="my_aux"):
         red.begin_step([mb])
 
@@ -488,7 +497,7 @@ def test_negative_or_non_finite_normalizer_raises_naming_the_term(bad):
                                  "advantages"])
 def test_mask_shape_mismatch_raises_naming_the_tensor(key):
     mb = pack(ragged_batch(0), "token_mean")
-    red = build(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2)
+    red = build(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2).reduction
     bad = dict(mb)
     bad[key] = mb[key][:-1]
     with pytest.raises(ValueError, match=key):
@@ -496,9 +505,9 @@ def test_mask_shape_mismatch_raises_naming_the_tensor(key):
     bad[key] = mb[key][:, None]  # [T, 1] would broadcast against [T] into [T, T]
     with pytest.raises(ValueError, match=key):
         L.as_microbatch(bad).validate()
-    red.begin_step([mb])
-    with pytest.raises(ValueError, match=key):
-        red(bad)
+    if key in ("loss_mask", "loss_weight"):  # the step's numerator refuses it too
+        with pytest.raises(ValueError, match="mask shape|weight shape"):
+            L.masked_sum(mb["token_loss"], bad["loss_mask"], bad["loss_weight"])
 
 
 def test_float_seq_ids_raise():
@@ -536,7 +545,7 @@ def test_token_loss_shape_mismatch_in_masked_sum_raises():
     with pytest.raises(ValueError, match="weight shape"):
         L.masked_sum(torch.ones(4), torch.ones(4), torch.ones(1))
     with pytest.raises(ValueError, match="token_loss"):
-        L.aggregate(torch.ones(2, 3), torch.ones(2, 1), mode="token_mean",
+        aggregate(torch.ones(2, 3), torch.ones(2, 1), mode="token_mean",
                     group_ids=torch.tensor([0, 0]))
 
 
@@ -545,7 +554,7 @@ def test_loss_mask_above_denom_mask_raises():
     i = int(torch.nonzero(mb["denom_mask"] == 0)[0])
     mb["loss_mask"] = mb["loss_mask"].clone()
     mb["loss_mask"][i] = 1.0
-    red = build(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2)
+    red = build(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2).reduction
     with pytest.raises(ValueError, match="m_t <= d_t"):
         red.begin_step([mb])
 
@@ -558,7 +567,7 @@ def test_constant_mode_without_positive_divisor_raises(divisor):
     with pytest.raises(ValueError, match="--loss-aggregation-divisor"):
         L.response_weights("constant", torch.ones(2), torch.tensor([0, 0]), divisor)
     with pytest.raises(ValueError, match="--loss-aggregation-divisor"):
-        L.aggregate(torch.ones(1, 2), torch.ones(1, 2), mode="constant",
+        aggregate(torch.ones(1, 2), torch.ones(1, 2), mode="constant",
                     group_ids=torch.tensor([0]),
                     divisor=divisor)
 
@@ -579,13 +588,16 @@ def test_unknown_mode_or_surrogate_raises_naming_the_flag():
     with pytest.raises(ValueError, match="--correction-threshold"):
         build(mode="token_mean", correction="behave", correction_threshold=2.0)
     with pytest.raises(ValueError, match="aggregate: no reference"):
-        L.aggregate(torch.ones(1, 2), torch.ones(1, 2), mode="sum", group_ids=torch.tensor([0]))
+        aggregate(torch.ones(1, 2), torch.ones(1, 2), mode="sum", group_ids=torch.tensor([0]))
 
 
 def test_loss_before_begin_step_raises():
-    red = build(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2)
+    red = build(mode="token_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2).reduction
     with pytest.raises(RuntimeError, match="begin_step"):
-        red(pack(ragged_batch(0), "token_mean"))
+        red({"policy": torch.zeros(())})
+    red.begin_step([pack(ragged_batch(0), "token_mean")])
+    with pytest.raises(ValueError, match="numerators"):  # every term's, by name
+        red({"policy": torch.zeros(()), "kl": torch.zeros(())})
 
 
 # -----------------------------------------------------------------------------
@@ -684,9 +696,10 @@ def test_behaviour_weights_truncate_and_mask_with_infinite_log_ratios():
     behave = torch.tensor([-1.0, -1.5, -0.5, float("-inf"), float("-inf"), -3.5])
     # -inf - -inf: NaN -> ratio 1
     w_true = [1.0, math.exp(0.5), math.exp(-0.5), math.inf, 1.0, math.exp(1.5)]
-    w, rej = L.behaviour_weights(prox, behave, cap=2.0, mode="truncate")
+    lr, seq, m = L.log_ratio(prox, behave), torch.zeros(6, dtype=torch.long), torch.ones(6)
+    w, rej = L.token_truncate(lr, seq, m, 2.0)
     assert w.tolist() == pytest.approx([min(x, 2.0) for x in w_true]) and rej.sum() == 0
-    w, rej = L.behaviour_weights(prox, behave, cap=2.0, mode="mask")
+    w, rej = L.token_mask(lr, seq, m, 2.0)
     assert rej.tolist() == [float(x > 2.0) for x in w_true]
     assert w.tolist() == pytest.approx([0.0 if x > 2.0 else x for x in w_true])
 
@@ -832,8 +845,11 @@ def test_m2po_trains_on_its_kept_tokens_and_reports_the_share_of_d_it_removed(mo
     for cuts in ([], budget_cuts(mb, responses, rng), anywhere_cuts(mb, rng)):
         red = build(mode=mode, divisor=6.0, correction="m2po", correction_threshold=threshold)
         full, leaf = with_leaf_logprobs(mb)
-        parts = L.apply_global_mask([L.as_microbatch(p) for p in split(full, cuts)], "m2po",
-                                    threshold)
+        parts = split(full, cuts)
+        kept = L.m2po_mask(*(torch.cat([p[k] for p in parts]) for k in (
+            "prox_logprobs", "behave_logprobs", "loss_mask")), threshold=threshold)
+        for part, k in zip(parts, kept.split([len(p["loss_mask"]) for p in parts])):
+            part["keep_mask"] = k
         (grad,), reported = run(red, parts, [leaf])
         torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
         assert reported["policy"] == pytest.approx(reference.item(), rel=1e-9, abs=1e-12)

@@ -5,6 +5,9 @@ attention layout read on the host. The multi-rank side (checkpointing under FSDP
 reduce-scatter per optimizer step) is in tests/test_context_parallel.py; measured peaks against
 the plan are bench/bench_memory.py's (bench/README.md)."""
 
+import json
+import os
+import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -12,13 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import warm
 from reference import GradCapture, whole
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import attention
 import modeling
 import nanoareal as N
 import rollout
 from cli import UserError
+from rollout import Completion, Sample
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -39,26 +45,35 @@ def world_of_one():
 def test_memory_plan_parts_follow_their_formulas():
     """2 layers, hidden 8, MLP 16, kv 4, vocab 10 (untied), 1000 parameters of which 600 train and
     400 are frozen in bf16, 2 ranks, 5 tokens a rank."""
-    kw = dict(params=1000, trainable=600, layers=2, hidden=8, intermediate=16, kv_dim=4, vocab=10,
-              world=2, tokens=5, frozen_bytes=2)
+    shape = modeling.Shape(params=1000, trainable=600, layers=2, hidden=8, intermediate=16,
+                           kv_dim=4, vocab=10, frozen_bytes=2, compute_bytes=2)
+    kw = dict(shape=shape, world=2, tokens=5)
     layer = 5 * (8 * 8 + 2 * (5 * 8 + 2 * 4 + 4 * 16))  # fp32 norm inputs + bf16 saved tensors
-    plain = modeling.memory_plan(**kw, checkpointing=False)
+    plain = modeling.memory_plan(**kw, checkpointing="")
     assert plain["weights"] == (600 * 4 + 400 * 2) / 2
     assert plain["grads"] == 600 * 4 / 2 and plain["adamw"] == 2 * 600 * 4 / 2
     assert plain["activations"] == 2 * layer + layer
     assert plain["head"] == 6 * 5 * 10 and plain["gathered"] == 2 * 2 * ((1000 - 160) + 160)
-    ckpt = modeling.memory_plan(**kw, checkpointing=True)
+    ckpt = modeling.memory_plan(**kw, checkpointing="full")
     assert ckpt["activations"] == 2 * 5 * 8 * 2 + 2 * layer
     assert ckpt["total"] == sum(v for k, v in ckpt.items() if k != "total")
     # selective: the input, q, k, v, attention output, o_proj's, gate, up and down_proj's outputs
     kept = modeling.memory_plan(**kw, checkpointing="selective")
     assert kept["activations"] == 2 * 5 * (5 * 8 + 2 * 4 + 2 * 16) * 2 + 2 * layer
-    unsharded = modeling.memory_plan(**kw, checkpointing=True, grads_unsharded=True)
+    unsharded = modeling.memory_plan(**kw, checkpointing="full", grads_unsharded=True)
     assert unsharded["grads"] - ckpt["grads"] == 600 * 4  # the whole gradient on every rank
     # an engine that takes 1e6 while generating: the trainer keeps weights and AdamW meanwhile
-    gen = modeling.memory_plan(**kw, checkpointing=True, engine_generating=1e6)
+    gen = modeling.memory_plan(**kw, checkpointing="full", engine=(1e6, 0.0))
     assert gen["total"] == gen["weights"] + gen["adamw"] + 1e6 and gen["engine"] == 1e6
-    held = modeling.memory_plan(**kw, checkpointing=True, engine_training=1e6)
+    # a bf16 head over more rows than it keeps or chunks: its d weight summed in fp32 besides
+    big = kw | {"shape": replace(shape, vocab=2**20), "tokens": 2 * modeling.HEAD_CHUNK}
+    rows = max(modeling.HEAD_CHUNK, modeling.HEAD_KEEP // (4 * 2**20))
+    head = modeling.memory_plan(**big, checkpointing="full")["head"]
+    assert head == 6 * 2**20 * rows + 4 * 2**20 * 8
+    fp32 = modeling.memory_plan(**big | {"shape": replace(big["shape"], compute_bytes=4)},
+                                checkpointing="full")["head"]
+    assert fp32 == 4 * 2**20 * rows  # fp32 weights: gradients summed in their own dtype
+    held = modeling.memory_plan(**kw, checkpointing="full", engine=(0.0, 1e6))
     assert held["total"] == ckpt["total"] + 1e6
 
 
@@ -87,39 +102,89 @@ def tiny_llama(**kw):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64) | kw))
 
 
-def test_startup_memory_defers_gradient_sync_only_where_it_fits_and_refuses_what_cannot():
+CUDA = torch.device("cuda", 0)  # a descriptor: gpu_memory reads modeling.free_memory of it
+
+
+def measured(monkeypatch, total: float, engine: float = 0.0, held=None):
+    """modeling.gpu_memory of a GPU whose (free, total) are (total - engine, total) before the
+    weights load: the difference is the engine's (`held`: its own measure, generating and
+    released)."""
+    monkeypatch.setattr(modeling, "free_memory", lambda device: (total - engine, total))
+    return modeling.gpu_memory(CUDA, held)
+
+
+def test_memory_decisions_defer_gradient_sync_only_where_it_fits_and_refuse_what_cannot(
+        monkeypatch):
     """gpu = (free, total) before the weights load: the difference is the engine's. Deferred
     reduce-scatters keep a whole gradient per rank: only where the GPU holds it."""
     model = tiny_llama()
-    args = (model, 2, 512, True, True)  # 2 ranks, 512 tokens, checkpointed, bf16 compute
-    line, defer, _ = modeling.startup_memory(*args)  # a CPU: print, defer
-    assert defer and line.startswith("memory per rank (plan): weights ") and line.endswith(" MiB")
     n = sum(p.numel() for p in model.parameters())
+    shape = modeling.shape_of(model, mixed=True)  # bf16 compute
+    assert shape == modeling.Shape(n, n, 2, 32, 64, 16, 64, compute_bytes=2)
+    monkeypatch.setattr(modeling, "CHECKPOINT_LAYERS", "full")
+    # 2 ranks, 512 tokens, eager layers; gpu and engine as gpu_memory measures them
+    decide = lambda gpu=None, engine=(0.0, 0.0), others=0: modeling.memory_decisions(
+        shape, 2, 512, False, gpu, engine, others=others)
+    checkpointing, defer, line = decide()  # a CPU: print, defer
+    assert checkpointing == "full" and defer
+    assert line.startswith("memory per rank (plan): weights ") and line.endswith(" MiB")
     plan = lambda unsharded, engine=0.0, releases=False: modeling.memory_plan(
-        n, n, 2, 32, 64, 16, 64, 2, 512, True, grads_unsharded=unsharded,
-        engine_generating=engine, engine_training=0.0 if releases else engine)["total"]
-    gpu = lambda total, engine=0.0: (total - engine, total)
+        shape, 2, 512, "full", grads_unsharded=unsharded,
+        engine=(engine, 0.0 if releases else engine))["total"]
+    gpu = lambda *a, **k: decide(*measured(monkeypatch, *a, **k))
     between = (plan(False) + plan(True)) / 2
-    assert modeling.startup_memory(*args, gpu(plan(True)))[1] is True
-    assert modeling.startup_memory(*args, gpu(between))[1] is False
+    assert gpu(plan(True))[1] is True
+    assert gpu(between)[1] is False
     with pytest.raises(UserError, match=r"will not fit: weights .* = [\d.]+ of [\d.]+ GiB; lower "
                                         r"--micro-batch-tokens \(activations\)"):
-        modeling.startup_memory(*args, gpu(plan(False) * 0.9))
+        gpu(plan(False) * 0.9)
     # an engine holding 1 MiB: while it generates only (SGLang releases its memory) or always
     held = plan(False, 2**20)
     with pytest.raises(UserError):
-        modeling.startup_memory(*args, gpu(held - 1, 2**20))
+        gpu(held - 1, 2**20)
     assert held - 1 >= plan(False, 2**20, releases=True)
-    modeling.startup_memory(*args, gpu(held - 1, 2**20), True)  # fits: no error
-    frozen = modeling.startup_memory(*args, frozen_copies=1)[0]  # the KL reference's weights
-    assert frozen != line
+    gpu(held - 1, 2**20, held=(2**20, 0))  # fits: no error
+    assert decide(others=n)[2] != line  # the KL reference's weights
     # None (a GPU's default): no layer reruns in backward where the plan without it fits 80%
-    unchecked = modeling.memory_plan(n, n, 2, 32, 64, 16, 64, 2, 512, False,
-                                     grads_unsharded=True)["total"]
-    choose = lambda total: modeling.startup_memory(model, 2, 512, None, True, gpu(total))[2]
-    assert choose(unchecked / 0.79) is False and choose(unchecked / 0.81) is True
-    assert "without checkpointing" in modeling.startup_memory(model, 2, 512, None, True,
-                                                              gpu(unchecked / 0.81))[0]
+    monkeypatch.setattr(modeling, "CHECKPOINT_LAYERS", None)
+    unchecked = modeling.memory_plan(shape, 2, 512, "", grads_unsharded=True)["total"]
+    assert gpu(unchecked / 0.79)[0] == "" and gpu(unchecked / 0.81)[0] == "full"
+    assert "without checkpointing" in gpu(unchecked / 0.81)[2]
+
+
+def test_ranks_never_disagree_on_a_memory_decision(tmp_path):
+    """Issue 43: ranks that see different free GPU memory (another process on one GPU, an engine
+    on one rank) decide from what modeling.gpu_memory agrees over them (torchrun, 2 ranks, gloo):
+    the least free and total, the most an engine holds. Decided alone, on each rank's own numbers,
+    these two would differ on checkpointing and on gradient sync, and FSDP2's collectives would
+    pair wrongly (a hang)."""
+    tiny_llama().save_pretrained(tmp_path / "model")
+    out = tmp_path / "reports.json"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(port),
+           "tests/support/memory_worker.py", str(tmp_path / "model"), str(out)]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = warm.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"worker failed\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    reports = json.loads(out.read_text())
+    assert [r["rank"] for r in reports] == [0, 1]
+    # alone: rank 0 neither checkpoints nor syncs every micro-batch, rank 1 does both
+    assert [r["alone"][:2] for r in reports] == [["", True], ["full", False]]
+    assert reports[0]["alone"][2] != reports[1]["alone"][2]  # their plan lines too
+    own = [r["own"] for r in reports]
+    least = [min(free for free, _ in own), min(total for _, total in own)]
+    most = max(total - free for free, total in own)
+    assert most > 0 and least[1] < max(total for _, total in own)  # neither rank's own numbers
+    for r in reports:
+        assert r["gpu"] == least and r["engine"] == [most, most]
+        # load_model decided what memory_decisions makes of the agreed numbers
+        assert [r["checkpointing"], r["defer_grad_sync"], r["plan"]] == r["decided"]
+    decisions = [(r["checkpointing"], r["defer_grad_sync"], r["plan"]) for r in reports]
+    assert decisions[0] == decisions[1]
+    assert decisions[0][:2] == ("full", False) and decisions[0][2].startswith("memory per rank")
 
 
 class CountOps(TorchDispatchMode):
@@ -151,14 +216,15 @@ def test_one_rank_in_full_precision_trains_a_plain_model_with_no_copy_of_its_wei
     large as a layer."""
     from torch.distributed.fsdp import FSDPModule
     cfg = N.validate_config(replace(N.Config(), dtype="float64"), 1)
-    samples = [N.Sample(g, [4 + g, 13, 5], N.Completion([6, 7, 8, 1], [-0.5] * 4, "stop"),
-                        advantage=1.0) for g in range(2)]
+    samples = [Sample(g, [4 + g, 13, 5], Completion([6, 7, 8, 1], [-0.5] * 4, "stop"),
+                      advantage=1.0) for g in range(2)]
     model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
-    assert not any(isinstance(m, FSDPModule) for m in model.modules())
-    layer = min(sum(p.numel() for p in b.parameters()) for b in modeling.decoder_layers(model))
+    assert not any(isinstance(m, FSDPModule) for m in model.module.modules())
+    layer = min(sum(p.numel() for p in b.parameters())
+                for b in modeling.decoder_layers(model.module))
     with OpSizes() as mode:
         N.train_minibatch(model, GradCapture(model), N.loss.build_loss(cfg),
-                          N.pack_microbatches(samples, cfg), cfg, torch.device("cpu"), N.Ranks())
+                          N.pack_microbatches(samples, cfg), cfg, N.Ranks())
     assert not [(op, n) for op, n in mode.ops if n >= layer and any(
         k in op for k in ("copy", "cat", "div"))]
 
@@ -167,10 +233,9 @@ def test_entropy_without_a_coefficient_has_no_graph_and_costs_backward_nothing(t
     """With --entropy-coef 0 the entropy is a metric: computed once in forward, no graph; and
     the fused head's backward takes the entropy's term only when the entropy has a gradient: the
     log-probs' backward is op for op and bit for bit the same either way."""
-    model = tiny_llama().double()
-    model.save_pretrained(tmp_path)
-    model, _ = modeling.load_causal_lm(str(tmp_path), torch.float64, torch.device("cpu"), 1,
-                                       "auto", False)
+    tiny_llama().double().save_pretrained(tmp_path)
+    cfg = replace(N.Config(), model=str(tmp_path), dtype="float64", compile=False)
+    model = modeling.load_model(cfg, torch.device("cpu")).module
     ids, pos = torch.randint(64, (1, 12)), torch.arange(12)[None]
     grads, backward_ops = [], []
     for entropy_grad in (True, False):
@@ -194,21 +259,20 @@ def test_checkpointed_layers_rerun_in_backward_and_leave_gradients_unchanged(mon
     FSDP2 reduce-scatters deferred to the last) in float64, CHECKPOINT_LAYERS off, on, selective."""
     cfg = N.validate_config(replace(N.Config(), micro_batch_tokens=24, dtype="float64",
                                     entropy_coef=0.01), 1)
-    samples = [N.Sample(g, [4 + g, 13, 5], N.Completion([6 + g, 7, 8 + g, 1], [-0.5] * 4, "stop"),
-                        advantage=(-1.0) ** (g + k)) for g in range(6) for k in range(2)]
+    samples = [Sample(g, [4 + g, 13, 5], Completion([6 + g, 7, 8 + g, 1], [-0.5] * 4, "stop"),
+                      advantage=(-1.0) ** (g + k)) for g in range(6) for k in range(2)]
     grads, calls = [], []
-    for on in (False, True, "selective"):
-        monkeypatch.setattr(N, "CHECKPOINT_LAYERS", on)
+    for on in ("", "full", "selective"):
+        monkeypatch.setattr(modeling, "CHECKPOINT_LAYERS", on)
         model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
-        assert model.checkpointed == on and model.defer_grad_sync
-        count, mlp = [], modeling.decoder_layers(model)[0].mlp
+        assert model.checkpointing == on and model.defer_grad_sync
+        count, mlp = [], modeling.decoder_layers(model.module)[0].mlp
         forward = mlp.forward  # (a rerun in backward calls no forward hooks)
         mlp.forward = lambda *a, _f=forward, _n=count, **k: _n.append(1) or _f(*a, **k)
         mbs = N.pack_microbatches(samples, cfg)
         assert len(mbs) >= 3
         capture = GradCapture(model)
-        N.train_minibatch(model, capture, N.loss.build_loss(cfg), mbs, cfg,
-                          torch.device("cpu"), N.Ranks())
+        N.train_minibatch(model, capture, N.loss.build_loss(cfg), mbs, cfg, N.Ranks())
         grads.append(capture.grads)
         calls.append(len(count) / len(mbs))
     assert calls == [1, 2, 2]  # checkpointed: every layer's forward again in backward
@@ -222,33 +286,36 @@ def test_selective_checkpointing_reruns_no_matmul_in_backward(monkeypatch):
     while full checkpointing runs each layer's forward matmuls again. A CPU run picks it by size;
     a GPU loads undecided and load_models wraps the layers only where its memory plan needs it."""
     cfg = N.validate_config(replace(N.Config(), dtype="float64"), 1)
-    samples = [N.Sample(g, [4 + g, 13, 5], N.Completion([6, 7, 8, 1], [-0.5] * 4, "stop"),
-                        advantage=1.0) for g in range(2)]
+    samples = [Sample(g, [4 + g, 13, 5], Completion([6, 7, 8, 1], [-0.5] * 4, "stop"),
+                      advantage=1.0) for g in range(2)]
 
     def matmuls_in_backward(model) -> int:
-        logprobs, _ = N.microbatch_forward(model, N.pack_microbatches(samples, cfg)[0], cfg,
-                                           torch.device("cpu"), N.Ranks(), grad=True)
+        logprobs, _ = model.logprobs(N.pack_microbatches(samples, cfg)[0], cfg.temperature,
+                                     grad=True)
         with CountOps() as mode:
             logprobs.sum().backward()
         return sum(op in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
                    for op in mode.ops)
     counts = {}
-    for on in (False, True, "selective"):
-        monkeypatch.setattr(N, "CHECKPOINT_LAYERS", on)
+    for on in ("", "full", "selective"):
+        monkeypatch.setattr(modeling, "CHECKPOINT_LAYERS", on)
         counts[on] = matmuls_in_backward(N.load_models(cfg, torch.device("cpu"), N.Ranks())[0])
-    assert counts["selective"] == counts[False] < counts[True]
-    monkeypatch.setattr(N, "CHECKPOINT_LAYERS", None)  # a CPU: selective once layer inputs are big
-    for tokens, want in ((4096, False), (8192, "selective")):  # x hidden 128: 2^19, 2^20
+    assert counts["selective"] == counts[""] < counts["full"]
+    monkeypatch.setattr(modeling, "CHECKPOINT_LAYERS", None)  # a CPU: selective once big
+    for tokens, want in ((4096, ""), (8192, "selective")):  # x hidden 128: 2^19, 2^20
         big = N.validate_config(replace(N.Config(), micro_batch_tokens=tokens), 1)
-        assert N.load_models(big, torch.device("cpu"), N.Ranks())[0].checkpointed == want
-    load, plan = N.load_model, modeling.startup_memory  # a GPU's (free, total): None, no limit
-    monkeypatch.setattr(N, "load_model", lambda *a, **k: setattr(
-        m := load(*a, **k), "checkpointed", None) or m)
-    for gpu, want in ((None, True), ((2**50, 2**50), False)):
-        monkeypatch.setattr(modeling, "startup_memory", lambda *a, gpu=gpu: plan(*a[:5], gpu,
-                                                                                   *a[6:]))
+        assert N.load_models(big, torch.device("cpu"), N.Ranks())[0].checkpointing == want
+    # a GPU (load_models: its (free, total) as gpu_memory agrees them): every layer checkpointed
+    # where the plan without checkpointing takes over 80% of it, none where it fits well
+    model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
+    raw = modeling.memory_plan(modeling.shape_of(model.module, model.mixed), 1,
+                               cfg.micro_batch_tokens, "", grads_unsharded=True)["total"]
+    agreed = modeling.gpu_memory
+    monkeypatch.setattr(modeling, "gpu_memory", lambda device, held=None: agreed(CUDA, held))
+    for total, want in ((int(raw / 0.9), "full"), (2**50, "")):
+        monkeypatch.setattr(modeling, "free_memory", lambda device, t=total: (t, t))
         model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
-        assert model.checkpointed is want and matmuls_in_backward(model) == counts[want]
+        assert model.checkpointing == want and matmuls_in_backward(model) == counts[want]
 
 
 def test_a_cpu_micro_batch_under_rerun_from_reruns_nothing(monkeypatch):
@@ -257,23 +324,22 @@ def test_a_cpu_micro_batch_under_rerun_from_reruns_nothing(monkeypatch):
     runs each again in backward; the gradients are the same bit for bit."""
     from transformers import AutoConfig
     cfg = N.validate_config(replace(N.Config(), dtype="float64"), 1)
-    samples = [N.Sample(g, [4 + g, 13, 5], N.Completion([6, 7, 8, 1], [-0.5] * 4, "stop"),
-                        advantage=1.0) for g in range(2)]
+    samples = [Sample(g, [4 + g, 13, 5], Completion([6, 7, 8, 1], [-0.5] * 4, "stop"),
+                      advantage=1.0) for g in range(2)]
     mb, runs, grads = N.pack_microbatches(samples, cfg)[0], [], []
     elements = len(mb.input_ids) * AutoConfig.from_pretrained(cfg.model).hidden_size
     for threshold in (elements + 1, elements):
-        monkeypatch.setattr(N, "CHECKPOINT_LAYERS", None)  # the CPU's default
-        monkeypatch.setattr(N, "SELECTIVE_FROM", 1)  # wrapped at start, whatever the budget
-        monkeypatch.setattr(N, "RERUN_FROM", threshold)
+        monkeypatch.setattr(modeling, "CHECKPOINT_LAYERS", None)  # the CPU's default
+        monkeypatch.setattr(modeling, "SELECTIVE_FROM", 1)  # wrapped at start, whatever the budget
+        monkeypatch.setattr(modeling, "RERUN_FROM", threshold)
         model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
-        assert model.checkpointed == "selective"
-        count, mlp = [], modeling.decoder_layers(model)[0].mlp
+        assert model.checkpointing == "selective"
+        count, mlp = [], modeling.decoder_layers(model.module)[0].mlp
         forward = mlp.forward
         mlp.forward = lambda *a, _f=forward, _n=count, **k: _n.append(1) or _f(*a, **k)
-        N.microbatch_forward(model, mb, cfg, torch.device("cpu"), N.Ranks(), grad=True)[0].sum(
-            ).backward()
+        model.logprobs(mb, cfg.temperature, grad=True)[0].sum().backward()
         runs.append(len(count))
-        grads.append([p.grad for p in model.parameters()])
+        grads.append([p.grad for p in model.module.parameters()])
     assert runs == [1, 2]
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
@@ -283,17 +349,16 @@ def test_a_synchronous_hf_engine_generates_with_the_trainers_own_tensors(tmp_pat
     (no second copy; the optimizer's in-place steps are the sync; test_staleness's K = 0 run checks
     the metrics)."""
     cfg = N.validate_config(replace(N.Config(), run_dir=str(tmp_path)), 1)
-    engine = rollout.make_engine("hf", [], cfg.model, torch.device("cpu"), run_dir="unused",
-                                 seed=0, share=True)
-    model, _, optimizer = N.load_models(cfg, torch.device("cpu"), N.Ranks(), engine)
+    engine = rollout.make_engine(cfg, torch.device("cpu"), share=True)
+    model, _, _, optimizer = N.load_models(cfg, torch.device("cpu"), N.Ranks(), engine)
     N.resume(cfg, model, optimizer, engine, N.Ranks(), resuming=False)
     with torch.no_grad():
-        theirs = {n: p.data_ptr() for n, p in model.named_parameters()}
+        theirs = {n: p.data_ptr() for n, p in model.module.named_parameters()}
     assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == theirs
-    plain = rollout.make_engine("hf", [], cfg.model, torch.device("cpu"), run_dir="unused", seed=0)
+    plain = rollout.make_engine(cfg, torch.device("cpu"))
     model = N.load_models(cfg, torch.device("cpu"), N.Ranks(), plain)[0]
     with torch.no_grad():
-        theirs = {p.data_ptr() for p in model.parameters()}
+        theirs = {p.data_ptr() for p in model.module.parameters()}
     assert not theirs & {p.data_ptr() for p in plain.model.parameters()}  # a copy of its own
 
 
@@ -304,7 +369,7 @@ def test_the_model_loads_sharded_with_its_weights_buffers_and_ties(tmp_path):
 
     tiny_llama(tie_word_embeddings=True).save_pretrained(tmp_path)
     cfg = replace(N.Config(), model=str(tmp_path))
-    model = N.load_model(cfg, torch.device("cpu"), N.Ranks())
+    model = modeling.load_model(cfg, torch.device("cpu")).module
     plain = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     theirs = dict(plain.named_parameters()) | dict(plain.named_buffers())
@@ -319,4 +384,4 @@ def test_the_model_loads_sharded_with_its_weights_buffers_and_ties(tmp_path):
 def test_attention_layout_refuses_segments_on_a_device():
     """Packing makes the segments on the host; a device copy would sync every micro-batch."""
     with pytest.raises(ValueError, match="segments must be a CPU tensor"):
-        modeling.attention_layout(torch.tensor([[0, 3, 0, 0]], device="meta"), 3)
+        attention.attention_layout(torch.tensor([[0, 3, 0, 0]], device="meta"), 3)

@@ -15,10 +15,13 @@ import torch
 import warm
 from reference import whole
 
+import loss
+import modeling
 import nanoareal as N
 import packing
 import tasks
 from cli import UserError
+from rollout import Completion, Sample
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "assets" / "tiny-arith")
@@ -146,10 +149,10 @@ def test_packed_forward_equals_per_sequence_forward():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def _sample(group: int, prompt: list[int], out: list[int], reason="stop", adv=0.5) -> N.Sample:
-    return N.Sample(group, prompt, N.Completion(out, [-0.1 * (i + 1) for i in range(len(out))],
-                                                reason),
-                    advantage=adv)
+def _sample(group: int, prompt: list[int], out: list[int], reason="stop", adv=0.5) -> Sample:
+    return Sample(group, prompt, Completion(out, [-0.1 * (i + 1) for i in range(len(out))],
+                                            reason),
+                  advantage=adv)
 
 
 def test_pack_microbatches_aligns_targets_masks_and_respects_the_token_budget():
@@ -232,13 +235,19 @@ def naive_advantages(rewards, groups, estimator, std_source, eps):
     return out
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
-@pytest.mark.parametrize("std", ["group", "batch", "none"])
-def test_group_advantages_match_a_naive_loop_for_ragged_interleaved_groups(estimator, std):
+# --adv-estimator -> the naive loop's (estimator, std source); RLOO never divides by a std
+ESTIMATORS = {"grpo": ("grpo", "group"), "grpo_batch_std": ("grpo", "batch"),
+              "dr_grpo": ("grpo", "none"), "rloo": ("rloo", "none")}
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_group_advantages_match_a_naive_loop_for_ragged_interleaved_groups(name):
+    estimator, std = ESTIMATORS[name]
     g = torch.Generator().manual_seed(0)
     groups = [3, 3, 7, 1, 3, 7, 9, 1, 1, 7, 7]  # sizes 3, 4, 3 and a group of one, interleaved
     rewards = torch.rand(len(groups), generator=g).round(decimals=1).tolist()
-    got = N.group_advantages(torch.tensor(rewards), torch.tensor(groups), estimator, std, 1e-6)
+    assert loss.ADV_EPS == 1e-6
+    got = loss.group_advantages(torch.tensor(rewards), torch.tensor(groups), name)
     want = naive_advantages(rewards, groups, estimator, std, 1e-6)
     assert got.tolist() == pytest.approx(want, rel=1e-5, abs=1e-6)
 
@@ -246,16 +255,17 @@ def test_group_advantages_match_a_naive_loop_for_ragged_interleaved_groups(estim
 def test_group_advantage_edge_cases():
     # a group of one gets 0, an all-equal group gets 0 (not NaN); rewards (1, 0): mean 0.5, unbiased
     # std sqrt(0.5)
-    adv = N.group_advantages(torch.tensor([1.0, 0.5, 0.5, 1.0, 0.0]), torch.tensor([0, 1, 1, 2, 2]))
+    adv = loss.group_advantages(torch.tensor([1.0, 0.5, 0.5, 1.0, 0.0]),
+                                torch.tensor([0, 1, 1, 2, 2]))
     assert adv[0] == 0 and adv[1] == 0 and adv[2] == 0
     assert adv[3] == pytest.approx(0.5 / math.sqrt(0.5),
                                    rel=1e-5) and adv[4] == pytest.approx(-adv[3])
-    empty = N.group_advantages(torch.tensor([]), torch.tensor([], dtype=torch.long))
+    empty = loss.group_advantages(torch.tensor([]), torch.tensor([], dtype=torch.long))
     assert torch.isfinite(empty).all()
 
 
 def test_zero_variance_groups_are_detected_per_sample():
-    samples = [N.Sample(g, [1], None, reward=r) for g, r in
+    samples = [Sample(g, [1], None, reward=r) for g, r in
                zip([0, 0, 1, 1, 2, 2], [1.0, 1.0, 0.0, 1.0, 0.0, 0.0])]
     N.set_advantages(samples, N.Config())
     assert [s.zero_variance for s in samples] == [True, True, False, False, True, True]
@@ -290,7 +300,7 @@ class SeedRecorder:
 
     def generate(self, prompts, sampling, seeds):
         self.seeds = list(seeds)
-        return [N.Completion([2], [-1.0], "length") for _ in seeds]
+        return [Completion([2], [-1.0], "length") for _ in seeds]
 
 
 def test_groups_are_the_step_slots_and_seeds_differ_even_for_a_row_drawn_twice():
@@ -298,7 +308,8 @@ def test_groups_are_the_step_slots_and_seeds_differ_even_for_a_row_drawn_twice()
     assert len(rows) == 8 and len(set(rows)) == 3
     cfg = N.Config(group_size=4, max_new_tokens=1)
     engine = SeedRecorder()
-    samples = N.generate(engine, [[5], [6], [7]], list(enumerate(rows)), 0, cfg, stop_ids=[1])
+    data = tasks.Data(None, [{}, {}, {}], [[5], [6], [7]], [], stop_ids=[1])
+    samples = N.generate(engine, data, list(enumerate(rows)), 0, cfg)
     assert [s.group for s in samples] == [g for g in range(8) for _ in range(4)]
     assert [s.row for s in samples] == [r for r in rows for _ in range(4)]
     assert len(set(engine.seeds)) == 32  # two copies of a row are sampled independently
@@ -385,13 +396,12 @@ def _one_step(cfg: N.Config, optimizer_cls=torch.optim.SGD, lr: float = 1.0) -> 
     """Parameter change of one train_on_samples step on a fixed batch (SGD, lr 1: -gradient)."""
     import loss as L
 
-    model = N.load_model(cfg, torch.device("cpu"), N.Ranks())
-    before = [whole(p.detach()).clone() for p in model.parameters()]
-    optimizer = optimizer_cls(model.parameters(), lr=lr)
+    model = modeling.load_model(cfg, torch.device("cpu"))
+    before = [whole(p.detach()).clone() for p in model.module.parameters()]
+    optimizer = optimizer_cls(model.module.parameters(), lr=lr)
     samples = [_sample(g, [4 + g, 13, 5], [6 + g, 1], adv=(-1) ** g) for g in range(4)]
-    N.train_on_samples(model, None, optimizer, L.build_loss(cfg), samples, cfg,
-                       torch.device("cpu"), N.Ranks())
-    return [whole(p.detach()) - b for p, b in zip(model.parameters(), before)]
+    N.train_on_samples(model, None, optimizer, L.build_loss(cfg), samples, cfg, N.Ranks())
+    return [whole(p.detach()) - b for p, b in zip(model.module.parameters(), before)]
 
 
 def test_grad_clip_zero_turns_clipping_off(one_rank_group):
@@ -420,7 +430,6 @@ def test_adamw_state_is_made_at_load_and_steps_as_torchs_lazy_one_even_after_a_s
     correction moved."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    import modeling
     torch.manual_seed(0)
     mine, lazy = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
     lazy.load_state_dict(mine.state_dict())
@@ -444,21 +453,20 @@ def test_a_step_with_nothing_to_learn_from_moves_neither_the_weights_nor_adamw(o
     import loss as L
 
     cfg = N.Config(model=TINY, warmup_steps=0, mask_truncated=True)
-    model, _, optimizer = N.load_models(cfg, torch.device("cpu"), N.Ranks())
+    model, _, _, optimizer = N.load_models(cfg, torch.device("cpu"), N.Ranks())
     reduction = L.build_loss(cfg)
     ok = [_sample(g, [4 + g, 13, 5], [6 + g, 1], adv=(-1) ** g) for g in range(4)]
-    _, stats = N.train_on_samples(model, None, optimizer, reduction, ok, cfg,
-                                  torch.device("cpu"), N.Ranks())
+    _, stats = N.train_on_samples(model, None, optimizer, reduction, ok, cfg, N.Ranks())
     assert stats["updated"] == 1
-    before = [whole(p.detach()).clone() for p in model.parameters()]
+    before = [whole(p.detach()).clone() for p in model.module.parameters()]
     steps = [float(s["step"]) for s in optimizer.state.values()]
     cut = [_sample(g, [4 + g, 13, 5], [6 + g, 7], "length", adv=(-1) ** g) for g in range(4)]
     for samples in (cut, []):  # all masked; or every group filtered away
         _, stats = N.train_on_samples(model, None, optimizer, reduction, samples, cfg,
-                                      torch.device("cpu"), N.Ranks())
+                                      N.Ranks())
         assert stats["updated"] == 0 and stats["grad_norm"] == 0
     assert all(torch.equal(b, whole(p.detach())) for b, p in zip(before,
-                                                                         model.parameters()))
+                                                                 model.module.parameters()))
     assert [float(s["step"]) for s in optimizer.state.values()] == steps
 
 
@@ -469,13 +477,13 @@ def test_num_minibatches_steps_once_per_share_and_logs_the_mean_grad_norm(one_ra
     import loss as L
 
     cfg = N.Config(model=TINY, warmup_steps=0, num_minibatches=2)
-    model, _, optimizer = N.load_models(cfg, torch.device("cpu"), N.Ranks())
+    model, _, _, optimizer = N.load_models(cfg, torch.device("cpu"), N.Ranks())
     norms, clip = [], torch.nn.utils.clip_grad_norm_
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
                         lambda *a, **k: norms.append(float(n := clip(*a, **k))) or n)
     samples = [_sample(g, [4 + g, 13, 5], [6 + g, 1], adv=(-1) ** g) for g in range(4)]
     _, stats = N.train_on_samples(model, None, optimizer, L.build_loss(cfg), samples, cfg,
-                                  torch.device("cpu"), N.Ranks())
+                                  N.Ranks())
     assert len(norms) == 2 and norms[0] != norms[1]
     assert stats["grad_norm"] == pytest.approx(sum(norms) / 2, rel=1e-12)
     assert {float(s["step"]) for s in optimizer.state.values()} == {2.0}

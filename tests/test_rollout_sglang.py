@@ -5,6 +5,7 @@ same checks against the real thing on a GPU."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
 import json
@@ -15,6 +16,7 @@ import socket
 import sys
 import time
 import types
+from contextlib import suppress
 
 import pytest
 import torch
@@ -50,6 +52,13 @@ def server(model_dir):
     s.stop()
 
 
+def config(**flags):
+    """The trainer's Config with these flags (what rollout.make_engine and tasks.load_data read)."""
+    import nanoareal
+
+    return nanoareal.Config(**flags)
+
+
 def client(server_or_urls, model_dir, tmp_path, **kw) -> RemoteSGLangEngine:
     urls = server_or_urls if isinstance(server_or_urls, list) else [server_or_urls.url]
     return RemoteSGLangEngine(urls, model_dir, str(tmp_path), **kw)
@@ -64,11 +73,11 @@ def perturbed(model_dir, lora: bool = False):
     """The model, every weight moved; `lora`: with LoRA adapters (B != 0), engines get it merged."""
     from transformers import AutoModelForCausalLM
 
-    import modeling
+    import lora as lora_adapters
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if lora:
-        modeling.apply_lora(model, 2)
+        lora_adapters.apply(model, 2)
     torch.manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -80,9 +89,10 @@ def trainer_logprobs(model, prompt: list[int], completion: Completion,
                      temperature: float) -> torch.Tensor:
     from transformers import AttentionInterface
 
+    import attention
     import modeling
 
-    AttentionInterface.register("packed", modeling.packed_attention)
+    AttentionInterface.register("packed", attention.packed_attention)
     model.set_attn_implementation("packed")
     full = prompt + completion.output_ids
     with torch.no_grad():
@@ -181,6 +191,174 @@ def test_a_timed_out_generate_is_aborted_on_the_server_then_reposted_under_a_new
     first, second = server.generate_bodies
     assert server.aborted == [first["rid"]] and second["rid"] != first["rid"]
     assert server.calls.index("/abort_request") < len(server.calls) - 1
+
+
+@pytest.mark.parametrize("version,incremental", [("0.5.23", False), ("0.5.23", True),
+                                                 ("0.5.10", True)],
+                         ids=["cumulative", "incremental", "0.5.10-incremental-ids-only"])
+def test_a_stream_that_stalls_continues_from_the_tokens_received(model_dir, tmp_path, monkeypatch,
+                                                                 version, incremental):
+    """/generate streams: the timeout applies between chunks, not to the whole answer (16k tokens
+    at 30 tokens/s outlast any timeout). A stall (k tokens, then nothing for longer than the
+    timeout) aborts the request there and resubmits prompt + those k tokens with the same seed
+    and the budget less k: greedy, the completion is the unstalled one's. Chunks repeat all so far
+    (SGLang's default) or, with --incremental-streaming-output, only the new tokens (0.5.10: only
+    output_ids; its log-probs stay cumulative)."""
+    monkeypatch.setattr(rollout, "HTTP_TIMEOUT_S", 1.0)
+    s = StandinSGLangServer(model_dir, version=version)
+    s.info["incremental_streaming_output"] = incremental
+    s.start()
+    try:
+        eng = client(s, model_dir, tmp_path)
+        greedy = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=[1])
+        want = HFEngine(model_dir).generate([PROMPTS[1]], greedy, [3])[0]
+        assert len(want.output_ids) > 4
+        unstalled = eng.generate([PROMPTS[1]], greedy, [3])[0]
+        s.stall = (1, 3, 5.0)  # 3 tokens, then 5 s of nothing (the client waits 1 s)
+        stalled = eng.generate([PROMPTS[1]], greedy, [3])[0]
+        for c in (unstalled, stalled):
+            assert (c.output_ids, c.finish_reason) == (want.output_ids, want.finish_reason)
+            assert c.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+        first, second = s.generate_bodies[-2:]
+        assert first["stream"] is True and second["stream"] is True
+        assert second["input_ids"] == PROMPTS[1] + want.output_ids[:3]
+        assert second["sampling_params"]["max_new_tokens"] == 12 - 3
+        assert second["sampling_params"]["sampling_seed"] == \
+            first["sampling_params"]["sampling_seed"] == 3
+        assert second["rid"] != first["rid"] and s.aborted == [first["rid"]]
+    finally:
+        s.stop()
+
+
+def test_an_error_chunk_in_a_stream_fails_the_request_as_a_400_would(server, model_dir, tmp_path):
+    """SGLang streams a refusal as one chunk {"error": ...} on HTTP 200: not retried."""
+    eng = client(server, model_dir, tmp_path)
+    with pytest.raises(rollout.HTTPError, match="exceeds the model's maximum context length") as e:
+        eng.generate([PROMPTS[0]], SamplingParams(61), [0])  # 4 + 61 tokens > 64
+    assert e.value.status == 400 and len(server.generate_bodies) == 1
+    assert server.generate_bodies[0]["stream"] is True
+
+
+@pytest.mark.parametrize("version", ["0.5.10", "0.5.23"])
+def test_the_stand_in_refuses_a_batch_past_the_context_as_sglang_does(model_dir, version):
+    """One request of prompt + max_new_tokens past the context (0.5.10: at it) fails the whole
+    batch, 400; then the scheduler caps max_new_tokens at context - 2 - prompt, and aborts a
+    prompt from context - 6 tokens: prompt + max_new_tokens <= context - 2 and prompt <= context
+    - 7 is safe on every version (tasks.load_data's bounds)."""
+    import urllib.error
+    import urllib.request
+
+    s = StandinSGLangServer(model_dir, version=version).start()
+
+    def post(rows, max_new, **extra):
+        body = {"input_ids": rows, "return_logprob": True, "sampling_params": [
+            {"max_new_tokens": m, "ignore_eos": True} | extra for m in max_new]}
+        req = urllib.request.Request(s.url + "/generate", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        code, out = post([PROMPTS[0], PROMPTS[1]], [4, 61])  # 4 + 61 > 64
+        assert code == 400 and "maximum context length of 64" in out["error"]["message"]
+        code, out = post([PROMPTS[0], PROMPTS[1]], [4, 60])  # 4 + 60 = 64
+        assert code == (400 if version == "0.5.10" else 200)
+        if code == 200:  # capped: 63 - 4 - 1 tokens
+            assert [len(o["output_ids"]) for o in out] == [4, 58]
+        code, out = post([[3] * 64], [1])
+        assert code == 400 and "longer than the model's context length" in out["error"]["message"]
+        code, out = post([[3] * 57, [3] * 58], [1, 1])  # a prompt from 64 - 6 tokens: aborted
+        assert code == 200 and [o["meta_info"]["finish_reason"]["type"] for o in out] == \
+            ["length", "abort"]
+    finally:
+        s.stop()
+
+
+def test_start_up_refuses_what_some_sglang_version_would_refuse_cut_or_abort(tmp_path):
+    """tasks.load_data: prompt + --max-new-tokens <= context - 2 and prompt <= context - 7, what
+    every SGLang 0.5.10-0.5.23 serves whole (the stand-in's limits, above), else one line."""
+    import pathlib
+
+    import tasks
+
+    arith = str(pathlib.Path(__file__).resolve().parents[1] / "assets" / "tiny-arith")
+    load = lambda data, new: tasks.load_data(config(  # 64 positions; sums of 6 tokens at most
+        model=arith, dataset=data, reward="exact_match", max_new_tokens=new,
+        micro_batch_tokens=4096))
+    assert load("arithmetic", 56).prompts  # 6 + 56 = 64 - 2
+    with pytest.raises(UserError, match=r"longest prompt \+ --max-new-tokens is 63 tokens, over "
+                                        r"the model's context length \(64\) less 2: SGLang"):
+        load("arithmetic", 57)
+    data = tmp_path / "long.jsonl"  # a character per token, no BOS
+    data.write_text(json.dumps({"prompt": "1" * 57, "answer": "1"}) + "\n")
+    assert max(map(len, load(str(data), 1).prompts)) == 57  # 64 - 7
+    data.write_text(json.dumps({"prompt": "1" * 58, "answer": "1"}) + "\n")
+    with pytest.raises(UserError, match=r"the longest prompt is 58 tokens, over the model's "
+                                        r"context length \(64\) less 7: SGLang aborts"):
+        load(str(data), 1)
+
+
+def test_hf_engine_per_prompt_limits_equal_each_prompt_generated_alone(model_dir):
+    """A batch runs to its longest limit; each row, cut at its own, is what it samples alone."""
+    eng, sampling = HFEngine(model_dir), SamplingParams(8, 1.0, stop_token_ids=[1])
+    seeds, limits = [11, 12, 13, 14, 15, 16], [1, 8, 3, 5, 2, 8]
+    got = eng.generate(PROMPTS, sampling, seeds, max_new_tokens=limits)
+    for p, seed, n, c in zip(PROMPTS, seeds, limits, got):
+        alone = eng.generate([p], dataclasses.replace(sampling, max_new_tokens=n), [seed])[0]
+        assert (c.output_ids, c.finish_reason) == (alone.output_ids, alone.finish_reason)
+        assert c.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+    assert any(c.finish_reason == "length" and len(c.output_ids) == n < 8
+               for c, n in zip(got, limits))
+    same = eng.generate(PROMPTS, sampling, seeds, max_new_tokens=[8] * 6)
+    assert [c.output_ids for c in same] == [c.output_ids for c in eng.generate(PROMPTS, sampling,
+                                                                               seeds)]
+
+
+class Reply:
+    """An env replying row["reply"] to each tool call; the episode is over at its third."""
+    stop = ["="]
+
+    def __init__(self, row: dict):
+        self.row, self.calls = row, 0
+
+    def step(self, turn: str) -> str | None:
+        self.calls += 1
+        return self.row["reply"] if self.calls < 3 else None
+
+
+def test_each_episode_asks_for_its_own_room_never_past_the_context(model_dir, tmp_path):
+    """run_episodes continues every live episode in one generate call, each request with its own
+    room (max_new_tokens less its episode so far). Here prompt + max_new_tokens is the context
+    less 2 (tasks.load_data's bound): the batch's largest room for every episode would pass the
+    context for the longer ones, and SGLang (the stand-in) would fail the whole batch."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [[3 + i % 10, 13, 3 + (i * 7) % 10] for i in range(4) for _ in range(4)]
+    budget = 64 - 2 - 3
+    sampling = SamplingParams(max_new_tokens=budget, temperature=1.0, stop_token_ids=[1])
+    tools = rollout.Tools(Reply, [14], lambda t: tok(t, add_special_tokens=False)["input_ids"],
+                          tok.decode, 4)
+    rows = [{"reply": "12345678"[: 1 + 3 * (i % 3)]} for i in range(len(prompts))]
+    seeds = [100 + i for i in range(len(prompts))]
+    s = StandinSGLangServer(model_dir).start()
+    try:
+        got = rollout.run_episodes(client(s, model_dir, tmp_path), prompts, sampling, seeds,
+                                   tools, rows)
+    finally:
+        s.stop()
+    rooms = [(b["sampling_params"]["max_new_tokens"], budget - (len(b["input_ids"]) - 3))
+             for b in s.generate_bodies]
+    assert all(sent == own for sent, own in rooms), rooms
+    assert len({own for _, own in rooms if own < budget}) > 2  # later turns: many rooms
+    want = rollout.run_episodes(HFEngine(model_dir), prompts, sampling, seeds, tools, rows)
+    assert [(c.output_ids, c.policy_mask, c.finish_reason) for c in got] == \
+        [(c.output_ids, c.policy_mask, c.finish_reason) for c in want]
+    for g, w in zip(got, want):
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
 
 
 def test_server_that_never_becomes_healthy_fails_fast_and_clearly(model_dir, tmp_path,
@@ -385,10 +563,79 @@ def test_auto_weight_sync_broadcasts_wherever_a_group_can_form_else_goes_through
     assert client(server, model_dir, tmp_path).weight_sync == "disk"  # a CPU trainer: no NCCL
     assert client(server, model_dir, tmp_path, group_backend="gloo").weight_sync == "nccl"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(rollout, "gpu_neighbours", lambda device=None: [])  # a GPU of its own
     assert client(server, model_dir, tmp_path).weight_sync == "nccl"
     server.info["pp_size"] = 2
     assert client(server, model_dir, tmp_path).weight_sync == "disk"
     assert client(server, model_dir, tmp_path, weight_sync="disk").weight_sync == "disk"
+
+
+def test_auto_weight_sync_never_picks_nccl_beside_a_server_that_may_share_rank0s_gpu(
+        server, model_dir, tmp_path, monkeypatch, capsys):
+    """NCCL between two processes on one GPU fails ("Duplicate GPU detected") and SGLang tells
+    nothing of its GPU: with a server on this host, auto broadcasts only if no other process is
+    on rank 0's GPU; it says its choice and why. An explicit --weight-sync nccl is honoured."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    answer, asked = [None], []
+    monkeypatch.setattr(rollout, "gpu_neighbours",
+                        lambda device=None: asked.append(device) or answer[0])
+    for others, want, why in (([], "nccl", "no other process is on rank 0's GPU"),
+                              ([4242], "disk", "process(es) 4242 share rank 0's GPU"),
+                              (None, "disk", "cannot be told")):
+        answer[0] = others
+        eng = rollout.make_engine(config(rollout_backend="sglang", rollout_url=[server.url],
+                                         model=model_dir, run_dir=str(tmp_path), seed=0),
+                                  torch.device("cuda", 2))
+        assert eng.weight_sync == want and asked[-1] == torch.device("cuda", 2)
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        assert line.startswith(f"--weight-sync auto: {want} (") and why in line, line
+        assert server.url in line
+    monkeypatch.setattr(rollout, "on_this_host", lambda url: False)  # a server elsewhere
+    answer[0], n = [4242], len(asked)
+    assert client(server, model_dir, tmp_path).weight_sync == "nccl" and len(asked) == n
+    assert "auto: nccl (a weight group can form with every server)\n" in capsys.readouterr().out
+    monkeypatch.setattr(rollout, "on_this_host", lambda url: True)
+    assert client(server, model_dir, tmp_path, weight_sync="nccl").weight_sync == "nccl"
+    assert "--weight-sync" not in capsys.readouterr().out  # an explicit choice, honoured
+
+
+def test_a_server_url_naming_this_host_is_told_from_one_elsewhere(monkeypatch):
+    with suppress(OSError):  # any address of ours, found by the route towards it
+        own = rollout.route_address("http://192.0.2.1:1")
+        assert rollout.on_this_host(f"http://{own}:30000")
+    monkeypatch.setattr(socket, "gethostname", lambda: "trainer")
+    monkeypatch.setattr(socket, "gethostbyname_ex", lambda name: (name, [], ["10.9.8.7"]))
+    monkeypatch.setattr(rollout, "route_address", lambda url: "10.9.8.6")  # our side of a route
+    for url in ("http://127.0.0.1:30000", "http://localhost:1", "http://0.0.0.0:1",
+                "http://10.9.8.7:1", "http://10.9.8.6:1"):
+        assert rollout.on_this_host(url), url
+    assert not rollout.on_this_host("http://10.9.8.5:30000")
+
+
+def test_gpu_neighbours_are_the_other_processes_nvidia_smi_lists_on_that_gpu(monkeypatch):
+    """By UUID (torch's indices are CUDA_VISIBLE_DEVICES'); None where it cannot be told: no
+    nvidia-smi, or our own id absent while we hold a context there (host ids in a container)."""
+    calls, answer = [], {}
+    props = types.SimpleNamespace(uuid="8932f937-d72c-4106-c12f-20bd9faed9f6")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: calls.append(index) or props)
+    monkeypatch.setattr(rollout.subprocess, "run", lambda argv, **kw: calls.append(argv) or
+                        types.SimpleNamespace(returncode=answer["rc"], stdout=answer["out"]))
+    me = os.getpid()
+    for rc, out, context, want in [(0, f"{me}\n4242\n", True, [4242]), (0, "", True, []),
+                                   (0, f"{me}\n", True, []), (0, "4242\n", False, [4242]),
+                                   (0, "4242\n", True, None), (6, "", True, None)]:
+        answer.update(rc=rc, out=out)
+        monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i, c=context: c,
+                            raising=False)
+        assert rollout.gpu_neighbours("cuda") == want, (rc, out, context)
+    assert calls[:2] == [3, ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader",
+                             "--id=GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"]]
+    rollout.gpu_neighbours(torch.device("cuda", 1))
+    assert calls[-2] == 1
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: 1 / 0)  # no CUDA
+    assert rollout.gpu_neighbours("cuda") is None
 
 
 def test_the_trainers_address_is_that_of_the_interface_towards_the_server(monkeypatch):
@@ -466,9 +713,14 @@ def _fake_scheduler(conn, nccl_port: int, timeout_s: float) -> None:
 
 
 def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks: tuple = (),
-                        probe_sigint: bool = False, scheduler: bool = False) -> list:
+                        probe_sigint: bool = False, scheduler: bool = False,
+                        manager_session: bool = False, io_struct: bool = True) -> list:
     """new=True: SGLang >= 0.5.21 (begin/end_weight_update, ServerArgs and SamplingParams
-    msgspec Structs); False: 0.5.10 (dataclass ServerArgs, plain SamplingParams). ServerArgs has
+    msgspec Structs); False: 0.5.10 (dataclass ServerArgs, plain SamplingParams).
+    `manager_session` (with new): a branch whose scheduler asserts a session in
+    update_weights_from_tensor, its Engine without begin/end_weight_update: only its
+    tokenizer_manager's (coroutines run on engine.loop, taking io_struct's request objects;
+    `io_struct` False: a build without those classes). ServerArgs has
     ENGINE_FIELDS but `lacks`, and the Engine, like ServerArgs(**kwargs), refuses other keywords.
     Control calls return (success, message), never raising: `fail` maps a call's name to the
     message it fails with. `probe_sigint`: the Engine spawns a process (multiprocessing spawn, as
@@ -512,6 +764,9 @@ def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks:
                     raise RuntimeError(f"Initialization failed. scheduler: {state}")
             self.released: set[str] = set()
             self.in_session = False
+            self.cuda_graph_env = os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH")  # inherited
+            if manager_session:
+                self.loop, self.tokenizer_manager = asyncio.new_event_loop(), Manager(self)
 
         def generate(self, input_ids, sampling_params, return_logprob):
             assert not self.released, f"generate with released memory {self.released}"
@@ -534,6 +789,8 @@ def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks:
 
         def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
             assert "weights" not in self.released, "weights must be resumed before an update"
+            if manager_session:  # that branch's scheduler asserts it
+                assert self.in_session, "update_weights_from_tensor outside a session"
             if new and not self.in_session:  # SGLang >= 0.5.21 refuses, in its result
                 return False, "update outside begin_weight_update/end_weight_update"
             log.append(("update", [(n, tuple(t.shape), t.dtype) for n, t in named_tensors],
@@ -550,9 +807,27 @@ def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks:
                 self.proc.join(10)
                 self.socket.close()
 
-    if new:
-        def begin_weight_update(self):
-            assert not self.in_session
+    class Manager:  # the tokenizer manager's session methods: coroutines (obj, request)
+        def __init__(self, engine):
+            self.engine = engine
+
+        async def begin_weight_update(self, obj, request):
+            assert type(obj).__name__ == "BeginWeightUpdateReqInput" and obj.selector == "all"
+            assert request is None and not self.engine.in_session
+            self.engine.in_session = True
+            log.append(("begin",))
+            return result("begin_weight_update")
+
+        async def end_weight_update(self, obj, request):
+            assert type(obj).__name__ == "EndWeightUpdateReqInput" and request is None
+            assert self.engine.in_session
+            self.engine.in_session = False
+            log.append(("end",))
+            return result("end_weight_update")
+
+    if new and not manager_session:
+        def begin_weight_update(self, selector="all"):
+            assert not self.in_session and selector == "all"
             self.in_session = True
             log.append(("begin",))
             return result("begin_weight_update")
@@ -584,10 +859,24 @@ def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks:
                 pass
 
         sp.SamplingParams = SamplingParams
+    managers = types.ModuleType("sglang.srt.managers.io_struct")
+    if io_struct:
+        @dataclasses.dataclass
+        class BeginWeightUpdateReqInput:
+            selector: str = "all"
+
+        @dataclasses.dataclass
+        class EndWeightUpdateReqInput:
+            pass
+
+        managers.BeginWeightUpdateReqInput = BeginWeightUpdateReqInput
+        managers.EndWeightUpdateReqInput = EndWeightUpdateReqInput
     mods = {"sglang": sglang, "sglang.srt": types.ModuleType("sglang.srt"),
             "sglang.srt.server_args": server_args, "sglang.srt.constants": constants,
             "sglang.srt.sampling": types.ModuleType("sglang.srt.sampling"),
-            "sglang.srt.sampling.sampling_params": sp}
+            "sglang.srt.sampling.sampling_params": sp,
+            "sglang.srt.managers": types.ModuleType("sglang.srt.managers"),
+            "sglang.srt.managers.io_struct": managers}
     for k, v in mods.items():
         monkeypatch.setitem(sys.modules, k, v)
     # the trainer's CUDA cache is emptied right before SGLang maps its memory back
@@ -595,16 +884,22 @@ def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks:
     return log
 
 
-@pytest.mark.parametrize("new,lora", [(True, False), (False, False), (True, True)],
-                         ids=["sglang>=0.5.21", "sglang<0.5.21", "lora"])
-def test_colocated_engine_call_sequence_and_buckets(monkeypatch, model_dir, new, lora):
+@pytest.mark.parametrize("new,lora,manager", [(True, False, False), (False, False, False),
+                                              (True, True, False), (True, False, True)],
+                         ids=["sglang>=0.5.21", "sglang<0.5.21", "lora", "manager-session"])
+def test_colocated_engine_call_sequence_and_buckets(monkeypatch, model_dir, new, lora, manager):
+    """As nanoareal drives it: made (then left released, holding no weights), weights pushed
+    before the first generate (resume()), then each step generate, release, train, resume, push.
+    A session brackets the pushes where SGLang has one: through the Engine (0.5.21+), or its
+    tokenizer manager where a branch requires one but its Engine lacks the methods."""
     from transformers import AutoModelForCausalLM
 
-    log = install_fake_sglang(monkeypatch, new)
+    log = install_fake_sglang(monkeypatch, new, manager_session=manager)
     monkeypatch.setattr(rollout, "SYNC_BUCKET_MB", 0.005)  # ~5 kB buckets: several of them
     eng = SGLangEngine(model_dir, gpu_id=0, device="cpu")
     model = perturbed(model_dir, lora)  # LoRA: the plain model's names, merged
 
+    eng.update_weights(model, 0)  # nanoareal.resume(): engine.version < 0
     out = eng.generate(PROMPTS[:2], SAMPLING, [7, 8])
     assert out[0] == Completion([1], [-0.5], "stop")
     eng.release_memory()  # ---- training happens here ----
@@ -616,27 +911,83 @@ def test_colocated_engine_call_sequence_and_buckets(monkeypatch, model_dir, new,
     assert all(log[i - 1] == ("empty_cache",) for i, e in enumerate(log) if e[0] == "resume")
     log[:] = [e for e in log if e[0] != "empty_cache"]
     kinds = [e[0] for e in log]
-    first_update, last_update = kinds.index("update"), len(kinds) - 1 - kinds[::-1].index("update")
-    updates = ["update"] * (last_update - first_update + 1)
+    n = kinds.count("update") // 2
     session = (["begin"], ["end"]) if new else ([], [])
-    assert kinds == ["init", "generate", "release", "resume", *session[0], *updates, *session[1],
-                     "resume", "flush", "generate", "shutdown"]
-    assert log[2] == ("release", ["kv_cache", "weights", "cuda_graph"])
-    assert log[3] == ("resume", ["weights"])
+    push = ["resume", *session[0], *["update"] * n, *session[1], "resume", "flush"]
+    assert kinds == ["init", "release", *push, "generate", "release", *push, "generate",
+                     "shutdown"]
+    assert log[1] == ("release", ["kv_cache", "weights", "cuda_graph"])
+    assert log[2] == ("resume", ["weights"])
     assert log[kinds.index("flush") - 1] == ("resume", ["kv_cache", "cuda_graph"])
     init = log[0][1]
     assert init["base_gpu_id"] == 0 and init["model_path"] == model_dir
-    assert "sampling_seed" in log[1][1][0]
+    assert "sampling_seed" in log[kinds.index("generate")][1][0]
 
-    updates = [e for e in log if e[0] == "update"]
-    assert len(updates) > 2
-    assert [e[2] for e in updates] == [False] * (len(updates) - 1) + [True]  # flush with the last
+    updates = [e for e in log if e[0] == "update"][:n]  # the first push
+    assert n > 2
+    assert [e[2] for e in updates] == [False] * (n - 1) + [True]  # flush with the last
     sent = [item for e in updates for item in e[1]]
     state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     assert sorted(n for n, _, _ in sent) == sorted(state)  # every tensor exactly once
     for name, shape, dtype in sent:
         assert shape == tuple(state[name].shape)
         assert dtype == (torch.bfloat16 if state[name].is_floating_point() else state[name].dtype)
+
+
+@pytest.mark.parametrize("shape", ["none", "engine", "manager", "manager-without-io-struct"])
+def test_the_weight_session_follows_what_each_sglang_shape_offers(monkeypatch, model_dir, shape):
+    """< 0.5.21: no session; 0.5.21+: Engine.begin/end_weight_update(); a branch that asserts a
+    session in update_weights_from_tensor but whose Engine lacks the methods: its tokenizer
+    manager's, run on engine.loop with io_struct's request objects (none without them)."""
+    from transformers import AutoModelForCausalLM
+
+    manager = shape.startswith("manager")
+    log = install_fake_sglang(monkeypatch, new=shape != "none", manager_session=manager,
+                              io_struct=shape != "manager-without-io-struct")
+    eng = SGLangEngine(model_dir, device="cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if shape == "manager-without-io-struct":
+        assert eng.session is None
+        with pytest.raises(AssertionError, match="outside a session"):  # as that scheduler fails
+            eng.update_weights(model, 1)
+        return
+    assert (eng.session is None) == (shape == "none")
+    assert hasattr(eng.engine, "begin_weight_update") == (shape == "engine")
+    eng.update_weights(model, 1)
+    kinds = [e[0] for e in log if e[0] in ("begin", "update", "end")]
+    assert kinds[0] == ("update" if shape == "none" else "begin") and "update" in kinds
+    assert kinds[-1] == ("update" if shape == "none" else "end")
+    assert not eng.engine.in_session
+    if shape == "manager":  # a refusal reported by the manager fails the step like the Engine's
+        install_fake_sglang(monkeypatch, new=True, manager_session=True,
+                            fail={"begin_weight_update": "another update is running"})
+        eng = SGLangEngine(model_dir, device="cpu")
+        with pytest.raises(RuntimeError, match="begin_weight_update failed at step 2: another"):
+            eng.update_weights(model, 2)
+
+
+def test_colocated_engine_starts_released_says_what_it_holds_and_never_generates_unpushed(
+        monkeypatch, model_dir):
+    """SGLang frees CUDA graphs only if SGLANG_MEMORY_SAVER_CUDA_GRAPH is set when its scheduler
+    starts; released weights come back uninitialised. held = (free before - free after start,
+    free before - free released), read with torch.cuda.mem_get_info."""
+    monkeypatch.delenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", raising=False)  # restored afterwards
+    log = install_fake_sglang(monkeypatch, new=True)
+    GiB, free = 2**30, iter([80 * 2**30, 30 * 2**30, 77 * 2**30])  # before, started, released
+    reads = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda device=None: reads.append((len(log), device)) or
+                        (next(free), 80 * GiB))
+    eng = SGLangEngine(model_dir, device="cuda")
+    assert eng.engine.cuda_graph_env == "1"  # in the environment its processes inherit
+    assert eng.held == (50 * GiB, 3 * GiB)
+    assert [n for n, _ in reads] == [0, 1, 2]  # before init, after it, after the release
+    assert {str(d) for _, d in reads} == {"cuda"}
+    assert log[1] == ("release", ["kv_cache", "weights", "cuda_graph"]) and len(log) == 2
+    assert eng.version == -1
+    with pytest.raises(RuntimeError, match="generate before update_weights"):
+        eng.generate(PROMPTS[:1], SAMPLING, [0])
+    assert len(log) == 2  # nothing resumed, nothing generated
 
 
 def test_colocated_engine_runs_the_models_half_dtype_with_an_fp32_lm_head(monkeypatch, tmp_path):
@@ -651,7 +1002,7 @@ def test_colocated_engine_runs_the_models_half_dtype_with_an_fp32_lm_head(monkey
     assert {d for e in log if e[0] == "update" for _, _, d in e[1]} == {torch.float16}
     fp32 = save_tiny_llama(tmp_path / "fp32")
     SGLangEngine(fp32, device="cpu")  # an fp32 model runs in bf16 on the GPU
-    assert log[-1][1]["dtype"] == "bfloat16"
+    assert [e[1] for e in log if e[0] == "init"][-1]["dtype"] == "bfloat16"
     log = install_fake_sglang(monkeypatch, new=False, lacks=("enable_fp32_lm_head",))
     SGLangEngine(fp32, device="cpu")  # a ServerArgs without the field is not passed it
     assert "enable_fp32_lm_head" not in log[0][1]
@@ -662,7 +1013,7 @@ def test_each_engine_gets_free_ports_of_its_own_whatever_its_local_rank(monkeypa
     jobs started at once, under torchrun: tests/test_torchrun_engines.py)."""
     log = install_fake_sglang(monkeypatch, new=True)
     engines = [SGLangEngine(model_dir, device="cpu") for _ in range(2)]
-    ports = [kw[k] for _, kw in log for k in ("port", "nccl_port")]
+    ports = [e[1][k] for e in log if e[0] == "init" for k in ("port", "nccl_port")]
     assert len(set(ports)) == 4 and len(engines) == 2
 
 
@@ -679,9 +1030,12 @@ def test_sglang_subprocesses_spawned_by_the_engine_ignore_the_terminals_sigint(m
 
 def test_colocated_engine_reports_stop_for_a_length_finish_ending_in_a_stop_token(monkeypatch,
                                                                                   model_dir):
+    from transformers import AutoModelForCausalLM
+
     install_fake_sglang(monkeypatch, new=False)
     sys.modules["sglang"].Engine.finish = {"type": "length", "length": 1}  # SGLang <= 0.5.17
     eng = SGLangEngine(model_dir, device="cpu")
+    eng.update_weights(AutoModelForCausalLM.from_pretrained(model_dir), 0)
     assert eng.generate(PROMPTS[:1], SamplingParams(1, stop_token_ids=[1]), [0])[0] == \
         Completion([1], [-0.5], "stop")
     assert eng.generate(PROMPTS[:1], SamplingParams(1, stop_token_ids=[2]), [0])[0] == \
@@ -708,21 +1062,25 @@ def test_the_step_fails_through_make_engine_when_sglang_refuses_an_update(monkey
     from transformers import AutoModelForCausalLM
 
     install_fake_sglang(monkeypatch, new=True, fail={"update_weights_from_tensor": "no memory"})
-    eng = rollout.make_engine("sglang", [], model_dir, torch.device("cpu"), run_dir=str(tmp_path),
-                              seed=0, weight_sync="auto", deterministic=False)
+    eng = rollout.make_engine(config(rollout_backend="sglang", model=model_dir,
+                                     run_dir=str(tmp_path), seed=0, weight_sync="auto"),
+                              torch.device("cpu"))
     with pytest.raises(RuntimeError, match="update_weights_from_tensor failed at step 3: no mem"):
         eng.update_weights(AutoModelForCausalLM.from_pretrained(model_dir), 3)
 
 
 def test_deterministic_rollouts_turn_on_sglang_deterministic_inference_and_send_seeds(
         monkeypatch, model_dir):
+    from transformers import AutoModelForCausalLM
+
     log = install_fake_sglang(monkeypatch, new=True)
     eng = SGLangEngine(model_dir, device="cpu", deterministic=True)
+    eng.update_weights(AutoModelForCausalLM.from_pretrained(model_dir), 0)
     eng.generate(PROMPTS[:2], SAMPLING, [5, 6])
     assert log[0][1]["enable_deterministic_inference"] is True
-    assert [p["sampling_seed"] for p in log[1][1]] == [5, 6]
+    assert [p["sampling_seed"] for p in log[-1][1]] == [5, 6]
     SGLangEngine(model_dir, device="cpu")
-    assert "enable_deterministic_inference" not in log[-1][1]
+    assert "enable_deterministic_inference" not in [e[1] for e in log if e[0] == "init"][-1]
 
 
 def test_iter_buckets_respects_the_budget_and_marks_the_last():
@@ -744,12 +1102,14 @@ def test_the_three_engines_implement_the_engine_protocol_with_identical_signatur
             assert inspect.signature(getattr(cls, name)) == \
                 inspect.signature(getattr(rollout.Engine, name)), (cls.__name__, name)
     install_fake_sglang(monkeypatch, new=True)
-    engines = [rollout.make_engine(backend, urls, model_dir, torch.device("cpu"),
-                                   run_dir=str(tmp_path), seed=0)
+    engines = [rollout.make_engine(config(rollout_backend=backend, rollout_url=urls,
+                                          model=model_dir, run_dir=str(tmp_path), seed=0),
+                                   torch.device("cpu"))
                for backend, urls in (("hf", []), ("sglang", []), ("sglang", [server.url]))]
     assert [type(e) for e in engines] == [HFEngine, SGLangEngine, RemoteSGLangEngine]
     assert [e.overlaps for e in engines] == ["process", "", "thread"]
-    assert [e.version for e in engines] == [0, 0, 0]
+    assert [e.version for e in engines] == [0, -1, 0]  # in-process: no weights until pushed
+    assert [e.held for e in engines] == [None, None, None]  # a CPU engine's is not measured
 
 
 # -----------------------------------------------------------------------------

@@ -64,6 +64,31 @@ def snapshot(root: Path) -> dict[str, str]:
 # every mistake one line
 
 
+# --env classes that break the contract (tasks.load_env): the tiny model's vocabulary is 18 ids
+ENVS = """
+class ZeroTurns:
+    stop = ["="]
+    max_turns = 0
+    def __init__(self, row): pass
+    def step(self, text): return None
+
+class FarStop:
+    stop = ["=", 18]
+    def __init__(self, row): pass
+    def step(self, text): return None
+
+class TakesTokenizer:
+    stop = ["="]
+    def __init__(self, row, tokenizer): pass
+    def step(self, text): return None
+
+class StepTakesState:
+    stop = ["="]
+    def __init__(self, row): pass
+    def step(self, text, state): return None
+"""
+
+
 @pytest.fixture(scope="module")
 def sandbox(tmp_path_factory) -> Path:
     """A working directory holding another run (results and config.json) and the broken inputs
@@ -89,10 +114,18 @@ def sandbox(tmp_path_factory) -> Path:
     (box / "ok.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     (box / "reward.py").write_text("def score(completion, row):\n    return 1.0\n")
     (box / "hf_home").mkdir()  # an empty Hugging Face cache
-    (box / "arith_adapter").mkdir()  # a LoRA adapter of the shipped arithmetic model
-    (box / "arith_adapter" / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": 2, "base_model_name_or_path": MODEL}))
+    adapter = {"peft_type": "LORA", "r": 2, "lora_alpha": 32, "target_modules": "all-linear",
+               "base_model_name_or_path": MODEL}  # a LoRA adapter of the shipped model
+    for name, text in (("arith_adapter", json.dumps(adapter)),
+                       ("truncated_adapter", json.dumps(adapter)[:40]),  # a copy cut short
+                       ("incomplete_adapter", json.dumps(  # no lora_alpha, no target_modules
+                           {k: adapter[k] for k in ("peft_type", "r", "base_model_name_or_path")}
+                       ))):
+        (box / name).mkdir()
+        (box / name / "adapter_config.json").write_text(text)
+    (box / "envs.py").write_text(ENVS)
     return box
+
 
 
 CPU_ONLY = not torch.cuda.is_available()
@@ -115,7 +148,7 @@ MISTAKES = [
     (["--config", "{box}/broken.toml"], "broken.toml", False),
     (["--config", str(ROOT / "configs" / "qwen2.5-0.5b-gsm8k.toml")], "needs a GPU", True),
     (["--cp-size", "3"], "--cp-size 3", False),
-    (["--sglang-deterministic"], "--sglang-deterministic is for --rollout-backend sglang", False),
+    (["--rollout-backend", "sglang_deterministic"], "needs a GPU", True),
     (["--rollout-backend", "sglang"], "needs a GPU", True),
     (["--dataset", "{box}/messages.jsonl"], "chat template", False),
     (["--dataset", "{box}/letters.jsonl"], "cannot encode", False),
@@ -134,10 +167,25 @@ MISTAKES = [
      False),
     (["--top-p", "0"], "--top-p 0.0 --top-k -1: top-p must be in (0, 1]", False),
     (["--top-k", "0"], "--top-k 0: top-p must be in (0, 1], top-k -1 (all) or >= 1", False),
-    (["--max-turns", "0"], "--max-turns", False),
-    (["--lora-adapter", "{box}/not_a_model"], "not a PEFT LoRA adapter", False),
+    (["--env", "{box}/envs.py:ZeroTurns"], "its .max_turns must be an int >= 1, got 0", False),
+    (["--lora-adapter", "{box}/not_a_model"], "is not a PEFT adapter directory", False),
     (["--model", str(ROOT / "assets" / "tiny-chain"), "--lora-adapter", "{box}/arith_adapter"],
      "is an adapter of", False),  # an adapter for another base
+    # issue 43 item 12: adapter configs cut short or missing fields, as --lora-adapter or --model
+    (["--lora-adapter", "{box}/truncated_adapter"], "not a readable adapter config", False),
+    (["--model", "{box}/truncated_adapter"], "not a readable adapter config", False),
+    (["--lora-adapter", "{box}/incomplete_adapter"],
+     "incomplete LoRA adapter config (no valid lora_alpha, target_modules)", False),
+    (["--model", "{box}/incomplete_adapter"],
+     "incomplete LoRA adapter config (no valid lora_alpha, target_modules)", False),
+    # an env whose stop no policy can ever sample, or that does not fit the contract: at start
+    (["--env", "{box}/envs.py:FarStop"],
+     "stop token id 18 is outside the tokenizer's vocabulary of 18 ids", False),
+    (["--env", "{box}/envs.py:TakesTokenizer"],
+     "TakesTokenizer(row) must take the dataset row as its one argument, not (row, tokenizer)",
+     False),
+    (["--env", "{box}/envs.py:StepTakesState"], "StepTakesState(row).step(text) must take the "
+     "turn's text as its one argument, not (self, text, state)", False),
 ]
 
 
@@ -327,3 +375,55 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(two_checkpoints,
     assert not old.exists() and old.with_name("step_000002.abandoned").is_dir()
     assert [m["step"] for m in metrics(run_dir)] == [0, 1]
     assert [p.name for p in checkpoint.complete_checkpoints(run_dir)] == ["step_000001"]
+
+
+# -----------------------------------------------------------------------------
+# a LoRA run's checkpoint given without --lora-rank brings its rank (issue 43 item 12)
+
+
+PLAIN = [*SMALL, "--eval-every", "1", "--ckpt-every", "1"]  # no --lora-rank
+LORA = [*PLAIN, "--lora-rank", "2"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> Path:
+    """A LoRA run of 2 steps, a checkpoint and an eval after each."""
+    run_dir = tmp_path_factory.mktemp("lora") / "run"
+    out = cli([*LORA, "--steps", "2", "--run-dir", str(run_dir)], run_dir.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir
+
+
+def test_a_lora_checkpoint_given_as_model_without_lora_rank_evaluates_with_its_rank(lora_run,
+                                                                                   tmp_path):
+    """--model naming a LoRA run's checkpoint, --steps 0, no --lora-rank: the evaluation adopts
+    the checkpoint's rank (a model without adapters could not load its state: a traceback)."""
+    out = cli([*PLAIN, "--steps", "0", "--model", str(lora_run / "checkpoints" / "step_000001"),
+               "--run-dir", str(tmp_path / "eval")], tmp_path)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "evaluating step 1" in out.stdout and "LoRA r=2 " in out.stdout, out.stdout[-2000:]
+    assert json.loads((tmp_path / "eval" / "config.json").read_text())["lora_rank"] == 2
+    evals = {r["step"]: r["eval/accuracy"] for r in metrics(lora_run)}
+    assert metrics(tmp_path / "eval") == [{"step": 1, "eval/accuracy": evals[1]}]
+
+
+def test_a_lora_checkpoint_given_without_lora_rank_resumes_as_the_uninterrupted_run(lora_run,
+                                                                                  tmp_path):
+    """--resume (into its own run) or --model (into another) naming a LoRA run's checkpoint, no
+    --lora-rank: the run continues with the checkpoint's rank, and LoRA's flags with it (its
+    default --lr), exactly as the run that was never stopped."""
+    run_dir = tmp_path / "run"
+    out = cli([*LORA, "--steps", "1", "--run-dir", str(run_dir)], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = cli([*PLAIN, "--steps", "2", "--resume", str(run_dir / "checkpoints" / "step_000001"),
+               "--run-dir", str(run_dir)], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from step 1" in out.stdout and "LoRA r=2 " in out.stdout
+    assert metrics(run_dir) == metrics(lora_run)
+
+    again = tmp_path / "again"
+    out = cli([*PLAIN, "--steps", "2", "--model", str(lora_run / "checkpoints" / "step_000001"),
+               "--run-dir", str(again)], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from step 1" in out.stdout and "LoRA r=2 " in out.stdout
+    assert metrics(again) == [r for r in metrics(lora_run) if r["step"] == 2]

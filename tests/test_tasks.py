@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import string
 import subprocess
 import sys
@@ -113,6 +114,43 @@ def test_math_reward_without_math_verify_is_a_one_line_error_when_loaded(monkeyp
     with pytest.raises(UserError, match=r"--reward math needs .*pip install -e '\.\[math\]'"):
         tasks.load_reward("math")
     assert tasks.load_reward("gsm8k") is tasks.gsm8k
+
+
+@pytest.mark.parametrize("spec", ["exact_match,0.1*format,-0.01*length",
+                                  "exact_match, 0.1 * format, -0.01 * length",
+                                  " exact_match ,0.1 *format,\t-0.01*  length "])
+def test_weighted_rewards_read_the_same_with_spaces_around_commas_and_stars(spec):
+    reward = tasks.load_reward(spec)
+    assert reward("12", {"answer": "12"}) == (pytest.approx(1 + 0.1 - 0.02), {
+        "exact_match": 1.0, "format": 1.0, "length": 2.0, "correct": True})
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("exact_match, x * format", "weights are numbers"),
+    ("exact_match, 0.1 0.2 * format", "weights are numbers"),
+    ("exact_match, nan * format", "weights are finite numbers"),
+    ("exact_match, , format", "a term names no reward"),
+    ("exact_match, 0.1 * ", "a term names no reward"),
+    ("exact_match, 0.1 * formt", "--reward formt: not a built-in reward")])
+def test_a_bad_weighted_reward_is_a_one_line_error(spec, message):
+    with pytest.raises(UserError, match=re.escape(message)) as e:
+        tasks.load_reward(spec)
+    assert "\n" not in str(e.value)
+
+
+def test_cli_reads_a_weighted_reward_with_spaces_and_refuses_a_bad_one(tmp_path):
+    small = ["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-every", "0"]
+    proc = run_cli(*small, "--reward", "exact_match, 0.1 * format", "--run-dir",
+                   str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()][-1]
+    assert row["reward"] == pytest.approx(row["reward/exact_match"] + 0.1 * row["reward/format"])
+    proc = run_cli(*small, "--reward", "exact_match, x * format", "--run-dir",
+                   str(tmp_path / "bad"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].endswith("--reward exact_match, x * format: weights are numbers (0.1*format)")
+    assert not (tmp_path / "bad").exists()
 
 
 @pytest.mark.parametrize("reward", ["gsm8k", "math"])

@@ -69,7 +69,7 @@ def test_calculator_answers_calls_and_refuses_the_rest(tok):
     assert calc.step("1[99*99]") == "9801"  # the call that ends the turn
     for junk in ("[37*]", "[37-4]", "37*48]", "[]", "[a+b]"):
         assert calc.step(junk) == "?"
-    tools = tasks.load_env(str(ROOT / ENV), tok, False, 4)
+    tools = tasks.load_env(str(ROOT / ENV), tok, False)
     assert tools.stop_ids == [tok.convert_tokens_to_ids("]")]
     assert tok.decode(tools.encode("1776?")) == "1776?"  # every reply is in the vocabulary
 

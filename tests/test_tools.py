@@ -124,15 +124,18 @@ class Script:
     def __init__(self, turn: list[int]):
         self.turn, self.calls = turn, []
 
-    def generate(self, prompts, sampling, seeds, groups=None):
+    def generate(self, prompts, sampling, seeds, groups=None, max_new_tokens=None):
         self.calls.append((prompts, sampling, seeds, groups))
-        ids = self.turn[: sampling.max_new_tokens]
-        stop = ids[-1:] != [] and ids[-1] in sampling.stop_token_ids
-        return [Completion(ids, [-0.5] * len(ids), "stop" if stop else "length") for _ in prompts]
+        out = []
+        for n in max_new_tokens or [sampling.max_new_tokens] * len(prompts):  # each its own
+            ids = self.turn[:n]
+            stop = ids[-1:] != [] and ids[-1] in sampling.stop_token_ids
+            out.append(Completion(ids, [-0.5] * len(ids), "stop" if stop else "length"))
+        return out
 
 
 @pytest.mark.parametrize("max_turns, budget, reason, calls", [
-    (2, 24, "length", 1),  # a tool call past --max-turns
+    (2, 24, "length", 1),  # a tool call past the env's max_turns
     (4, 6, "length", 2),  # turn, reply, turn (6 tokens): the second reply leaves no room
     (4, 5, "length", 1),  # turn, reply, then a turn cut by the token budget
     (4, 24, "stop", 3),  # the env ends the episode at its third call
@@ -189,15 +192,157 @@ def test_an_env_that_raises_hangs_or_replies_junk_ends_its_episode_counted_and_s
     assert out.count("an --env step failed") == 1 and error in out
 
 
+ENV_METHODS = "    def __init__(self, row): pass\n    def step(self, turn): return None\n"
+
+
 def test_env_plugin_errors_are_one_line(tmp_path, tokenizer):
     path = tmp_path / "envs.py"
-    path.write_text("class NoStop:\n    pass\n\nclass Long:\n    stop = ['==']\n\n"
-                    "class Good:\n    stop = ['=', 1]\n")
+    path.write_text(f"class NoStop:\n    pass\n\nclass Long:\n    stop = ['==']\n\n"
+                    f"class Good:\n    stop = ['=', 1]\n{ENV_METHODS}\n"
+                    f"class Far:\n    stop = ['=', 18]\n{ENV_METHODS}\n"  # 18 ids: 0..17
+                    f"class Negative:\n    stop = [-1]\n{ENV_METHODS}")
     for name, message in (("NoStop", "its .stop must list"), ("Long", "its .stop must list"),
-                          ("Missing", "has no function 'Missing'")):
+                          ("Missing", "has no function 'Missing'"),
+                          ("Far", "stop token id 18 is outside the tokenizer's vocabulary of 18 "
+                           "ids"),
+                          ("Negative", "stop token id -1 is outside the tokenizer's vocabulary")):
         with pytest.raises(UserError, match=re.escape(message)):
-            tasks.load_env(f"{path}:{name}", tokenizer, False, 4)
-    assert tasks.load_env(f"{path}:Good", tokenizer, False, 4).stop_ids == [EQ, EOS]
+            tasks.load_env(f"{path}:{name}", tokenizer, False)
+    assert tasks.load_env(f"{path}:Good", tokenizer, False).stop_ids == [EQ, EOS]
+
+
+MISFITS = """
+class NoInit:  # object's __init__: NoInit(row) raises
+    stop = ["="]
+    def step(self, turn): return None
+
+class TakesTokenizer:
+    stop = ["="]
+    def __init__(self, row, tokenizer): pass
+    def step(self, turn): return None
+
+class KeywordOnly:
+    stop = ["="]
+    def __init__(self, row, *, tools): pass
+    def step(self, turn): return None
+
+class NoStep:
+    stop = ["="]
+    def __init__(self, row): pass
+
+class StepNotCallable:
+    stop = ["="]
+    step = "calculate"
+    def __init__(self, row): pass
+
+class StepWithoutText:
+    stop = ["="]
+    def __init__(self, row): pass
+    def step(self): return None
+
+class StepTakesState:
+    stop = ["="]
+    def __init__(self, row): pass
+    def step(self, turn, state): return None
+
+class StaticStepWithSelf:
+    stop = ["="]
+    def __init__(self, row): pass
+    @staticmethod
+    def step(self, turn): return None
+
+def factory(row, tokenizer): return None
+factory.stop = ["="]
+"""
+FITS = """
+import dataclasses
+
+class Defaults:  # extra arguments with defaults, *args and **kwargs are fine
+    stop = ["="]
+    def __init__(self, row, tools=None, *rest, **options): pass
+    def step(self, turn, verbose=False): return None
+
+class Variadic:
+    stop = ["="]
+    def __init__(self, *args): pass
+    def step(self, *args): return None
+
+class Static:
+    stop = ["="]
+    def __init__(self, row): pass
+    @staticmethod
+    def step(turn): return None
+
+class ClassMethod:
+    stop = ["="]
+    def __init__(self, row): pass
+    @classmethod
+    def step(cls, turn): return None
+
+class Property:  # what the property returns is the instance's to say
+    stop = ["="]
+    def __init__(self, row): pass
+    @property
+    def step(self): return lambda turn: None
+
+class New:
+    stop = ["="]
+    def __new__(cls, row): return super().__new__(cls)
+    def step(self, turn): return None
+
+@dataclasses.dataclass
+class Data:
+    row: dict
+    stop = ["="]
+    def step(self, turn): return None
+
+class Inherited(Data):
+    pass
+
+class Made:
+    def step(self, turn): return None
+
+def factory(row): return Made()
+factory.stop = ["="]
+"""
+
+
+STEP_RETURNS = "(the text to append, or None: the episode ends)"
+
+
+@pytest.mark.parametrize("name, message", [
+    ("NoInit", "NoInit(row) must take the dataset row as its one argument: it has no __init__"),
+    ("TakesTokenizer",
+     "TakesTokenizer(row) must take the dataset row as its one argument, not (row, tokenizer)"),
+    ("KeywordOnly", "KeywordOnly(row) must take the dataset row as its one argument, not "
+     "(row, *, tools)"),
+    ("NoStep", f"NoStep has no method step(text) {STEP_RETURNS}"),
+    ("StepNotCallable", f"StepNotCallable has no method step(text) {STEP_RETURNS}"),
+    ("StepWithoutText", "StepWithoutText(row).step(text) must take the turn's text as its one "
+     "argument, not (self)"),
+    ("StepTakesState", "StepTakesState(row).step(text) must take the turn's text as its one "
+     "argument, not (self, turn, state)"),
+    ("StaticStepWithSelf", "StaticStepWithSelf(row).step(text) must take the turn's text as its "
+     "one argument, not (self, turn)"),
+    ("factory", "factory(row) must take the dataset row as its one argument, not (row, tokenizer)"),
+])
+def test_an_env_that_does_not_fit_the_interface_is_refused_when_loaded(tmp_path, tokenizer, name,
+                                                                       message):
+    (tmp_path / "misfits.py").write_text(MISFITS)
+    spec = f"{tmp_path / 'misfits.py'}:{name}"
+    with pytest.raises(UserError) as e:
+        tasks.load_env(spec, tokenizer, False)
+    assert str(e.value) == f"--env {spec}: {message}"
+
+
+@pytest.mark.parametrize("name", ["Defaults", "Variadic", "Static", "ClassMethod", "Property",
+                                  "New", "Data", "Inherited", "factory"])
+def test_an_env_that_fits_the_interface_loads_and_runs_an_episode(tmp_path, tokenizer, name):
+    (tmp_path / "fits.py").write_text(FITS)
+    tools = tasks.load_env(f"{tmp_path / 'fits.py'}:{name}", tokenizer, False)
+    counts = dict.fromkeys(("env/seconds", "env/tool_calls", "env/errors"), 0)
+    env, reply = rollout.env_step(tools, None, {"prompt": "1+2"}, "3=", counts)
+    assert env is not None and reply is None and counts["env/errors"] == 0  # made, stepped
 
 
 TOOL_TEMPLATE = (  # a tool turn after the assistant's, the turns before unchanged (as Qwen2.5's)
@@ -212,16 +357,16 @@ def test_a_reply_is_the_templates_tool_turn_where_it_extends_the_turns_before(mo
                                                                               capsys):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)  # its own copy: the template is set here
-    (tmp_path / "e.py").write_text("class E:\n    stop = ['=']\n")
+    (tmp_path / "e.py").write_text(f"class E:\n    stop = ['=']\n{ENV_METHODS}")
     encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]
     tok.chat_template = TOOL_TEMPLATE
     assert tasks.tool_turn(tok) == (" -", "-*")
-    assert tasks.load_env(f"{tmp_path / 'e.py'}:E", tok, True, 4).encode("5") == encode(" -5-*")
+    assert tasks.load_env(f"{tmp_path / 'e.py'}:E", tok, True).encode("5") == encode(" -5-*")
     assert "replies as the chat template's tool turn" in capsys.readouterr().out
     for template in (NO_TOOL_TEMPLATE, REWRITES_TEMPLATE):  # raw text, said at start-up
         tok.chat_template = template
         assert tasks.tool_turn(tok) is None
-        assert tasks.load_env(f"{tmp_path / 'e.py'}:E", tok, True, 4).encode("5") == encode("5")
+        assert tasks.load_env(f"{tmp_path / 'e.py'}:E", tok, True).encode("5") == encode("5")
         assert "raw text (the template has no tool turn" in capsys.readouterr().out
 
 
@@ -269,6 +414,7 @@ def test_in_process_sglang_runs_episodes_with_token_ids_in_and_out(monkeypatch, 
                 for c in outs]
     monkeypatch.setattr(sys.modules["sglang"].Engine, "generate", generate)
     engine = rollout.SGLangEngine(model_dir, device="cpu", deterministic=True)
+    engine.update_weights(hf.model, 0)  # it starts holding none (nanoareal.resume pushes them)
     prompts, seeds, rows = batch(2)
     got = rollout.run_episodes(engine, prompts, SAMPLING, seeds, tools_for(tokenizer), rows)
     want = rollout.run_episodes(hf, prompts, SAMPLING, seeds, tools_for(tokenizer), rows)

@@ -8,8 +8,8 @@ It needs torch (CUDA), transformers, safetensors and tyro, and nothing from the 
 model is a randomly initialised Qwen2.5-0.5B-shaped causal LM (24 layers, 152k vocabulary) saved
 with the shipped character tokenizer, and the prompts are the built-in arithmetic task's. SGLang
 and flash-attn are used when installed and skipped otherwise (tests/gpu/check_sglang.py covers
-SGLang). Everything goes through the trainer's own functions: load_model (FSDP2 on NCCL in a
-world of one, bf16 compute with fp32 master weights), pack_microbatches, microbatch_forward,
+SGLang). Everything goes through the trainer's own functions: modeling.load_model (FSDP2 on NCCL in
+a world of one, bf16 compute with fp32 master weights), pack_microbatches, Model.logprobs,
 train_on_samples, the HF rollout engine and its weight sync.
 
 Checks (exit code 1 if one fails), then measurements, printed as markdown (and written to --out):
@@ -82,8 +82,9 @@ def build_model(num_layers: int | None, init_range: float, vocab: int | None = N
 
 
 def groups(vocab: int, n_groups: int, size: int, prompt_len: int, completion_len: int):
-    """GRPO-shaped samples (N.Sample): n_groups prompts, `size` completions each, random ids."""
-    import nanoareal as N
+    """GRPO-shaped samples (rollout.Sample): n_groups prompts, `size` completions each, random
+    ids."""
+    from rollout import Completion, Sample
 
     g = torch.Generator().manual_seed(0)
     out = []
@@ -92,8 +93,8 @@ def groups(vocab: int, n_groups: int, size: int, prompt_len: int, completion_len
         for _ in range(size):
             n = int(torch.randint(completion_len // 2, completion_len + 1, (1,), generator=g))
             ids = torch.randint(2, vocab, (n,), generator=g).tolist()
-            out.append(N.Sample(k, prompt, N.Completion(ids, [-1.0] * n, "length"),
-                                advantage=1.0, row=k))
+            out.append(Sample(k, prompt, Completion(ids, [-1.0] * n, "length"),
+                              advantage=1.0, row=k))
     return out
 
 
@@ -123,20 +124,19 @@ def grad_error(got: dict, want: dict) -> float:
     return (num / sum(float(w.pow(2).sum()) for w in want.values())) ** 0.5
 
 
-def packed_logprobs(model, mbs, cfg, device, ranks, hide_prompt: bool = False,
+def packed_logprobs(model, mbs, cfg, hide_prompt: bool = False,
                     grad: bool = False) -> torch.Tensor:
-    """The trainer's packed forward, completion tokens only, in sample order (pack order);
-    grad: their sum's backward too."""
-    import nanoareal as N
-
+    """The trainer's packed forward (a modeling.Model's), completion tokens only, in sample order
+    (pack order); grad: their sum's backward too."""
     out = []
     for mb in mbs:
         if hide_prompt:  # negative control: completions no longer see their shared prompt
             segments = mb.segments.clone()
             segments[:, 2:] = 0
             mb = replace(mb, segments=segments)
-        logprobs, _ = N.microbatch_forward(model, mb, cfg, device, ranks, grad=grad)
-        completion = logprobs.float()[(mb.seq_ids >= 0).to(device)]
+        logprobs, _ = model.logprobs(mb, cfg.temperature, grad=grad,
+                                     entropy_grad=cfg.entropy_coef != 0)
+        completion = logprobs.float()[(mb.seq_ids >= 0).to(model.device)]
         if grad:
             completion.sum().backward()
         out.append(completion.detach().cpu())
@@ -147,8 +147,10 @@ def check_attention(model_dir: str, device: torch.device, ranks, quick: bool) ->
     """Every packed path in the compute dtype against the truth (HF's per-sequence forward and
     backward in fp32), beside HF's own per-sequence forward in the compute dtype: a path is right
     if it errs no more than 3x HF does (plus 1e-3 of the control), log-probs and gradients."""
+    from common import load_policy
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    import attention
     import modeling
     import nanoareal as N
 
@@ -169,20 +171,20 @@ def check_attention(model_dir: str, device: torch.device, ranks, quick: bool) ->
     failed = []
     for path in ("flash_attn", "torch_varlen", "sdpa"):  # every --attention path but auto
         try:
-            modeling.choose_attention(path, device, half, softcap=False)
+            attention.choose_attention(path, device, half, softcap=False)
         except ValueError as e:
             rows.append(f"| {path} | not available here: {e} | | | | |")
             continue
-        N.ATTENTION = path  # the trainer's constant, forced path by path
+        modeling.ATTENTION = path  # the trainer's constant, forced path by path
         cfg = N.validate_config(N.Config(model=model_dir, dtype="bfloat16" if half else "float32"),
                                 1)
-        model = N.load_model(cfg, device, ranks)
+        model = load_policy(cfg, device, ranks)
         mbs = N.pack_microbatches(samples, cfg)
-        got = packed_logprobs(model, mbs, cfg, device, ranks, grad=True)
-        grads = named_grads(model)
+        got = packed_logprobs(model, mbs, cfg, grad=True)
+        grads = named_grads(model.module)
         gerr, g_hf = grad_error(grads, want_g), grad_error(grads, hf_g)
         with torch.no_grad():
-            control = packed_logprobs(model, mbs, cfg, device, ranks, hide_prompt=True)
+            control = packed_logprobs(model, mbs, cfg, hide_prompt=True)
         err, ctl = (got - want).abs(), (control - want).abs()
         ok = bool(err.mean() <= 3 * hf_err.mean() + 1e-3 * ctl.mean()
                   and gerr <= 3 * hf_gerr + 1e-3)
@@ -191,7 +193,7 @@ def check_attention(model_dir: str, device: torch.device, ranks, quick: bool) ->
                     f"| {(got - hf).abs().mean():.2e} / {g_hf:.2e} | {gerr:.2e} "
                     f"| {ctl.mean():.2e} |")
         del model
-    N.ATTENTION = "auto"
+    modeling.ATTENTION = "auto"
     print_table(f"attention paths ({str(dtype)[6:]}) vs HF's per-sequence fp32 forward and "
                 f"backward ({len(samples)} samples in groups of 4 sharing a 64-token prompt)",
                 ["path", "result", "log-prob abs error mean / max", f"vs HF {str(dtype)[6:]}: "
@@ -235,7 +237,8 @@ def check_fp32_logits(device: torch.device) -> list[str]:
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     y = torch.randint(w.shape[0], (h.shape[0],), device=device, generator=g)
-    got, _ = modeling.HeadLogprobs.apply(h, w, None, y, 1.0, 1.0, None, modeling.HEAD_CHUNK, False)
+    got, _ = modeling.HeadLogprobs.apply(h, w, None, y, 1.0, 1.0, None, modeling.HEAD_CHUNK, False,
+                                         modeling.HEAD_KEEP)  # the logits it keeps under grad
     got.sum().backward()  # the training head: its backward's GEMMs
     extra = (torch.cuda.max_memory_allocated(device) - base) / 2**20
     grads = h.grad.float(), w.grad.float()
@@ -266,7 +269,7 @@ def measure_flops(device: torch.device, num_layers: int | None, quick: bool) -> 
 
 def measure_grpo(model_dir: str, device: torch.device, ranks, steps: int, quick: bool) -> None:
     from bench_flops import sync
-    from common import NanoRun
+    from common import NanoRun, compile_note
 
     import nanoareal as N
 
@@ -286,7 +289,7 @@ def measure_grpo(model_dir: str, device: torch.device, ranks, steps: int, quick:
     med = {k: statistics.median(t[k] for t in times) for k in times[0]}
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0
-    params = sum(p.numel() for p in nano.model.parameters())
+    params = sum(p.numel() for p in nano.model.module.parameters())
     rows = [f"| step | {med['time/step']:.2f} s |",
             f"| rollout (HF engine, {cfg.prompts_per_step} x {cfg.group_size} samples, up to "
             f"{cfg.max_new_tokens} new tokens) | {med['time/rollout']:.2f} s "
@@ -296,7 +299,7 @@ def measure_grpo(model_dir: str, device: torch.device, ranks, steps: int, quick:
             f"| weight sync ({params / 1e6:.0f} M parameters, FSDP gather -> engine copy) | "
             f"{med['time/sync']:.3f} s |",
             f"| peak GPU memory allocated / reserved | {peak:.1f} / {reserved:.1f} GiB |",
-            f"| decoder layers (--compile) | {nano.model.why_eager or 'compiled'} |"]
+            f"| decoder layers (--compile) | {compile_note(nano.model)} |"]
     print_table(f"GRPO steps, median of {steps} (after one warm-up step)", ["phase", "time"],
                 rows)
 

@@ -48,32 +48,39 @@ def grpo_command(model_dir: str, data: str, steps: int, run_dir: str) -> list[st
             "--max-new-tokens", "256", "--eval-every", "0", "--run-dir", run_dir, "--lr", "1e-6"]
 
 
-def trainer_model(model):
-    """The trainer's attention on `model`: packed rows, the fastest kernel this device runs."""
+def trainer_model(module):
+    """An HF `module` as the trainer runs it, a modeling.Model: packed rows, on the attention path
+    and kernel the trainer picks on this device."""
     from transformers import AttentionInterface
 
+    import attention
     import modeling
 
-    AttentionInterface.register("packed", modeling.packed_attention)
-    model.set_attn_implementation("packed")
-    device = next(model.parameters()).device
-    _, model.attention_kernel, _ = modeling.choose_attention(
-        "auto", device, model.dtype in modeling.HALF, softcap=False)
-    return model.eval()
+    AttentionInterface.register("packed", attention.packed_attention)
+    module.set_attn_implementation("packed")
+    device = next(module.parameters()).device
+    path, kernel, _ = attention.choose_attention("auto", device, module.dtype in modeling.HALF,
+                                                 softcap=False)
+    return modeling.Model(module.eval(), device, path, kernel)
 
 
 def trainer_logprobs(model, prompt: list[int], completion, temperature: float):
-    """The trainer's log-probs of a completion's tokens (modeling.policy_logprobs)."""
+    """The trainer's log-probs of a completion's tokens (modeling.policy_logprobs on the row's
+    layout for the model's kernel)."""
     import torch
 
+    import attention
     import modeling
 
-    device = next(model.parameters()).device
     full = prompt + completion.output_ids
+    positions = torch.arange(len(full))
+    layout = attention.attention_layout(attention.segments_from_positions(positions), len(full),
+                                        model.device, model.kernel)
     with torch.no_grad():
-        lp, _ = modeling.policy_logprobs(model, torch.tensor([full], device=device),
-                                         torch.arange(len(full), device=device)[None],
-                                         torch.tensor(full[1:] + [0], device=device), temperature)
+        lp, _ = modeling.policy_logprobs(model.module, torch.tensor([full], device=model.device),
+                                         positions.to(model.device)[None],
+                                         torch.tensor(full[1:] + [0], device=model.device),
+                                         temperature, layout=layout)
     return lp[len(prompt) - 1 : len(full) - 1].float().cpu()
 
 
@@ -121,11 +128,13 @@ def main(argv: list[str] | None = None) -> int:
                    add_special_tokens=False)["input_ids"] for q in questions]
     seeds = list(range(len(prompts)))
 
-    # the engine first: SGLang sizes its KV cache from the free memory at start
+    # the engine first: SGLang sizes its KV cache from the free memory at start; it starts
+    # released, holding no weights (version -1): the trainer's are pushed before it generates
     rollout.SYNC_BUCKET_MB = 256
     engine = rollout.SGLangEngine(model_dir, gpu_id=0, device="cuda", mem_fraction_static=0.4)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     model = trainer_model(model)
+    engine.update_weights(model.module, 0)
     ok = True
     for t in (1.0, 0.7):
         mean, mx, n = parity(engine, model, prompts, t, seeds)
@@ -135,14 +144,14 @@ def main(argv: list[str] | None = None) -> int:
 
     with torch.no_grad():  # a visible change: noise on every weight matrix
         g = torch.Generator(device="cuda").manual_seed(0)
-        for p in model.parameters():
+        for p in model.module.parameters():
             if p.dim() == 2:
                 p.add_(torch.randn(p.shape, generator=g, device="cuda",
                                    dtype=torch.float32).to(p.dtype) * 2e-3)
     stale_mean, _, _ = parity(engine, model, prompts, 1.0, seeds)
     engine.release_memory()
     engine.resume_memory()
-    engine.update_weights(model, 1)
+    engine.update_weights(model.module, 1)
     mean, mx, n = parity(engine, model, prompts, 1.0, seeds)
     print(f"[2] weight sync: before sync mean |diff| {stale_mean:.4f}; after: mean {mean:.4f}, max "
           f"{mx:.4f}")

@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import checkpoint  # noqa: E402
 import cli  # noqa: E402
+import loss  # noqa: E402
 import nanoareal as N  # noqa: E402
 import tasks  # noqa: E402
 
@@ -45,14 +46,14 @@ def touch(name: str) -> None:
     (RUN_DIR / name).write_text(str(os.getpid()))
 
 
-def generate(engine, encoded, prompts, step, cfg, stop_ids, *episodes):
+def generate(engine, data, prompts, step, cfg, *args, **kwargs):
     STEP[0] = step
     if FAULTS.get("pause_in_step") == step and RANK in FAULTS.get("pause_ranks", [RANK]):
         touch(f"in_step_{step}.rank{RANK}")
         time.sleep(600)
-    out = _generate(engine, encoded, prompts, step, cfg, stop_ids, *episodes)
-    if FAULTS.get("nan_from_step", math.inf) <= step:
-        N.group_advantages = lambda rewards, *a, **k: torch_nan(len(rewards))
+    out = _generate(engine, data, prompts, step, cfg, *args, **kwargs)
+    if FAULTS.get("nan_from_step", math.inf) <= step:  # nanoareal.set_advantages calls it
+        loss.group_advantages = lambda rewards, *a, **k: torch_nan(len(rewards))
     return out
 
 

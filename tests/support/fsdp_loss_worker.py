@@ -1,12 +1,14 @@
-"""torchrun worker for tests/test_loss_fsdp.py: LossReduction under FSDP2 (2 ranks, gloo) vs one
-process.
+"""torchrun worker for tests/test_loss_fsdp.py: the trainer's step (nanoareal.train_minibatch)
+under FSDP2 (2 ranks, gloo) vs one process.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp_loss_worker.py OUT.pt
+    python -m torch.distributed.run --nproc_per_node 2 tests/support/fsdp_loss_worker.py OUT.pt
 
-Every case runs a full optimizer-step's backward (no optimizer) and rank 0 saves, per case, the
-gradients of all parameters (full tensors), the reported values, and a reference computed in one
-process on one micro-batch holding the whole mini-batch with `aggregate` (the mode formulas; no
-LossReduction involved).
+Every case runs train_minibatch on a `Policy` (a modeling.Model whose log-probs come from the
+worker's own HF module, FSDP2-sharded or plain) with `Capture` as its optimizer, and rank 0 saves,
+per case, the gradients of all parameters (full tensors) where the optimizer steps, the reported
+values, and a reference computed in one process on one micro-batch holding the whole mini-batch
+with `aggregate` (the mode formulas; no LossReduction involved). The zero-normaliser case also
+runs the LossReduction contract itself: numerators the worker computes, passed to reduction({..}).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import copy
 import os
 import random
 import sys
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -22,9 +25,17 @@ import torch.distributed as dist
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                 os.path.dirname(os.path.abspath(__file__))]
-from reference import build, policy_token_loss, surrogate_params  # noqa: E402
+from reference import (  # noqa: E402
+    aggregate,
+    build,
+    policy_token_loss,
+    surrogate_params,
+    whole,
+)
 
 import loss as L  # noqa: E402
+import modeling  # noqa: E402
+import nanoareal as N  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -146,18 +157,51 @@ def microbatches(seqs, w, nw, index: list[int], budget: int) -> list[dict]:
     return out
 
 
-def forward(model, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    # packed rows: position_ids restart per sequence; use_cache=False so transformers detects the
-    # packing
-    logits = model(input_ids=mb["input_ids"][None], position_ids=mb["position_ids"][None],
+def forward(model, mb, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropies) [T] of a packed micro-batch (a MicroBatch or a dict of its fields)
+    by transformers' own forward, independent of nanoareal's attention: position_ids restart per
+    sequence and use_cache=False, so transformers detects the packing."""
+    mb = L.as_microbatch(mb)
+    logits = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None],
                    attention_mask=None, use_cache=False).logits[0].float()
-    logp_all = torch.log_softmax(logits, -1)
-    logp = logp_all.gather(-1, mb["targets"][:, None]).squeeze(-1)
+    logp_all = torch.log_softmax(logits / temperature, -1)
+    logp = logp_all.gather(-1, mb.targets[:, None]).squeeze(-1)
     return logp, -(logp_all.exp() * logp_all).sum(-1)
 
 
-def loss_inputs(mb: dict, logp: torch.Tensor, entropy: torch.Tensor) -> dict:
-    return {**{k: mb[k] for k in TOKEN_KEYS}, "logprobs": logp, "entropy": entropy}
+@dataclass
+class Policy(modeling.Model):
+    """The trainer's Model (gradient sync, trainable parameters: modeling.Model's own) around the
+    worker's HF module, FSDP2-sharded or plain; its log-probs are `forward`'s."""
+
+    def logprobs(self, mb, temperature: float, grad: bool = False, entropy_grad: bool = False):
+        with torch.set_grad_enabled(grad):
+            logp, entropy = forward(self.module, mb, temperature)
+        return logp, entropy if entropy_grad else entropy.detach()
+
+
+def trainer_model(module, defer_grad_sync: bool = False) -> Policy:
+    return Policy(module, torch.device("cpu"), "transformers", defer_grad_sync=defer_grad_sync)
+
+
+class Capture:
+    """train_minibatch's optimizer: step() records every parameter's whole gradient (zeros where
+    it has none; FSDP2's gathered: a collective, every rank in the same order), summed over the
+    ranks by hand where `summed` (a plain module: the CP case's gradient reduction)."""
+
+    def __init__(self, module, summed: bool = False):
+        self.module, self.summed, self.grads = module, summed, None
+
+    def step(self):
+        self.grads = {}
+        for name, p in self.module.named_parameters():
+            g = whole(torch.zeros_like(p) if p.grad is None else p.grad).detach().clone()
+            if self.summed:
+                dist.all_reduce(g)
+            self.grads[name] = g
+
+    def zero_grad(self, set_to_none=True):
+        self.module.zero_grad(set_to_none=set_to_none)
 
 
 def padded(mb: dict, values: torch.Tensor) -> torch.Tensor:
@@ -177,16 +221,13 @@ def reference(model, seqs, mode: str, cfg: dict) -> tuple[dict, dict]:
                                       mb["advantages"], mb["seq_ids"], mb["loss_mask"])
     groups = torch.tensor([s["group"] for s in seqs])
     d = padded(mb, mb["denom_mask"])
-    policy = L.aggregate(padded(mb, token_loss), padded(mb, m), mode=mode, group_ids=groups,
-                         denom_mask=d,
-                         divisor=DIVISOR)
+    policy = aggregate(padded(mb, token_loss), padded(mb, m), mode=mode, group_ids=groups,
+                       denom_mask=d, divisor=DIVISOR)
     kl_token = L.kl_penalty(logp, mb["ref_logprobs"], "k3")
-    ent = L.aggregate(padded(mb, entropy), padded(mb, mb["loss_mask"]), mode="token_mean",
-                      group_ids=groups,
-                      denom_mask=d)
-    kl = L.aggregate(padded(mb, kl_token), padded(mb, mb["loss_mask"]), mode="token_mean",
-                     group_ids=groups,
-                     denom_mask=d)
+    ent = aggregate(padded(mb, entropy), padded(mb, mb["loss_mask"]), mode="token_mean",
+                    group_ids=groups, denom_mask=d)
+    kl = aggregate(padded(mb, kl_token), padded(mb, mb["loss_mask"]), mode="token_mean",
+                   group_ids=groups, denom_mask=d)
     total = policy - ENTROPY_COEF * ent + KL_COEF * kl
     total.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -213,7 +254,67 @@ class AllReduceCounter:
         dist.all_reduce = self._orig
 
 
-def run_case(models: dict, seqs, rank0_count: int, mode: str, layout: str, scaling: str) -> dict:
+class Watched(L.LossReduction):
+    """The trainer's reduction (its terms, group and cp_factor), as train_minibatch calls it,
+    watched: the all_reduces its begin_step and reported() make. `times`: the micro-batch loss
+    for backward times this (FSDP2 left averaging gradients: loss * world undoes it); `shards`:
+    begin_step counts these micro-batches' normalizers instead of the step's (a CP rank's own
+    share of the tokens)."""
+
+    def __init__(self, reduction: L.LossReduction, times: int = 1, shards: list | None = None):
+        super().__init__(reduction.terms, reduction.group, reduction.cp_factor)
+        self.times, self.shards, self.calls = times, shards, {}
+
+    def begin_step(self, microbatches: list) -> None:
+        with AllReduceCounter() as counter:
+            super().begin_step(microbatches if self.shards is None else self.shards)
+        self.calls["begin_step"] = counter.count
+
+    def __call__(self, numerators, stats=None):
+        return super().__call__(numerators, stats) * self.times
+
+    def reported(self) -> dict:
+        with AllReduceCounter() as counter:
+            out = super().reported()
+        self.calls["reported"] = counter.count
+        return out
+
+
+def step(model: Policy, reduction: Watched, mbs: list, cfg, ranks, summed: bool = False) -> dict:
+    """The trainer's step (N.train_minibatch) on `mbs`: the gradients where its optimizer steps,
+    its reported values and counters, and the all_reduces of the reduction's two collectives."""
+    capture = Capture(model.module, summed)
+    counters, reported = N.train_minibatch(model, capture, reduction,
+                                           [L.as_microbatch(mb) for mb in mbs], cfg, ranks)
+    return {"grads": capture.grads, "reported": reported, "counters": counters,
+            "begin_step_all_reduces": reduction.calls.get("begin_step"),
+            "reported_all_reduces": reduction.calls.get("reported")}
+
+
+def contract(module, objective, mbs: list) -> dict:
+    """The LossReduction contract itself under FSDP2, outside the trainer's step (which skips a
+    step with nothing to learn): every micro-batch's forward and backward, the numerators the
+    worker's own (a REINFORCE policy term, the entropy and the KL terms), the gradients and the
+    reported values."""
+    reduction = objective.reduction
+    module.zero_grad(set_to_none=True)
+    reduction.begin_step(mbs)
+    for mb in map(L.as_microbatch, mbs):
+        logp, entropy = forward(module, mb)
+        kl = L.kl_penalty(logp, mb.ref_logprobs, "k3")
+        reduction({"policy": L.masked_sum(-mb.advantages * logp, mb.loss_mask, mb.loss_weight),
+                   "entropy": L.masked_sum(entropy, mb.loss_mask),
+                   "kl": L.masked_sum(kl, mb.loss_mask)}).backward()
+    grads = {n: whole(torch.zeros_like(p) if p.grad is None else p.grad).detach().clone()
+             for n, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    return {"grads": grads, "reported": reduction.reported()}
+
+
+def run_case(models: dict, seqs, rank0_count: int, mode: str, layout: str, scaling: str,
+             zero: bool = False) -> dict:
+    """One case: the trainer's step on this rank's micro-batches; `zero` (a mini-batch without an
+    active token): also the contract's own backward of it (`contract`)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = SURROGATE_OF_MODE[mode]
     # mode weights from the WHOLE mini-batch's metadata, before any split (rule 2 of loss.py's
@@ -222,9 +323,9 @@ def run_case(models: dict, seqs, rank0_count: int, mode: str, layout: str, scali
     w, nw = L.response_weights(mode, denom, torch.tensor([s["group"] for s in seqs]), DIVISOR)
     # CP=2: every CP rank computes the loss of the gathered full sequences
     if layout == "cp_full_sequence":
-        model, mine, cp_factor = models["plain"], list(range(len(seqs))), world
+        module, mine, cp_factor = models["plain"], list(range(len(seqs))), world
     else:
-        model, cp_factor = models[scaling], 1
+        module, cp_factor = models[scaling], 1
         mine = list(range(rank0_count)) if rank == 0 else list(range(rank0_count, len(seqs)))
     budget = 10_000 if layout == "one_microbatch" else 14
     mbs = microbatches(seqs, w, nw, mine, budget)
@@ -235,36 +336,35 @@ def run_case(models: dict, seqs, rank0_count: int, mode: str, layout: str, scali
     mbs += [empty_microbatch() for _ in range(int(n) - len(mbs))]
 
     flags = {k: v for k, v in cfg.items() if k != "params"}
-    red = build(mode, DIVISOR, dist.group.WORLD, cp_factor, entropy_coef=ENTROPY_COEF,
-                kl_coef=KL_COEF, **flags)
-    model.zero_grad(set_to_none=True)
-    normalizer_mbs = mbs
-    if layout == "cp_full_sequence":  # begin_step sees this CP rank's own token shard: each once
+    objective = build(mode, DIVISOR, dist.group.WORLD, cp_factor, entropy_coef=ENTROPY_COEF,
+                      kl_coef=KL_COEF, **flags)
+    if layout == "cp_full_sequence":
+        # the trainer's rule 5: the CP group's first rank counts every token of the step once
+        # (train_minibatch), cp_factor in Z; the gradient reduction over the CP group is a sum
+        ranks = N.Ranks(rank, world, cp_rank=rank, cp_size=world)
+        model = trainer_model(module)
+        result = step(model, Watched(objective.reduction), mbs, objective.cfg, ranks, summed=True)
+
         def half(mb):
             mid = len(mb["loss_mask"]) // 2
             return slice(0, mid) if rank == 0 else slice(mid, None)
-        normalizer_mbs = [{k: mb[k][half(mb)] for k in TOKEN_KEYS} for mb in mbs]
-    with AllReduceCounter() as begin_calls:
-        red.begin_step(normalizer_mbs)
-    for mb in mbs:
-        logp, entropy = forward(model, mb)
-        loss = red(loss_inputs(mb, logp, entropy))
-        if scaling == "loss_times_world":
-            loss = loss * world  # FSDP2 averages gradients over the group: undo it
-        loss.backward()
-    with AllReduceCounter() as report_calls:
-        reported = red.reported()
-    grads = {}
-    for name, p in model.named_parameters():
-        g = torch.zeros_like(p) if p.grad is None else p.grad
-        g = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
-        if layout == "cp_full_sequence":
-            dist.all_reduce(g)  # the CP group's gradient reduction is a sum
-        grads[name] = g.detach()
+        # the contract's: each CP rank's normalizers from its own half of the tokens, each once
+        halves = [{k: mb[k][half(mb)] for k in TOKEN_KEYS} for mb in mbs]
+        result["halves"] = step(model, Watched(objective.reduction, shards=halves), mbs,
+                                objective.cfg, N.Ranks(), summed=True)
+    else:
+        # FSDP2 summing (divide factor 1), reduce-scattered once a step as the trainer defers it;
+        # or FSDP2 averaging every backward, undone by loss * world
+        times = world if scaling == "loss_times_world" else 1
+        model = trainer_model(module, defer_grad_sync=scaling == "divide_factor_1")
+        result = step(model, Watched(objective.reduction, times=times), mbs, objective.cfg,
+                      N.Ranks())
+    if zero:
+        result["contract"] = contract(module, objective, mbs)
     counts = [None] * world
     dist.all_gather_object(counts, (n_real, len(mbs)))
-    return {"grads": grads, "reported": reported, "begin_step_all_reduces": begin_calls.count,
-            "reported_all_reduces": report_calls.count, "microbatches": counts}
+    result["microbatches"] = counts
+    return result
 
 
 def make_episodes(seed: int = 3) -> list[dict]:
@@ -286,47 +386,36 @@ def make_episodes(seed: int = 3) -> list[dict]:
 
 
 def run_episode_case(model, seqs: list[dict], mode: str, budget: int = 22) -> dict:
-    """packing.py's micro-batches of this rank's groups (ranks split at a group; the budget cuts
-    through groups), each episode's policy_mask carried by its Completion, through build_loss."""
-    from types import SimpleNamespace
-
+    """The trainer's step on packing.py's micro-batches of this rank's groups (ranks split at a
+    group; the budget cuts through groups), each episode's policy_mask carried by its Completion,
+    its reduction build_loss's; `model` the HF module (FSDP2-sharded, or plain in one process)."""
     import packing
-    from rollout import Completion
+    from rollout import Completion, Sample
     rank, world = dist.get_rank(), dist.get_world_size()
     cut = next(i for i, s in enumerate(seqs) if s["group"] == 3) if world > 1 else len(seqs)
     first = 0 if rank == 0 else cut
-    samples = [SimpleNamespace(group=s["group"], prompt_ids=s["prompt"], advantage=s["advantage"],
-                               completion=Completion(s["response"], torch.where(
-                                   torch.tensor(s["m"]) > 0, s["behave"], -7.0).tolist(), "stop",
-                                   [int(x) for x in s["m"]]))
-               for s in (seqs[:cut] if rank == 0 else seqs[cut:])]
+    samples = [Sample(s["group"], s["prompt"], Completion(s["response"], torch.where(
+        torch.tensor(s["m"]) > 0, s["behave"], -7.0).tolist(), "stop", [int(x) for x in s["m"]]),
+        advantage=s["advantage"]) for s in (seqs[:cut] if rank == 0 else seqs[cut:])]
     mbs = packing.even_out(packing.pack_microbatches(samples, mode, DIVISOR, budget,
                                                      share_prompts=False), dist.group.WORLD)
     cfg = SURROGATE_OF_MODE[mode]
-    red = build(mode, DIVISOR, dist.group.WORLD, entropy_coef=ENTROPY_COEF, kl_coef=KL_COEF,
-                **{k: v for k, v in cfg.items() if k != "params"})
+    objective = build(mode, DIVISOR, dist.group.WORLD, entropy_coef=ENTROPY_COEF,
+                      kl_coef=KL_COEF, **{k: v for k, v in cfg.items() if k != "params"})
     batches = []
     for mb in mbs:
-        b = {k: getattr(mb, k) for k in ("input_ids", "position_ids", "targets", *TOKEN_KEYS)
-             if getattr(mb, k) is not None}
+        given = {}
         for key, src in (("prox_logprobs", "prox"), ("ref_logprobs", "ref")):
-            b[key] = torch.zeros(len(mb.targets))
-            for j in range(int(mb.seq_ids.max()) + 1):  # seq_ids: the sample's index in the mb
-                b[key][mb.seq_ids == j] = seqs[first + j][src].float()
-        first += int(mb.seq_ids.max()) + 1  # a padding micro-batch's is -1
-        batches.append(b)
-    model.zero_grad(set_to_none=True)
-    red.begin_step(batches)
-    for b in batches:
-        logp, entropy = forward(model, b)
-        red(loss_inputs(b, logp, entropy)).backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        g = torch.zeros_like(p) if p.grad is None else p.grad
-        grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g.clone()).detach()
+            given[key] = torch.zeros(len(mb.targets))
+            for j in mb.seq_ids[mb.seq_ids >= 0].unique().tolist():  # an index into `samples`
+                given[key][mb.seq_ids == j] = seqs[first + j][src].float()
+        batches.append(replace(mb, **given))
+    result = step(trainer_model(model, defer_grad_sync=True), Watched(objective.reduction),
+                  batches, objective.cfg, N.Ranks())
     counts = [None] * world
-    dist.all_gather_object(counts, [int(mb.seq_ids.max()) + 1 for mb in mbs])
-    return {"grads": grads, "reported": red.reported(), "samples_per_microbatch": counts}
+    dist.all_gather_object(counts, [len(mb.seq_ids[mb.seq_ids >= 0].unique()) for mb in mbs])
+    return {"grads": result["grads"], "reported": result["reported"],
+            "samples_per_microbatch": counts}
 
 
 def m2po_case() -> dict:
@@ -366,7 +455,7 @@ def main(out_path: str) -> None:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         if scaling == "divide_factor_1":
-            L.fsdp_sum_gradients(model)
+            modeling.sum_gradients(model)
         models[scaling] = model
 
     data = {}
@@ -386,8 +475,7 @@ def main(out_path: str) -> None:
         results["cases"][name] = result
     seqs, rank0_count = data["all_inactive"]
     results["cases"][ZERO_CASE] = run_case(models, seqs, rank0_count, "seq_mean",
-                                           "uneven_microbatches",
-                                           "divide_factor_1")
+                                           "uneven_microbatches", "divide_factor_1", zero=True)
     results["m2po"] = m2po_case()
     episodes = make_episodes()
     add_policy_logprobs(base, episodes)

@@ -1,5 +1,5 @@
-"""The loss tests' one reference: a LossReduction built from flags exactly as the trainer builds
-it, and the full-batch policy token loss of a surrogate and a correction written from their
+"""The loss tests' one reference: the trainer's objective built from flags exactly as the trainer
+builds it, and the full-batch policy token loss of a surrogate and a correction written from their
 formulas (loss.aggregate then applies the mode's formula to it)."""
 
 from __future__ import annotations
@@ -15,16 +15,104 @@ import loss as L
 def build(mode: str = "token_mean", divisor: float | None = None, group=None, cp_factor: int = 1,
           policy_loss: str = "ppo", eps_low=None, eps_high=None, correction: str = "none",
           correction_threshold=None, entropy_coef=0.0, kl_coef=0.0,
-          kl_estimator: str = "k3") -> L.LossReduction:
-    """build_loss from loss flags, resolved and checked as the trainer does (the divisor goes to
-    the constant mode only)."""
+          kl_estimator: str = "k3") -> Objective:
+    """The trainer's objective from loss flags, resolved and checked as the trainer does (the
+    divisor goes to the constant mode only): its flags and its LossReduction."""
     flags = L.resolve_loss_flags(policy_loss, mode, eps_low, eps_high,
                                  divisor if mode == "constant" else None, correction,
                                  correction_threshold, max_new_tokens=8)
     cfg = types.SimpleNamespace(policy_loss=policy_loss, entropy_coef=entropy_coef,
-                                kl_coef=kl_coef, kl_estimator=kl_estimator, **flags)
+                                kl_coef=kl_coef, kl_estimator=kl_estimator, temperature=1.0,
+                                grad_clip=0.0, adv_estimator="grpo", num_minibatches=1,
+                                ppo_epochs=1, **flags)
     L.check_loss_flags(cfg)
-    return L.build_loss(cfg, group=group, cp_factor=cp_factor)
+    return Objective(cfg, L.build_loss(cfg, group=group, cp_factor=cp_factor))
+
+
+class Given:
+    """A Model for the loss tests: a micro-batch's (log-probs, entropies) are forward(mb), by
+    default its own `logprobs` and `entropy` (leaves the test holds); `params` its parameters."""
+
+    def __init__(self, params: list, forward=None):
+        self.params = params
+        self.forward = forward or (lambda mb: (mb.logprobs, mb.entropy))
+        self.device, self.defer_grad_sync, self.cp_group = torch.device("cpu"), False, None
+
+    def logprobs(self, mb, temperature, grad=False, entropy_grad=False):
+        return self.forward(mb)
+
+    def set_grad_sync(self, sync: bool) -> None:
+        pass
+
+    def trainable(self) -> list:
+        return self.params
+
+
+class Capture:
+    """An optimizer for Given: step() records the parameters' gradients."""
+
+    def __init__(self, params: list):
+        self.params, self.grads, self.param_groups = params, None, []
+
+    def step(self):
+        self.grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                      for p in self.params]
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+class Objective:
+    """The trainer's step (nanoareal.train_minibatch) on micro-batches given as dicts of
+    per-token tensors, their log-probs Given: (gradients, reported values, counters)."""
+
+    def __init__(self, cfg, reduction: L.LossReduction):
+        self.cfg, self.reduction = cfg, reduction
+
+    def run(self, mbs: list, params: list, forward=None, ranks=None):
+        import nanoareal as N
+        model, optimizer = Given(params, forward), Capture(params)
+        for p in params:
+            p.grad = None
+        batches = [L.as_microbatch(mb) for mb in mbs]
+        counters, stats = N.train_minibatch(model, optimizer, self.reduction, batches, self.cfg,
+                                            ranks or N.Ranks())
+        grads = optimizer.grads or [torch.zeros_like(p) for p in params]
+        return grads, stats, counters
+
+    @property
+    def Z(self) -> dict:
+        return self.reduction.Z
+
+
+def aggregate(token_loss: torch.Tensor, loss_mask: torch.Tensor, *, mode: str,
+              group_ids: torch.Tensor, denom_mask: torch.Tensor | None = None,
+              divisor: float | None = None) -> torch.Tensor:
+    """Reference: each mode's full-batch objective on padded [B, T] tensors in one process,
+    straight from its formula (not from `response_weights`). An empty denominator gives 0."""
+    m = loss_mask.to(token_loss.dtype)
+    d = m if denom_mask is None else denom_mask.to(token_loss.dtype)
+    if m.shape != token_loss.shape or d.shape != token_loss.shape:
+        raise ValueError(f"masks {tuple(m.shape)}/{tuple(d.shape)} must equal token_loss "
+                         f"{tuple(token_loss.shape)}")
+    num, M = (m * token_loss).sum(dim=1), d.sum(dim=1)  # per response: sum_t m l, M_i
+    N, zero = int((M > 0).sum()), num.sum() * 0.0  # zero: times the loss, so the graph stays finite
+    if mode == "token_mean":
+        return num.sum() / d.sum() if d.sum() > 0 else zero
+    if mode == "seq_mean":
+        return (num[M > 0] / M[M > 0]).sum() / N if N > 0 else zero
+    if mode == "constant":
+        L.constant(M, group_ids, divisor)  # the divisor's check
+        return num.sum() / (N * divisor) if N > 0 else zero
+    if mode == "prompt_mean":
+        per_group = []
+        for g in torch.unique(group_ids):
+            D = M[group_ids == g].sum()
+            if D > 0:
+                per_group.append(num[group_ids == g].sum() / D)
+        return sum(per_group, zero) / len(per_group) if per_group else zero
+    raise ValueError(f"aggregate: no reference for mode {mode!r}; write one for a new mode")
 
 
 @contextlib.contextmanager
@@ -80,7 +168,7 @@ class GradCapture:
     gradients (whole(): gathered under FSDP2) of the parameters that have one."""
 
     def __init__(self, model):
-        self.model, self.grads = model, {}
+        self.model, self.grads = getattr(model, "module", model), {}
 
     def step(self):
         self.grads = {n: whole(p.grad).clone() for n, p in self.model.named_parameters()

@@ -12,6 +12,20 @@ managers/io_struct.py, managers/schedule_batch.py, model_executor weight updater
       generation_config.json, the tokenizer's), none with ignore_eos. A stop sampled as the last
       allowed token finishes "length" before 0.5.18 (check_finished tests the length first),
       "stop" from 0.5.18 (update_finish_state tests the tokens first).
+      Context (context_len: the model's max_position_embeddings): the tokenizer manager refuses
+      input_len >= context_len, and input_len + max_new_tokens >= context_len (0.5.10) or >
+      context_len (0.5.11+): one bad request fails the whole batch, 400. Its scheduler then caps
+      max_new_tokens at max_req_len - input_len - 1 and aborts input_len >= max_req_len - 5,
+      max_req_len = context_len - 1 (a token pool never smaller here).
+      "stream": true (one request, not a batch) -> HTTP 200, text/event-stream: "data: {chunk}\n\n"
+      per token (stream_interval 1), then "data: [DONE]\n\n"; finish_reason null until the last
+      chunk. output_ids and output_token_logprobs are everything so far, or with
+      info["incremental_streaming_output"] only the new tokens (0.5.10: output_ids only, its
+      log-probs stay cumulative). An error is one chunk {"error": {"message"}} then [DONE], on
+      HTTP 200. A request aborted mid-stream (/abort_request) ends with an abort chunk.
+      With "logprob_start_len" k (and return_logprob), also "input_token_logprobs": [None] and
+      the log-probs of tokens k+1.. at temperature 1; max_new_tokens 0 generates nothing (a
+      prefill-only request: a teacher's scores).
     POST /abort_request {"rid"}     200; recorded in `aborted`, a request still running aborts
     GET  /health_generate           200, 503 while starting
     GET  /server_info               `info` (tp/pp/dp sizes, dtype, ...) and version; before 0.5.10
@@ -29,7 +43,9 @@ managers/io_struct.py, managers/schedule_batch.py, model_executor weight updater
                                     session) and loads them
 
 Faults (each counts down per /generate): `abort_after` = (n_requests, k_tokens), `fail_5xx` = n,
-`slow` = (n, seconds); `gate_at` = n holds every /generate until n are in flight (5 s at most);
+`slow` = (n, seconds), `stall` = (n, k_tokens, seconds): a stream sends k tokens, then nothing for
+that long (then goes on, to a client that may have hung up; a plain answer comes that much
+later); `gate_at` = n holds every /generate until n are in flight (5 s at most);
 `start_delay` keeps /health_generate at 503; `refuse_session` = a message refuses
 /begin_weight_update; `reject_sampling_seed` answers as a server without that field.
 """
@@ -73,9 +89,14 @@ class StandinSGLangServer:
             v < (0, 5, 10)
         self.info_route = "/get_server_info" if legacy else "/server_info"
         self.info = {"tp_size": tp_size, "pp_size": 1, "dp_size": 1, "dtype": "float32",
-                     "enable_deterministic_inference": False, "enable_fp32_lm_head": False}
+                     "enable_deterministic_inference": False, "enable_fp32_lm_head": False,
+                     "incremental_streaming_output": False, "stream_interval": 1}
+        self.refuse_at_limit = v < (0, 5, 11)  # input + max_new_tokens >= context_len refused
+        self.cumulative_logprobs = v < (0, 5, 11)  # in a stream, even incremental_streaming_output
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        eos = [AutoConfig.from_pretrained(model_path).eos_token_id, self.tokenizer.eos_token_id]
+        config = AutoConfig.from_pretrained(model_path)
+        self.context_len = config.max_position_embeddings
+        eos = [config.eos_token_id, self.tokenizer.eos_token_id]
         try:
             eos.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
         except OSError:  # no generation_config.json
@@ -96,6 +117,7 @@ class StandinSGLangServer:
         self.abort_after: tuple[int, int] | None = None
         self.fail_5xx = 0
         self.slow: tuple[int, float] | None = None
+        self.stall: tuple[int, int, float] | None = None
         self.reject_sampling_seed = False
         self.refuse_session: str | None = None
         self.session: dict | None = None  # {"loaded": bool} while a weight-update session is open
@@ -120,7 +142,7 @@ class StandinSGLangServer:
 
     # -- SGLang semantics
 
-    def _fault(self) -> tuple[str | None, float]:
+    def _fault(self) -> tuple[str | None, object]:
         with self.lock:
             if self.fail_5xx > 0:
                 self.fail_5xx -= 1
@@ -131,25 +153,51 @@ class StandinSGLangServer:
             if self.abort_after and self.abort_after[0] > 0:
                 self.abort_after = (self.abort_after[0] - 1, self.abort_after[1])
                 return "abort", float(self.abort_after[1])
+            if self.stall and self.stall[0] > 0:
+                self.stall = (self.stall[0] - 1, *self.stall[1:])
+                return "stall", self.stall[1:]
         return None, 0.0
 
-    def _generate_one(self, input_ids: list[int], sp: dict, rid: str, abort_k: int | None) -> dict:
+    def _validate(self, input_ids: list[int], sp: dict) -> None:
+        """The tokenizer manager's checks (_validate_one_request), before anything is scheduled."""
+        n, max_new = len(input_ids), sp.get("max_new_tokens")
+        if n >= self.context_len:
+            raise ValueError(f"The input ({n} tokens) is longer than the model's context length "
+                             f"({self.context_len} tokens).")
+        total = n + int(max_new or 0)
+        if max_new is not None and (total > self.context_len or (
+                self.refuse_at_limit and total == self.context_len)):
+            raise ValueError(f"Requested token count exceeds the model's maximum context length "
+                             f"of {self.context_len} tokens. You requested a total of {total} "
+                             f"tokens: {n} tokens from the input messages and {max_new} tokens "
+                             "for the completion.")
+
+    def _generate_one(self, input_ids: list[int], sp: dict, rid: str, abort_k: int | None,
+                      start: int | None = None) -> dict:
         t0 = time.monotonic()
         if unknown := set(sp) - SAMPLING_KEYS:
             raise ValueError("SamplingParams.__init__() got an unexpected keyword argument "
                              f"{sorted(unknown)[0]!r}")
-        max_new = int(sp.get("max_new_tokens", 128))
+        max_req_len = self.context_len - 1  # the scheduler's: silently caps, aborts long inputs
+        max_new = min(int(sp.get("max_new_tokens", 128)), max_req_len - len(input_ids) - 1)
         stops = [] if sp.get("ignore_eos") else sorted(set(sp.get("stop_token_ids") or [])
                                                        | self.eos_ids)
-        sampling = SamplingParams(max_new, float(sp.get("temperature", 1.0)),
+        sampling = SamplingParams(max(max_new, 0), float(sp.get("temperature", 1.0)),
                                   float(sp.get("top_p", 1.0)), int(sp.get("top_k", -1)), stops)
-        with self.lock:
-            c = self.engine.generate([input_ids], sampling, [int(sp.get("sampling_seed", 0))])[0]
-        ids, lps = c.output_ids, c.logprobs
-        if c.finish_reason == "stop" and (self.stop_first or len(ids) < max_new):
-            finish = {"type": "stop", "matched": ids[-1]}
-        else:  # FINISH_LENGTH(length=max_new_tokens)
-            finish = {"type": "length", "length": max_new}
+        if len(input_ids) >= max_req_len - 5:  # handle_generate_request: aborted, unscheduled
+            ids, lps = [], []
+            finish = {"type": "abort", "message": f"Input length ({len(input_ids)} tokens) "
+                      f"exceeds the maximum allowed length ({max_req_len - 5} tokens).",
+                      "status_code": 400, "err_type": "BadRequestError"}
+        else:
+            with self.lock:
+                c = self.engine.generate([input_ids], sampling,
+                                         [int(sp.get("sampling_seed", 0))])[0]
+            ids, lps = c.output_ids, c.logprobs
+            if c.finish_reason == "stop" and (self.stop_first or len(ids) < max_new):
+                finish = {"type": "stop", "matched": ids[-1]}
+            else:  # FINISH_LENGTH(length=max_new_tokens)
+                finish = {"type": "length", "length": max_new}
         if (abort_k is not None and abort_k < len(ids)) or rid in self.aborted:
             ids, lps = ids[:abort_k], lps[:abort_k]
             finish = {"type": "abort", "message": "Abort in waiting queue", "status_code": None,
@@ -164,7 +212,21 @@ class StandinSGLangServer:
                 "meta_info": {"id": rid, "finish_reason": finish, "prompt_tokens": len(input_ids),
                               "completion_tokens": len(ids), "cached_tokens": self.cached[rid],
                               "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)],
-                              "e2e_latency": time.monotonic() - t0}}
+                              "e2e_latency": time.monotonic() - t0}
+                | ({} if start is None else {"input_token_logprobs": self._inputs(input_ids,
+                                                                                   start)})}
+
+    def _inputs(self, input_ids: list[int], start: int) -> list:
+        """input_token_logprobs from logprob_start_len `start` (SGLang's tokenizer manager:
+        [None] + the log-probs of tokens start+1.. given their prefix), at temperature 1
+        (0.5.13+: plain log_softmax, whatever the request's temperature)."""
+        with self.lock, torch.no_grad():
+            ids = torch.tensor([input_ids])
+            logp = self.engine.model(input_ids=ids, use_cache=False).logits[0].float()
+            logp = logp.log_softmax(-1)
+        values = [None] + [logp[j - 1, input_ids[j]].item()
+                           for j in range(start + 1, len(input_ids))]
+        return [[v, t, None] for v, t in zip(values, input_ids[start:])]
 
     def _load(self, tensors: dict) -> None:
         own = self.engine.model.state_dict()
@@ -300,8 +362,12 @@ class StandinSGLangServer:
                 sp = body.get("sampling_params") or {}
                 first = sp if isinstance(sp, dict) else sp[0]
                 if server.reject_sampling_seed and "sampling_seed" in first:
-                    return self._send(400, {"error": "SamplingParams.__init__() got an "
-                                            "unexpected keyword argument 'sampling_seed'"})
+                    error = {"message": "SamplingParams.__init__() got an unexpected keyword "
+                             "argument 'sampling_seed'"}
+                    if body.get("stream"):
+                        self._events([{"error": error}])
+                        return None
+                    return self._send(400, {"error": error})
                 ids = body["input_ids"]
                 batch = bool(ids) and isinstance(ids[0], list)
                 rows = ids if batch else [ids]
@@ -310,12 +376,65 @@ class StandinSGLangServer:
                 rids = rid if isinstance(rid, list) else [f"{rid}-{i}" if batch else rid
                                                           for i in range(len(rows))]
                 abort_k = int(arg) if fault == "abort" else None
+                stream = bool(body.get("stream"))
+                if stream and batch:
+                    return self._send(400, {"error": {"message": "the stand-in streams one "
+                                                      "request at a time"}})
                 try:
-                    outs = [server._generate_one(r, s, i, abort_k)
+                    for r, s in zip(rows, sps):  # every request first: one bad fails them all
+                        server._validate(r, s)
+                    start = body.get("logprob_start_len") if body.get("return_logprob") else None
+                    outs = [server._generate_one(r, s, i, abort_k, start)
                             for r, s, i in zip(rows, sps, rids)]
                 except ValueError as e:
+                    if stream:  # an error inside a stream: one chunk, then [DONE], on HTTP 200
+                        self._events([{"error": {"message": str(e)}}])
+                        return None
                     return self._send(400, {"error": {"message": str(e)}})
+                if stream:
+                    return self._stream(outs[0], arg if fault == "stall" else None, rids[0])
+                if fault == "stall":  # the whole answer waits: nothing is sent before it ends
+                    time.sleep(arg[1])
                 self._send(200, outs if batch else outs[0])
+
+            def _events(self, chunks) -> None:
+                """Server-sent events: each chunk as it comes, then [DONE]."""
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()  # HTTP/1.0: the body ends when the connection closes
+                for chunk in chunks:
+                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    self.wfile.flush()
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+
+            def _stream(self, out: dict, stall: tuple | None, rid: str) -> None:
+                """One chunk per token (stream_interval 1); `stall` = (k, seconds): a pause after k
+                tokens; a request aborted meanwhile ends with an abort chunk."""
+                n = len(out["output_ids"])
+                def chunks():
+                    for i in range(max(n, 1)):
+                        if stall is not None and i == stall[0]:
+                            time.sleep(stall[1])  # the client may time out and hang up
+                        if rid in server.aborted:
+                            yield _chunk(out, i, i, {"type": "abort", "message": "Abort request"})
+                            return
+                        last = min(i + 1, n) == n
+                        yield _chunk(out, i, min(i + 1, n),
+                                     out["meta_info"]["finish_reason"] if last else None)
+                self._events(chunks())
+
+        def _chunk(out: dict, start: int, stop: int, finish) -> dict:
+            """Tokens [start, stop) of `out` as a stream's chunk: everything up to `stop`, or with
+            incremental_streaming_output only these (0.5.10: its log-probs stay cumulative)."""
+            new_ids = bool(server.info.get("incremental_streaming_output"))
+            new_pairs = new_ids and not server.cumulative_logprobs
+            ids, meta = out["output_ids"], out["meta_info"]
+            return {"text": server.tokenizer.decode(ids[:stop]),
+                    "output_ids": ids[start if new_ids else 0 : stop],
+                    "meta_info": meta | {"finish_reason": finish, "completion_tokens": stop,
+                                         "output_token_logprobs": meta["output_token_logprobs"][
+                                             start if new_pairs else 0 : stop]}}
 
         return Handler
 

@@ -1,0 +1,476 @@
+"""Attention over packed rows: 1-D runs of tokens from many sequences, their `segments` [R, 4]
+saying who attends to what. A segment (q_start, q_len, ctx_start, ctx_len) is q_len tokens that
+attend causally to ctx_len earlier tokens of the row (a shared prompt's prefix), then to
+themselves. Three paths compute the same attention:
+
+- plain: one segment at a time, its keys gathered and masked (the reference: read it first);
+- padded: segments copied into rows of slots, rows of similar widths run together by SDPA;
+- varlen: a varlen kernel (flash-attn, or PyTorch's own) on bf16 on a GPU.
+
+Ulysses context parallel: each rank runs a contiguous 1/N of a row; all-to-alls trade tokens for
+heads around the kernel, so attention sees whole sequences (row_inputs, _Swap, gather_row)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+# the padded path: short segments sharing a context (a group's completions and their prompt)
+# share one row of at most this many slots: a CPU's sdpa costs per row, and 8 x 10 slots cost
+# more than 32
+GROUP_ROW_SLOTS = 64
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Rows of `width` slots that one kernel call runs, from slot `first` of the grid. A copied
+    context fills the first `lead` slots of each row: keys alone, no query computed there."""
+    first: int
+    rows: int
+    width: int
+    lead: int = 0
+    mask: Tensor | None = None  # [rows, 1, width - lead, width] who sees whom; None: causal
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A packed row's attention, built on the host once per micro-batch. `path` says which parts
+    are set: "varlen" (k_index, cu_q, cu_k, max_q, max_k), "padded" (grid, out, pos, buckets)
+    or "plain" (the segments alone)."""
+    segments: list  # [[q_start, q_len, ctx_start, ctx_len], ...]: ints (FSDP2 moves tensors)
+    path: str
+    kernel: object = None  # the varlen kernel
+    cp_group: object = None  # the ranks that share the row (Ulysses)
+    k_index: Tensor | None = None  # each segment's keys, in order: its context's, then its own
+    cu_q: Tensor | None = None  # where each segment's queries start (and the end)
+    cu_k: Tensor | None = None  # where each segment's keys start in k_index (and the end)
+    max_q: int = 0
+    max_k: int = 0
+    grid: Tensor | None = None  # slot -> the token it holds (padding slots read token 0)
+    out: Tensor | None = None  # token -> the slot of its query
+    pos: Tensor | None = None  # slot -> its position in its sequence (windows)
+    buckets: list[Bucket] = field(default_factory=list)
+
+    def to(self, device) -> Layout:
+        """The index tensors on `device`."""
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                moved[f.name] = value.to(device, non_blocking=True)
+        buckets = []
+        for b in self.buckets:
+            mask = None if b.mask is None else b.mask.to(device, non_blocking=True)
+            buckets.append(replace(b, mask=mask))
+        return replace(self, **moved, buckets=buckets)
+
+
+def segments_from_positions(position_ids: Tensor) -> Tensor:
+    """Segments [R, 4] (start, len, 0, 0) of a row of whole sequences (positions restart at 0)."""
+    start = torch.nonzero(position_ids.flatten() == 0).flatten()
+    length = torch.diff(start, append=start.new_tensor([position_ids.numel()]))
+    return F.pad(torch.stack([start, length], 1), (0, 2))
+
+
+def check_segments(segments: Tensor, num_tokens: int) -> None:
+    """A packed row's segments [R, 4] are on the host (packing makes them there: a copy from a
+    device would sync), cover its num_tokens tokens in order, and take context from earlier ones."""
+    if segments.device.type != "cpu":
+        raise ValueError(f"segments must be a CPU tensor, got one on {segments.device}")
+    q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
+    in_order = (q_start == torch.cumsum(q_len, 0) - q_len).all()
+    if int(q_len.sum()) != num_tokens or not in_order:
+        raise ValueError(f"segments must cover the {num_tokens} tokens of the row in order, got "
+                         f"{segments.tolist()}")
+    ctx_end = ctx_start + ctx_len
+    later = (ctx_len > 0) & (ctx_end > q_start)
+    if ((ctx_start < 0) | later | (ctx_len < 0)).any():
+        raise ValueError("a segment's context must be earlier tokens of the row, got "
+                         f"{segments.tolist()}")
+
+
+def attention_layout(segments: Tensor, num_tokens: int, device: torch.device | None = None,
+                     kernel=None, cp_group=None, plain: bool = False) -> Layout:
+    """The row's Layout on `device` for a varlen `kernel`, else for the padded path (`plain`:
+    the reference path, nothing built)."""
+    check_segments(segments, num_tokens)
+    if plain:
+        return Layout(segments.tolist(), "plain", cp_group=cp_group)
+    if kernel is not None:
+        return varlen_layout(segments, kernel, cp_group).to(device)
+    return padded_layout(segments, num_tokens, cp_group).to(device)
+
+
+def varlen_layout(segments: Tensor, kernel, cp_group) -> Layout:
+    """k_index gathers each segment's keys: its context (a shared prefix), then itself;
+    cu_q and cu_k delimit each segment's queries and keys (bottom-right causal)."""
+    q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
+    row_len = ctx_len + q_len
+    j = torch.arange(int(row_len.max()))[None]
+    in_ctx = j < ctx_len[:, None]
+    src = torch.where(in_ctx, ctx_start[:, None] + j, q_start[:, None] + j - ctx_len[:, None])
+    return Layout(segments.tolist(), "varlen", kernel, cp_group,
+                  k_index=src[j < row_len[:, None]],
+                  cu_q=F.pad(q_len.cumsum(0), (1, 0)).int(),
+                  cu_k=F.pad(row_len.cumsum(0), (1, 0)).int(),
+                  max_q=int(q_len.max()), max_k=int(row_len.max()))
+
+
+def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
+    """Rows of slots (a row: pieces of the token stream, copied contexts as keys), sorted into
+    buckets: rows longest first, copied contexts' apart, one kernel call per bucket. A row of L
+    slots in a bucket W wide costs W^2, not L^2, so a bucket takes rows down to W / sqrt(2)."""
+    q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
+    rows, size, masked = _padded_rows(segments.tolist(), int((ctx_len + q_len).max())
+                                      <= GROUP_ROW_SLOTS)
+    order = sorted(range(len(rows)), key=lambda r: (rows[r][0][3], -size[r]))
+    rows = [rows[r] for r in order]
+    size = [size[r] for r in order]
+    buckets = _buckets(rows, size)
+    start, length, seg, query = (torch.tensor(x) for x in zip(*sum(rows, [])))
+    slots = sum(b.rows * b.width for b in buckets)
+    # every piece's tokens, and the slot each goes to: its row's first slot + its offset
+    n = torch.arange(int(length.sum()))
+    piece_start = torch.cumsum(length, 0) - length
+    tok = torch.repeat_interleave(start - piece_start, length) + n
+    seg = torch.repeat_interleave(seg, length)
+    query = torch.repeat_interleave(query, length)
+    size = torch.tensor(size)
+    row = torch.repeat_interleave(torch.arange(len(rows)), size)
+    first = torch.tensor([b.first + i * b.width for b in buckets for i in range(b.rows)])
+    row_start = torch.cumsum(size, 0) - size
+    flat = first[row] + n - row_start[row]
+    grid, pos = torch.zeros(2, slots, dtype=torch.long)
+    grid[flat] = tok
+    pos[flat] = torch.where(query, ctx_len[seg] + tok - q_start[seg], tok - ctx_start[seg])
+    out = torch.empty(num_tokens, dtype=torch.long).index_put_((tok[query],), flat[query])
+    if masked:  # rows of several segments: a query sees its context and its own past
+        owner = torch.full((slots,), -1).index_put_((flat[query],), seg[query])
+        of_token = torch.repeat_interleave(torch.arange(len(segments)), q_len)
+        real = torch.zeros(slots, dtype=torch.bool).index_fill_(0, flat, True)
+        buckets = [replace(b, mask=_row_mask(b, owner, grid, real, of_token, ctx_start, ctx_len))
+                   for b in buckets]
+    else:  # one segment a row: causal, past a copied context bottom-right causal
+        buckets = [replace(b, mask=_tail_mask(b.width, b.lead)) for b in buckets]
+    return Layout(segments.tolist(), "padded", None, cp_group, grid=grid, out=out, pos=pos,
+                  buckets=buckets)
+
+
+def _padded_rows(segments: list, short: bool) -> tuple[list, list, bool]:
+    """(rows, their sizes, whether any needs a mask) of the padded path: a row holds pieces (first
+    token, length, segment, is query), a copied context keys only. A segment whose context starts a
+    context-free one (its prompt) joins its row: while rows are `short`, several (a mask then);
+    else the first whose context is all of it (still causal)."""
+    rows, size, host, masked = [], [], {}, False
+    for i, (qs, ql, cs, cl) in enumerate(segments):
+        r = host.get(cs) if cl else None
+        fits = r is not None and cl <= rows[r][0][1]
+        if fits and short:
+            fits = size[r] + ql <= GROUP_ROW_SLOTS
+        elif fits:
+            fits = size[r] == cl
+        if fits:
+            masked |= size[r] != cl  # its context is not all the row before it
+            rows[r].append((qs, ql, i, True))
+            size[r] += ql
+            continue
+        if not cl:
+            host[qs] = len(rows)
+        rows.append([(cs, cl, i, False)] * (cl > 0) + [(qs, ql, i, True)])
+        size.append(cl + ql)
+    return rows, size, masked
+
+
+def _buckets(rows: list, size: list) -> list[Bucket]:
+    """Consecutive rows (sorted) in buckets of similar widths; a copied-context row's bucket
+    leads with the shortest of its rows' contexts."""
+    buckets, slots = [], 0
+    for row, width in zip(rows, size):
+        lead = 0 if row[0][3] else row[0][1]  # a copied context first: its length
+        new = not buckets or (lead > 0) != (buckets[-1].lead > 0)
+        if not new and buckets[-1].width > GROUP_ROW_SLOTS:
+            new = 2 * width * width < buckets[-1].width ** 2
+        if new:
+            buckets.append(Bucket(slots, 0, width, lead))
+        last = buckets[-1]
+        buckets[-1] = replace(last, rows=last.rows + 1, lead=min(last.lead, lead))
+        slots += last.width
+    return buckets
+
+
+def _tail_mask(width: int, lead: int) -> Tensor | None:
+    """A copied context's rows: queries past its `lead` slots, bottom-right causal."""
+    return torch.ones(width, width, dtype=torch.bool).tril()[lead:] if lead else None
+
+
+def _row_mask(b: Bucket, owner, grid, real, of_token, ctx_start, ctx_len) -> Tensor:
+    """[rows, 1, slots, slots]: a query slot (of segment `owner`) sees its context and its own
+    past; padding and a copied context's slots see themselves alone."""
+    part = slice(b.first, b.first + b.rows * b.width)
+    own = owner[part].view(b.rows, b.width, 1)
+    key = grid[part].view(b.rows, 1, b.width)
+    o = own.clamp(min=0)
+    own_past = (of_token[key] == own) & (key <= key.transpose(1, 2))
+    in_ctx = (key >= ctx_start[o]) & (key < ctx_start[o] + ctx_len[o])
+    sees = (own_past | in_ctx) & real[part].view(b.rows, 1, b.width) & (own >= 0)
+    return (sees | torch.eye(b.width, dtype=torch.bool))[:, None, b.lead:]
+
+
+# -----------------------------------------------------------------------------
+# the three paths: q [H, T, D], k/v [Hkv, T, D] -> [T, H, D]; `window` as HF's sliding_window
+# (the last `window` keys, itself included), `softcap` as Gemma 2's
+def plain_attention(q, k, v, segments: list, scaling: float, dropout: float = 0.0,
+                    window: int | None = None, softcap: float | None = None) -> Tensor:
+    """The reference path: each segment's queries against its context's keys, then its own up to
+    themselves, one segment at a time; a key at position j is seen from position i if j <= i
+    (and i - j < window); scores softcapped."""
+    out = []
+    for q_start, q_len, ctx_start, ctx_len in segments:
+        keys = [*range(ctx_start, ctx_start + ctx_len), *range(q_start, q_start + q_len)]
+        kk = k[:, keys].repeat_interleave(q.shape[0] // k.shape[0], 0)
+        vv = v[:, keys].repeat_interleave(q.shape[0] // v.shape[0], 0)
+        scores = q[:, q_start : q_start + q_len] @ kk.transpose(1, 2) * scaling
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        i = torch.arange(q_len, device=q.device)[:, None] + ctx_len  # positions in the sequence
+        j = torch.arange(len(keys), device=q.device)[None]
+        sees = j <= i
+        if window:
+            sees = sees & (i - j < window)
+        weights = F.dropout(scores.masked_fill(~sees, float("-inf")).softmax(-1), dropout)
+        out.append((weights @ vv).transpose(0, 1))
+    return torch.cat(out)
+
+
+def segment_attention(q, k, v, layout: Layout, scaling: float | None = None,
+                      dropout: float = 0.0, window: int | None = None,
+                      softcap: float | None = None) -> Tensor:
+    """The row's attention on its layout's path. Varlen gathers each segment's keys (context, then
+    itself); padded runs each bucket of rows of slots (cost ~ rows * slots^2, not T^2);
+    index_select sums a copied context's gradients."""
+    scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
+    args = (scaling, dropout, window, softcap)
+    if layout.path == "plain":
+        return plain_attention(q, k, v, layout.segments, *args)
+    if layout.path == "varlen":
+        k, v = (x.transpose(0, 1).index_select(0, layout.k_index) for x in (k, v))
+        return layout.kernel(q.transpose(0, 1), k, v, layout, *args)
+    outs = []
+    for b in layout.buckets:
+        part = slice(b.first, b.first + b.rows * b.width)
+        pos = layout.pos[part].view(b.rows, b.width)
+        outs.append(_padded_attention(q, k, v, layout.grid[part], pos, b, *args))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.index_select(0, layout.out)
+
+
+def _padded_attention(q, k, v, grid, pos, b: Bucket, scaling, dropout, window, softcap):
+    """One bucket's rows of slots (`grid`: slot -> token, `pos` [rows, slots]) -> [rows * slots,
+    H, D]; no query in the `lead` slots (zeros there)."""
+    rows, width = pos.shape
+    # [h, T, D] -> [rows, h, slots, D]
+    q, k, v = (x.transpose(0, 1).index_select(0, grid).unflatten(0, (rows, width))
+               .transpose(1, 2) for x in (q, k, v))
+    if window is None and softcap is None:
+        out = F.scaled_dot_product_attention(
+            q[:, :, b.lead:], k, v, attn_mask=b.mask, is_causal=b.mask is None,
+            dropout_p=dropout, scale=scaling, enable_gqa=True)
+        out = F.pad(out, (0, 0, b.lead, 0))
+    else:  # a window is a band of positions: a query at p sees keys at p - window < p' <= p
+        if b.mask is None:
+            keep = q.new_ones(width, width, dtype=torch.bool).tril()
+        else:
+            keep = F.pad(b.mask, (0, 0, b.lead, 0), value=True)  # lead rows: never read
+        if window is not None:
+            keep = keep & (pos[:, None, :, None] - pos[:, None, None, :] < window)
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+        scores = (q @ k.transpose(-1, -2)) * scaling
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        out = F.dropout(scores.masked_fill(~keep, float("-inf")).softmax(-1), dropout) @ v
+    return out.transpose(1, 2).flatten(0, 1)
+
+
+def packed_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0, layout=None,
+                     sliding_window=None, softcap=None, s_aux=None, **kwargs):
+    """transformers attention "packed": q [1, H, T, D], k/v [1, Hkv, T, D] -> ([1, T, H, D], None);
+    the row in `layout` (attention_mask is None); under CP, T is this rank's chunk (Ulysses)."""
+    if layout is None:
+        raise RuntimeError("packed attention needs the row's layout: call policy_logprobs")
+    if s_aux is not None:
+        raise NotImplementedError("attention sinks (s_aux) are not supported")
+    args = (scaling, dropout, sliding_window or None, softcap or None)
+    group = layout.cp_group
+    if group is None:
+        return segment_attention(q[0], k[0], v[0], layout, *args)[None], None
+    n = dist.get_world_size(group)
+    if k.shape[1] % n:  # too few KV heads to split: repeat each, every rank gets the ones it needs
+        k, v = (x.repeat_interleave(n // math.gcd(x.shape[1], n), 1) for x in (k, v))
+    q, k, v = (_Swap.apply(x, group, 1, 2) for x in (q, k, v))
+    out = segment_attention(q[0], k[0], v[0], layout, *args)  # [S, H/N, D]
+    return _Swap.apply(out.transpose(0, 1)[None], group, 2, 1).transpose(1, 2), None
+
+
+# -----------------------------------------------------------------------------
+# varlen kernels: (q [Tq, H, D], k/v [Tk, Hkv, D], layout, scaling, dropout, window, softcap)
+def _flash_attn_kernel(q, k, v, layout, scaling, dropout, window, softcap):
+    """flash-attn 2 (>= 2.6): bottom-right causal; window_size=(w-1, 0) keeps the last w keys."""
+    from flash_attn import flash_attn_varlen_func
+    return flash_attn_varlen_func(q, k, v, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
+                                  dropout_p=dropout, softmax_scale=scaling, causal=True,
+                                  window_size=(window - 1 if window else -1, 0),
+                                  softcap=softcap or 0.0)
+
+
+@functools.cache
+def _params(fn) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
+    """PyTorch's bundled FA2 varlen_attn: flash-attn's window_size and bottom-right causal mask."""
+    from torch.nn.attention.varlen import varlen_attn
+    if softcap or dropout:
+        raise NotImplementedError("torch varlen_attn has no softcap or dropout")
+    gqa = {}
+    if k.shape[1] != q.shape[1]:
+        gqa = varlen_gqa(q.device, q.dtype)
+    if gqa is None:  # this torch's kernel takes equal head counts alone: repeat the KV heads
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+        gqa = {}
+    window_size = (window - 1 if window else -1, 0)
+    return varlen_attn(q, k, v, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
+                       scale=scaling, window_size=window_size, **gqa)
+
+
+@functools.cache
+def varlen_gqa(device: torch.device, dtype: torch.dtype) -> dict | None:
+    """How torch's varlen_attn takes fewer KV heads than query heads, probed once per device and
+    dtype: the keywords to pass ({"enable_gqa": True} from torch 2.12, {} where its kernel takes
+    them as they are), or None where it computes them wrong or refuses them (repeat them)."""
+    from torch.nn.attention.varlen import varlen_attn
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, heads, 8, generator=g).to(device, dtype) for heads in (4, 2, 2))
+    cu = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    causal = {"window_size": (-1, 0)}
+    gqa = {"enable_gqa": True} if "enable_gqa" in _params(varlen_attn) else {}
+    try:
+        kk, vv = (x.repeat_interleave(2, 1) for x in (k, v))
+        want = varlen_attn(q, kk, vv, cu, cu, 3, 3, **causal)
+        got = varlen_attn(q, k, v, cu, cu, 3, 3, **causal, **gqa)
+    except Exception:  # it refuses unequal head counts
+        return None
+    return gqa if torch.allclose(got.float(), want.float(), atol=1e-2) else None
+
+
+KERNELS = {"flash_attn": _flash_attn_kernel, "torch_varlen": _torch_varlen_kernel}
+
+
+def choose_attention(requested: str, device: torch.device, half: bool, softcap: bool
+                     ) -> tuple[str, object, str]:
+    """(path, kernel, why) for `requested` (auto, a KERNELS name, sdpa or plain): a varlen kernel
+    (flash-attn, else PyTorch's) for half compute on a GPU, else the padded path (sdpa); one
+    requested that cannot run here raises ValueError."""
+    reasons = _kernel_problems(device, half, softcap)
+    if requested != "auto":
+        if requested in reasons:
+            raise ValueError(f"--attention {requested} cannot run here: {reasons[requested]}")
+        return requested, KERNELS.get(requested), "as requested"
+    path = next((p for p in KERNELS if p not in reasons), "sdpa")
+    skipped = {} if path == "flash_attn" else reasons  # only paths before `path` have reasons
+    if len(skipped) > 1 and len(set(skipped.values())) == 1:  # one reason for all: say it once
+        return path, KERNELS.get(path), f"not {' nor '.join(skipped)}: {reasons['flash_attn']}"
+    why = "; ".join(f"not {k}: {v}" for k, v in skipped.items())
+    return path, KERNELS.get(path), why
+
+
+def _kernel_problems(device: torch.device, half: bool, softcap: bool) -> dict[str, str]:
+    """Why each varlen kernel cannot run here (none: it can)."""
+    if device.type != "cuda" or not half:
+        reason = "it needs bf16/fp16 compute on a GPU"
+        return {"flash_attn": reason, "torch_varlen": reason}
+    reasons = {}
+    try:
+        import flash_attn
+        if not hasattr(flash_attn, "flash_attn_varlen_func"):  # flash-attn-4's namespace
+            raise ImportError("this flash_attn has no flash_attn_varlen_func (flash-attn 2)")
+    except Exception as e:  # an ABI mismatch raises ImportError or OSError
+        reasons["flash_attn"] = f"flash-attn is not usable ({type(e).__name__}: {e})"
+    try:  # torch 2.10's varlen_attn has neither scale nor window_size; 2.8-2.9 none at all
+        from torch.nn.attention.varlen import varlen_attn
+        if not {"scale", "window_size"} <= _params(varlen_attn):
+            reasons["torch_varlen"] = f"torch {torch.__version__}'s varlen_attn has no " \
+                "scale/window_size (torch >= 2.11)"
+    except ImportError:
+        reasons["torch_varlen"] = f"torch {torch.__version__} has no nn.attention.varlen"
+    if softcap:
+        reasons.setdefault("torch_varlen", "the model softcaps attention logits")
+    return reasons
+
+
+# -----------------------------------------------------------------------------
+# Ulysses context parallel
+class _Swap(torch.autograd.Function):
+    """Dim `split` in N blocks, block i to CP rank i, those received joined along `join`: heads for
+    tokens [B, H, S/N, D] -> [B, H/N, S, D] is (1, 2); the way back, (2, 1), is the backward."""
+    @staticmethod
+    def forward(ctx, x, group, split: int, join: int):
+        ctx.args = group, join, split
+        x = x.unflatten(split, (dist.get_world_size(group), -1)).movedim(split, 0).contiguous()
+        out = torch.empty_like(x)  # x contiguous first: empty_like copies a view's strides
+        dist.all_to_all_single(out, x, group=group)
+        return out.movedim(0, join).flatten(join, join + 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _Swap.apply(grad, *ctx.args), None, None, None
+
+
+class GatherSequence(torch.autograd.Function):
+    """[..., T/N] per CP rank -> [..., T] on every CP rank. Every rank's loss reads all T values:
+    the gradient of this rank's slice is the *sum* over the group of the incoming gradients."""
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, x = group, x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(dist.get_world_size(ctx.group), -1)[dist.get_rank(ctx.group)], None
+
+
+def row_inputs(ids, pos, targets, segments, device, kernel=None, group=None, plain=False
+               ) -> tuple[dict, Layout]:
+    """A packed row -> (policy_logprobs' ids, positions [1, T], targets [T] and scored index on
+    `device`, the row's layout), built on the host. A CP `group` (Ulysses): this rank's contiguous
+    1/N of the row, padded to a multiple of N by a segment of its own (gather_row cuts). A target
+    of -1 is read by nothing: not scored (a prompt's prefix), so the head skips it."""
+    T, n, r = len(ids), 1, 0
+    if group is not None:
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+    pad = -T % n
+    ids, targets = F.pad(ids, (0, pad)), F.pad(targets, (0, pad), value=-1)
+    pos = torch.cat([pos, torch.arange(pad)])
+    if pad:
+        segments = torch.cat([segments, segments.new_tensor([[T, pad, 0, 0]])])
+    mine = slice(r * (T + pad) // n, (r + 1) * (T + pad) // n)
+    chunk = {"input_ids": ids[mine][None], "position_ids": pos[mine][None],
+             "targets": targets[mine], "scored": (targets[mine] >= 0).nonzero()[:, 0]}
+    layout = attention_layout(segments, T + pad, device, kernel, group, plain)
+    return {k: v.to(device) for k, v in chunk.items()}, layout
+
+
+def gather_row(logprobs, entropy, group, num_tokens: int) -> tuple:
+    """Every CP rank's chunk of log-probs and entropies -> the whole row's, on every CP rank."""
+    return GatherSequence.apply(torch.stack([logprobs, entropy]), group)[:, :num_tokens].unbind()

@@ -1,0 +1,92 @@
+"""Dynamic sampling (issue 45, --zero-variance resample): a slot whose group's rewards are all equal
+draws a fresh prompt and samples again, up to --max-resample rounds; the batch is a function of
+(seed, step), the same split over any number of ranks, rerun or resumed, with rollouts ahead."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import nanoareal as N
+import rollout
+import tasks
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS = ["--prompts-per-step", "16", "--group-size", "4", "--steps", "3", "--eval-every", "0",
+         "--zero-variance", "resample", "--max-resample", "3"]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = N.validate_config(N.resolve_config(N.Config(
+        prompts_per_step=16, group_size=4, zero_variance="resample", max_resample=3)), 1)
+    data = tasks.load_data(cfg)
+    engine = rollout.HFEngine(cfg.model)
+    return cfg, data, engine, tasks.load_reward(cfg.reward)
+
+
+def batch(setup, step: int, ranks: N.Ranks | None = None) -> list:
+    cfg, data, engine, reward = setup
+    ranks = ranks or N.Ranks()
+    return N.rollout_batch(engine, data, reward, step, cfg, ranks)
+
+
+def key(s) -> tuple:
+    return (s.group, s.row, s.round, s.seed, tuple(s.completion.output_ids), s.reward)
+
+
+def test_a_flat_group_is_drawn_again_until_its_rewards_differ(setup):
+    cfg = setup[0]
+    plain = N.rollout_batch(setup[2], setup[1], setup[3], 0,
+                            N.replace(cfg, zero_variance="keep"), N.Ranks())
+    flat = N.flat_groups(plain)
+    assert flat, "the step needs groups without signal for this test to bite"
+    got = batch(setup, 0)
+    assert sorted({s.group for s in got}) == list(range(16))
+    assert all(len([s for s in got if s.group == g]) == 4 for g in range(16))
+    redrawn = {s.group for s in got if s.round > 0}
+    assert redrawn == flat  # exactly the flat slots drew again, the others kept round 0
+    for s in got:  # round 0 groups are the plain batch's, untouched
+        if s.group not in flat:
+            assert key(s) in {key(p) for p in plain}
+    rounds = {g: max(s.round for s in got if s.group == g) for g in redrawn}
+    left = N.flat_groups(got)
+    assert all(rounds[g] == 3 for g in left)  # a slot still flat used every round
+    assert len(left) < len(flat)
+    discarded = sum(s.discarded_tokens for s in got)
+    assert discarded >= 4 * sum(rounds.values())  # every round thrown away had 4 answers
+
+
+def test_the_batch_is_a_function_of_seed_and_step_on_any_number_of_ranks(setup):
+    whole = [key(s) for s in batch(setup, 1)]
+    assert whole == [key(s) for s in batch(setup, 1)]  # rerun
+    halves = [key(s) for r in range(2) for s in batch(setup, 1, N.Ranks(r, 2, r, 2))]
+    assert sorted(halves) == sorted(whole)
+
+
+def run(tmp_path, name, *extra, nproc=1):
+    out = tmp_path / name
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "nanoareal.py"), *FLAGS, *extra, "--run-dir", str(out)]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               *cmd[1:]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if "reward" in x]
+
+
+def test_a_resampling_run_with_rollouts_ahead_is_the_same_on_one_rank_and_two(tmp_path):
+    """--max-staleness 1: rounds happen on the rollout side; rewards, extra samples and tokens
+    generated are those of a one-rank run on two."""
+    one = run(tmp_path, "one", "--max-staleness", "1")
+    two = run(tmp_path, "two", "--max-staleness", "1", nproc=2)
+    exact = ("reward", "zero_var_groups", "resample/extra_samples_frac", "generated_tokens")
+    for a, b in zip(one, two, strict=True):
+        assert {k: a[k] for k in exact} == {k: b[k] for k in exact}
+    assert sum(x["resample/extra_samples_frac"] for x in one) > 0
