@@ -39,12 +39,14 @@ import lora
 import modeling
 from cli import UserError, rank
 
-HTTP_TIMEOUT_S = 600.0  # a request to a server; a streamed /generate: the wait for each chunk
+HTTP_TIMEOUT_S = 600.0  # a request to a server; a /generate: plus its tokens at the rate below
+MIN_TOKENS_PER_S = 10.0  # past HTTP_TIMEOUT_S + tokens / this, a /generate is aborted there
 HTTP_RETRIES = 3  # retries of a timeout, connection error or 5xx, backing off exponentially
 HTTP_BACKOFF_S = 0.5  # the first back-off; it doubles at every retry
 ABORT_TIMEOUT_S = 10.0  # POST /abort_request before a timed-out /generate is re-posted
-ABORT_RESUBMITS = 3  # resubmissions (prompt + tokens so far) of a request a server aborted
+ABORT_RESUBMITS = 3  # resubmissions (prompt + tokens so far) of an aborted /generate
 HEALTH_TIMEOUT_S = 600.0  # how long to wait for a server's /health_generate at start
+HEALTH_POLL_S = 30.0  # one /health_generate's timeout
 HTTP_THREADS = 1024  # requests in flight per rank: more than a rank's whole batch
 SYNC_BUCKET_MB = 512  # weights per update_weights_from_tensor / _from_distributed call
 WEIGHT_GROUP_TIMEOUT_S = 600.0  # the NCCL weight group: its rendezvous and every broadcast
@@ -698,19 +700,6 @@ def groupable(info: dict) -> bool:
     return pp == 1 and (dp == 1 or bool(info.get("enable_dp_attention")))
 
 
-def streams_increments(info: dict) -> bool:
-    """Whether a server's streamed /generate sends only the new tokens' log-probs in each chunk
-    (--incremental-streaming-output, 0.5.11+); by default every chunk repeats all so far, and
-    0.5.10's flag makes only output_ids incremental (its log-probs stay cumulative)."""
-    version = tuple(int(x) for x in re.findall(r"\d+", str(info.get("version") or ""))[:3])
-    return bool(info.get("incremental_streaming_output")) and (not version or
-                                                                version >= (0, 5, 11))
-
-
-class _Retry(Exception):
-    """A /generate to try again: a timeout (between chunks), a dropped connection, a 5xx."""
-
-
 def weight_group_ranks(url: str, info: dict) -> int:
     tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
     if not groupable(info):
@@ -810,10 +799,10 @@ class RemoteSGLangEngine(Engine):
         self.urls, self.run_dir, self.group = [u.rstrip("/") for u in urls], run_dir, None
         self.model_path, self.nccl_addr, self.group_backend = model_path, nccl_addr, group_backend
         self.pool = ThreadPoolExecutor(max_workers=HTTP_THREADS, thread_name_prefix="sglang-http")
-        self.send_seed, self.version, self.sessionless = True, 0, set()  # SGLang < 0.5.21
+        self.waited: set[str] = set()
+        self.version, self.sessionless = 0, set()  # servers without sessions (SGLang < 0.5.21)
         self.wait_healthy(HEALTH_TIMEOUT_S)
-        self.infos = {u: self.server_info(u) for u in self.urls}
-        self.increments = {u: streams_increments(i) for u, i in self.infos.items()}
+        self.infos = {u: self._request(u, "/server_info") for u in self.urls}
         info = self.infos[self.urls[0]]  # the first server's
         if weight_sync == "auto":
             weight_sync, why = auto_weight_sync(self.urls, self.infos, group_backend, device)
@@ -850,36 +839,25 @@ class RemoteSGLangEngine(Engine):
     def _all(self, fn, *args) -> list:
         return [f.result() for f in [self.pool.submit(fn, u, *args) for u in self.urls]]
 
-    def wait_healthy(self, timeout: float, report_every: float = 5.0) -> None:
-        """Poll GET /health_generate until 200 (503: loading), saying every `report_every` s why."""
-        next_report = (start := time.monotonic()) + report_every
+    def wait_healthy(self, timeout: float) -> None:
+        """Poll GET /health_generate until 200 (503: loading), saying once what it waits for."""
+        start = time.monotonic()
         for url in self.urls:
             while True:
                 try:
-                    self._request(url, "/health_generate", retries=0,
-                                  timeout=max(1.0, min(30.0, start + timeout - time.monotonic())))
+                    self._request(url, "/health_generate", retries=0, timeout=HEALTH_POLL_S)
                     break
                 except RuntimeError as e:  # HTTPError included
                     last = str(e).rpartition("last error: ")[2]
-                if (waited := time.monotonic() - start) >= timeout:
+                if time.monotonic() - start >= timeout:
                     raise UserError(f"--rollout-url {url}: no healthy SGLang server after "
                                     f"{timeout:g}s (GET /health_generate: {last}); is it running "
                                     "and reachable from here?")
-                if time.monotonic() >= next_report and rank() == 0:
-                    print(f"waiting for the SGLang server {url} ({waited:.0f}s of {timeout:g}s; "
-                          f"/health_generate: {last})", flush=True)
-                    next_report += report_every
-                time.sleep(min(1.0, max(0.05, timeout / 50), report_every / 4))
-
-    def server_info(self, url: str) -> dict:
-        """The server's arguments (tp_size, dtype, ...): /server_info, < 0.5.10 /get_server_info."""
-        try:
-            info = self._request(url, "/server_info")
-        except HTTPError as e:
-            if e.status != 404:
-                raise
-            info = self._request(url, "/get_server_info")
-        return info if isinstance(info, dict) else {}
+                if url not in self.waited and rank() == 0:
+                    print(f"waiting for the SGLang server {url} (/health_generate: {last})",
+                          flush=True)
+                self.waited.add(url)
+                time.sleep(min(1.0, timeout / 50))
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seeds: list[int],
                  groups: list | None = None, max_new_tokens: list[int] | None = None
@@ -895,92 +873,44 @@ class RemoteSGLangEngine(Engine):
 
     def _generate_one(self, url: str, prompt: list[int], sampling: SamplingParams, seed: int,
                       budget: int) -> Completion:
-        """A streamed /generate. A stall (no chunk in HTTP_TIMEOUT_S), a dropped connection or a
-        5xx (HTTP_RETRIES tries in a row without a token), and a server's abort (ABORT_RESUBMITS),
-        resubmit prompt + the tokens received so far, the same seed, the budget less those tokens,
-        under a new rid; a request that failed is aborted there first (it may still run)."""
-        pairs, tries, aborts = [], 0, 0  # [logprob, id, None] so far; failed tries since a token
-        while len(pairs) < budget:
-            got: list = []  # this try's
-            payload = {"input_ids": prompt + [int(p[1]) for p in pairs], "return_logprob": True,
-                       "stream": True, "rid": uuid.uuid4().hex, "sampling_params": _sampling_dict(
-                           sampling, budget - len(pairs), seed if self.send_seed else None)}
+        """A /generate whose deadline grows with its budget (HTTP_TIMEOUT_S + its tokens at
+        MIN_TOKENS_PER_S). Past it the request is aborted there and SGLang answers with the
+        tokens so far; an aborted request (by us or by the server) is resubmitted as prompt +
+        those tokens, the same seed, the budget less them (ABORT_RESUBMITS times). A timeout, a
+        dropped connection or a 5xx: aborted there too, then tried again (HTTP_RETRIES)."""
+        ids, logprobs, failures, aborts = [], [], 0, 0
+        while len(ids) < budget:
+            left, rid = budget - len(ids), uuid.uuid4().hex
+            payload = {"input_ids": prompt + ids, "sampling_params": _sampling_dict(
+                sampling, left, seed), "return_logprob": True, "rid": rid}
+            deadline = HTTP_TIMEOUT_S + left / MIN_TOKENS_PER_S
+            watchdog = threading.Timer(deadline, self._abort, (url, rid))
+            watchdog.start()
             try:
-                finish = self._stream(url, payload, got)
-            except _Retry as e:
-                pairs, tries = pairs + got, 1 if got else tries + 1
-                if tries > HTTP_RETRIES:
-                    raise RuntimeError(f"SGLang server {url}/generate failed {tries} times; last "
-                                       f"error: {e}") from None
-                self._abort(url, payload["rid"])
-                time.sleep(HTTP_BACKOFF_S * 2 ** (tries - 1))
+                out = self._request(url, "/generate", payload, retries=0,
+                                    timeout=deadline + ABORT_TIMEOUT_S)
+            except HTTPError:  # a refusal: trying again would be refused again
+                raise
+            except RuntimeError as e:  # it may still run there: abort it, back off, post again
+                failures += 1
+                if failures > HTTP_RETRIES:
+                    last = str(e).rpartition("last error: ")[2]
+                    raise RuntimeError(f"SGLang server {url}/generate failed {failures} times; "
+                                       f"last error: {last}") from None
+                self._abort(url, rid)
+                time.sleep(HTTP_BACKOFF_S * 2 ** (failures - 1))
                 continue
-            except HTTPError as e:  # a server whose SamplingParams has no sampling_seed (< 0.5.10)
-                if e.status != 400 or "sampling_seed" not in str(e.body) or \
-                        "sampling_seed" not in payload["sampling_params"]:
-                    raise
-                self.send_seed = False
-                continue
-            pairs, tries = pairs + got, 0
-            c = completion_from_sglang({"meta_info": {"output_token_logprobs": pairs,
-                                                      "finish_reason": finish}},
-                                       sampling.stop_token_ids)
+            finally:
+                watchdog.cancel()
+            c = completion_from_sglang(out, sampling.stop_token_ids)
+            ids, logprobs = ids + c.output_ids, logprobs + c.logprobs
             aborts += c.finish_reason == "abort"
             if c.finish_reason != "abort" or aborts > ABORT_RESUBMITS:
-                return c
-        return completion_from_sglang({"meta_info": {"output_token_logprobs": pairs,
-                                                     "finish_reason": "length"}},
-                                      sampling.stop_token_ids)
-
-    def _stream(self, url: str, payload: dict, pairs: list) -> object:
-        """POST a streamed /generate (SSE lines "data: {chunk}", then "data: [DONE]"): the socket
-        timeout applies between chunks, not to the whole answer. `pairs` gets the [logprob, id,
-        None] received (also when it fails); returns the last chunk's finish_reason. A cumulative
-        stream (SGLang's default) repeats every token so far in each chunk: only the last one
-        received is parsed. An error chunk (SGLang streams it on HTTP 200) raises as a 400."""
-        def take(data: bytes) -> object:
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise HTTPError(url + "/generate", 400, chunk["error"])
-            meta = chunk.get("meta_info") or {}
-            new = meta.get("output_token_logprobs") or []
-            if chunk.get("output_ids") and not new:
-                raise RuntimeError("SGLang returned output_ids without output_token_logprobs: "
-                                   "send return_logprob=True")
-            pairs[len(pairs) if increments else 0 :] = new
-            return meta.get("finish_reason")
-        increments, latest, finish = self.increments.get(url, False), None, None
-        req = urllib.request.Request(url + "/generate", json.dumps(payload).encode(),
-                                     {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as r:
-                for line in r:
-                    if not line.startswith(b"data:") or not line.endswith(b"\n"):
-                        continue  # the blank line after each event; a line cut short
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        return take(latest) if latest is not None else finish
-                    if increments:
-                        finish = take(data)
-                    else:
-                        latest = data
-            error = "the stream ended before data: [DONE]"
-        except urllib.error.HTTPError as e:  # before any chunk: a refusal, or a 5xx to retry
-            body = e.read().decode(errors="replace")
-            with suppress(json.JSONDecodeError):
-                body = json.loads(body)
-            if e.code < 500:
-                raise HTTPError(url + "/generate", e.code, body) from None
-            error = f"HTTP {e.code}: {body}"
-        except OSError as e:  # URLError, a timeout between chunks, a dropped connection
-            error = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-        if latest is not None:
-            take(latest)  # the tokens a cumulative stream had sent
-        raise _Retry(error)
+                return Completion(ids, logprobs, c.finish_reason)
+        return Completion(ids, logprobs, "length")
 
     def _abort(self, url: str, rid: str) -> None:
-        """Best effort (a dead server has nothing left to abort; an unknown rid is a no-op): a
-        client that hangs up is aborted there ~2 s later anyway."""
+        """Best effort: a dead server has nothing left to abort; an unknown rid is a no-op."""
         with suppress(RuntimeError):
             self._request(url, "/abort_request", {"rid": rid}, retries=0, timeout=ABORT_TIMEOUT_S)
 

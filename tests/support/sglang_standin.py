@@ -17,19 +17,14 @@ managers/io_struct.py, managers/schedule_batch.py, model_executor weight updater
       context_len (0.5.11+): one bad request fails the whole batch, 400. Its scheduler then caps
       max_new_tokens at max_req_len - input_len - 1 and aborts input_len >= max_req_len - 5,
       max_req_len = context_len - 1 (a token pool never smaller here).
-      "stream": true (one request, not a batch) -> HTTP 200, text/event-stream: "data: {chunk}\n\n"
-      per token (stream_interval 1), then "data: [DONE]\n\n"; finish_reason null until the last
-      chunk. output_ids and output_token_logprobs are everything so far, or with
-      info["incremental_streaming_output"] only the new tokens (0.5.10: output_ids only, its
-      log-probs stay cumulative). An error is one chunk {"error": {"message"}} then [DONE], on
-      HTTP 200. A request aborted mid-stream (/abort_request) ends with an abort chunk.
+      A request aborted while it runs (/abort_request with its rid) answers at once with the
+      tokens it has so far, finish_reason {"type": "abort"}.
       With "logprob_start_len" k (and return_logprob), also "input_token_logprobs": [None] and
       the log-probs of tokens k+1.. at temperature 1; max_new_tokens 0 generates nothing (a
       prefill-only request: a teacher's scores).
     POST /abort_request {"rid"}     200; recorded in `aborted`, a request still running aborts
     GET  /health_generate           200, 503 while starting
-    GET  /server_info               `info` (tp/pp/dp sizes, dtype, ...) and version; before 0.5.10
-                                    404, only the deprecated /get_server_info
+    GET  /server_info               `info` (tp/pp/dp sizes, dtype, ...) and version
     POST /update_weights_from_disk  {"model_path"} -> {"success", "message", ...} (400 on failure);
                                     loads and post-processes the weights, never needs a session
     POST /begin_weight_update, /end_weight_update (from 0.5.21, else 404) -> {"success",
@@ -43,11 +38,10 @@ managers/io_struct.py, managers/schedule_batch.py, model_executor weight updater
                                     session) and loads them
 
 Faults (each counts down per /generate): `abort_after` = (n_requests, k_tokens), `fail_5xx` = n,
-`slow` = (n, seconds), `stall` = (n, k_tokens, seconds): a stream sends k tokens, then nothing for
-that long (then goes on, to a client that may have hung up; a plain answer comes that much
-later); `gate_at` = n holds every /generate until n are in flight (5 s at most);
-`start_delay` keeps /health_generate at 503; `refuse_session` = a message refuses
-/begin_weight_update; `reject_sampling_seed` answers as a server without that field.
+`slow` = (n, seconds) before it answers, `drip` = (n, seconds per token): its tokens come that
+slowly (an /abort_request meanwhile cuts the answer there); `gate_at` = n holds every /generate
+until n are in flight (5 s at most); `start_delay` keeps /health_generate at 503;
+`refuse_session` = a message refuses /begin_weight_update.
 """
 
 from __future__ import annotations
@@ -85,14 +79,10 @@ class StandinSGLangServer:
         self.engine = HFEngine(model_path)
         self.model_path, self.version = model_path, version
         v = tuple(int(x) for x in version.split(".")[:3])
-        self.session_routes, self.stop_first, legacy = v >= (0, 5, 21), v >= (0, 5, 18), \
-            v < (0, 5, 10)
-        self.info_route = "/get_server_info" if legacy else "/server_info"
+        self.session_routes, self.stop_first = v >= (0, 5, 21), v >= (0, 5, 18)
         self.info = {"tp_size": tp_size, "pp_size": 1, "dp_size": 1, "dtype": "float32",
-                     "enable_deterministic_inference": False, "enable_fp32_lm_head": False,
-                     "incremental_streaming_output": False, "stream_interval": 1}
+                     "enable_deterministic_inference": False, "enable_fp32_lm_head": False}
         self.refuse_at_limit = v < (0, 5, 11)  # input + max_new_tokens >= context_len refused
-        self.cumulative_logprobs = v < (0, 5, 11)  # in a stream, even incremental_streaming_output
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         config = AutoConfig.from_pretrained(model_path)
         self.context_len = config.max_position_embeddings
@@ -117,8 +107,7 @@ class StandinSGLangServer:
         self.abort_after: tuple[int, int] | None = None
         self.fail_5xx = 0
         self.slow: tuple[int, float] | None = None
-        self.stall: tuple[int, int, float] | None = None
-        self.reject_sampling_seed = False
+        self.drip: tuple[int, float] | None = None
         self.refuse_session: str | None = None
         self.session: dict | None = None  # {"loaded": bool} while a weight-update session is open
         self.post_processed = 0  # weight post-processing passes (process_weights_after_loading)
@@ -153,9 +142,9 @@ class StandinSGLangServer:
             if self.abort_after and self.abort_after[0] > 0:
                 self.abort_after = (self.abort_after[0] - 1, self.abort_after[1])
                 return "abort", float(self.abort_after[1])
-            if self.stall and self.stall[0] > 0:
-                self.stall = (self.stall[0] - 1, *self.stall[1:])
-                return "stall", self.stall[1:]
+            if self.drip and self.drip[0] > 0:
+                self.drip = (self.drip[0] - 1, self.drip[1])
+                return "drip", self.drip[1]
         return None, 0.0
 
     def _validate(self, input_ids: list[int], sp: dict) -> None:
@@ -199,7 +188,8 @@ class StandinSGLangServer:
             else:  # FINISH_LENGTH(length=max_new_tokens)
                 finish = {"type": "length", "length": max_new}
         if (abort_k is not None and abort_k < len(ids)) or rid in self.aborted:
-            ids, lps = ids[:abort_k], lps[:abort_k]
+            cut = 0 if abort_k is None else abort_k  # aborted before it ran: nothing generated
+            ids, lps = ids[:cut], lps[:cut]
             finish = {"type": "abort", "message": "Abort in waiting queue", "status_code": None,
                       "err_type": None}
         self.finishes[rid] = finish
@@ -227,6 +217,22 @@ class StandinSGLangServer:
         values = [None] + [logp[j - 1, input_ids[j]].item()
                            for j in range(start + 1, len(input_ids))]
         return [[v, t, None] for v, t in zip(values, input_ids[start:])]
+
+    def _drip(self, out: dict, seconds: float, rid: str) -> dict:
+        """`out` as a slow server gives it: a token every `seconds`; aborted meanwhile, the tokens
+        so far with finish_reason abort (the scheduler's FINISH_ABORT for a running request)."""
+        ids = out["output_ids"]
+        for k in range(len(ids)):
+            time.sleep(seconds)
+            if rid in self.aborted:
+                meta = out["meta_info"]
+                pairs = meta["output_token_logprobs"][:k]
+                abort = {"type": "abort", "message": "Abort before finished"}
+                self.finishes[rid] = abort
+                return out | {"output_ids": ids[:k], "meta_info": meta | {
+                    "finish_reason": abort, "completion_tokens": k,
+                    "output_token_logprobs": pairs}}
+        return out
 
     def _load(self, tensors: dict) -> None:
         own = self.engine.model.state_dict()
@@ -312,7 +318,7 @@ class StandinSGLangServer:
                     if time.monotonic() < server.ready_at:
                         return self._send(503, {"error": "server is starting"})
                     return self._send(200, "")
-                if self.path in ("/get_server_info", server.info_route):
+                if self.path == "/server_info":
                     return self._send(200, server.info | {"version": server.version})
                 self._send(404, {"detail": "Not Found"})
 
@@ -360,14 +366,6 @@ class StandinSGLangServer:
                 if fault == "slow":
                     time.sleep(arg)
                 sp = body.get("sampling_params") or {}
-                first = sp if isinstance(sp, dict) else sp[0]
-                if server.reject_sampling_seed and "sampling_seed" in first:
-                    error = {"message": "SamplingParams.__init__() got an unexpected keyword "
-                             "argument 'sampling_seed'"}
-                    if body.get("stream"):
-                        self._events([{"error": error}])
-                        return None
-                    return self._send(400, {"error": error})
                 ids = body["input_ids"]
                 batch = bool(ids) and isinstance(ids[0], list)
                 rows = ids if batch else [ids]
@@ -376,10 +374,6 @@ class StandinSGLangServer:
                 rids = rid if isinstance(rid, list) else [f"{rid}-{i}" if batch else rid
                                                           for i in range(len(rows))]
                 abort_k = int(arg) if fault == "abort" else None
-                stream = bool(body.get("stream"))
-                if stream and batch:
-                    return self._send(400, {"error": {"message": "the stand-in streams one "
-                                                      "request at a time"}})
                 try:
                     for r, s in zip(rows, sps):  # every request first: one bad fails them all
                         server._validate(r, s)
@@ -387,54 +381,10 @@ class StandinSGLangServer:
                     outs = [server._generate_one(r, s, i, abort_k, start)
                             for r, s, i in zip(rows, sps, rids)]
                 except ValueError as e:
-                    if stream:  # an error inside a stream: one chunk, then [DONE], on HTTP 200
-                        self._events([{"error": {"message": str(e)}}])
-                        return None
                     return self._send(400, {"error": {"message": str(e)}})
-                if stream:
-                    return self._stream(outs[0], arg if fault == "stall" else None, rids[0])
-                if fault == "stall":  # the whole answer waits: nothing is sent before it ends
-                    time.sleep(arg[1])
+                if fault == "drip":  # its tokens come `arg` s apart; an abort cuts them there
+                    outs = [server._drip(o, arg, i) for o, i in zip(outs, rids)]
                 self._send(200, outs if batch else outs[0])
-
-            def _events(self, chunks) -> None:
-                """Server-sent events: each chunk as it comes, then [DONE]."""
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.end_headers()  # HTTP/1.0: the body ends when the connection closes
-                for chunk in chunks:
-                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                    self.wfile.flush()
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
-
-            def _stream(self, out: dict, stall: tuple | None, rid: str) -> None:
-                """One chunk per token (stream_interval 1); `stall` = (k, seconds): a pause after k
-                tokens; a request aborted meanwhile ends with an abort chunk."""
-                n = len(out["output_ids"])
-                def chunks():
-                    for i in range(max(n, 1)):
-                        if stall is not None and i == stall[0]:
-                            time.sleep(stall[1])  # the client may time out and hang up
-                        if rid in server.aborted:
-                            yield _chunk(out, i, i, {"type": "abort", "message": "Abort request"})
-                            return
-                        last = min(i + 1, n) == n
-                        yield _chunk(out, i, min(i + 1, n),
-                                     out["meta_info"]["finish_reason"] if last else None)
-                self._events(chunks())
-
-        def _chunk(out: dict, start: int, stop: int, finish) -> dict:
-            """Tokens [start, stop) of `out` as a stream's chunk: everything up to `stop`, or with
-            incremental_streaming_output only these (0.5.10: its log-probs stay cumulative)."""
-            new_ids = bool(server.info.get("incremental_streaming_output"))
-            new_pairs = new_ids and not server.cumulative_logprobs
-            ids, meta = out["output_ids"], out["meta_info"]
-            return {"text": server.tokenizer.decode(ids[:stop]),
-                    "output_ids": ids[start if new_ids else 0 : stop],
-                    "meta_info": meta | {"finish_reason": finish, "completion_tokens": stop,
-                                         "output_token_logprobs": meta["output_token_logprobs"][
-                                             start if new_pairs else 0 : stop]}}
 
         return Handler
 
