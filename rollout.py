@@ -553,7 +553,6 @@ class SGLangEngine(Engine):
                  device: torch.device | str = "cuda", deterministic: bool = False, **engine_kwargs):
         import sglang  # lazy: an optional extra
         from sglang.srt.constants import GPU_MEMORY_TYPE_CUDA_GRAPH
-        from sglang.srt.server_args import ServerArgs
         _check_logprob_env()
         self.dtype = engine_dtype(model_path, fp32_as=torch.bfloat16)  # passed to SGLang too
         self.device, self.version, self.released = torch.device(device), -1, set()
@@ -564,16 +563,14 @@ class SGLangEngine(Engine):
         with socket.socket() as a, socket.socket() as b:  # both held while the OS picks: distinct
             a.bind(("", 0)), b.bind(("", 0))
             port, nccl_port = a.getsockname()[1], b.getsockname()[1]
-        # an fp32 lm_head (0.5.10 has it): bf16 logits would make pi/pi_behave != 1 at equal weights
-        optional = {"port": port, "nccl_port": nccl_port, "enable_fp32_lm_head": True}
-        fields = getattr(ServerArgs, "__struct_fields__", None) or [  # msgspec from 0.5.20
-            f.name for f in dataclasses.fields(ServerArgs)]
-        kw = {k: v for k, v in optional.items() if k in fields}
+        kw = {"model_path": model_path, "mem_fraction_static": SGLANG_MEM_FRACTION,
+              "enable_memory_saver": True, "skip_tokenizer_init": True, "base_gpu_id": gpu_id,
+              "tp_size": 1, "random_seed": seed, "dtype": str(self.dtype).removeprefix("torch."),
+              "port": port, "nccl_port": nccl_port,
+              # an fp32 lm_head: bf16 logits would make pi/pi_behave != 1 at equal weights
+              "enable_fp32_lm_head": True}
         if deterministic:  # the only mode in which SGLang honours a request's sampling_seed
             kw["enable_deterministic_inference"] = True
-        kw |= {"model_path": model_path, "mem_fraction_static": SGLANG_MEM_FRACTION,
-               "enable_memory_saver": True, "skip_tokenizer_init": True, "base_gpu_id": gpu_id,
-               "tp_size": 1, "random_seed": seed, "dtype": str(self.dtype).removeprefix("torch.")}
         # Its scheduler and detokenizer (spawn: fork + exec) share our process group: a terminal's
         # Ctrl-C would kill them mid-step. Spawned while SIGINT is ignored they never see it
         # (SIG_IGN survives exec, Python keeps it, they set no handler: 0.5.10-0.5.23).
