@@ -8,15 +8,29 @@ import importlib.util
 import os
 import sys
 
-HELPERS = ("cli", "logs", "loss", "attention", "lora", "modeling", "rollout", "packing",
-           "checkpoint", "tasks")  # in
+# in
+HELPERS = (
+    "cli",
+    "logs",
+    "loss",
+    "attention",
+    "lora",
+    "modeling",
+    "rollout",
+    "packing",
+    "checkpoint",
+    "tasks",
+)
 # the order they import each other; the trainer imports them all and none imports it
 
 
 def _trainer(name: str):
     here = os.path.dirname(os.path.abspath(__file__))
-    if here in (os.path.abspath(p or os.curdir) for p in sys.path):  # a clone on the path (tests)
-        spec = importlib.util.spec_from_file_location(name, os.path.join(here, "nanoareal.py"))
+    # a clone on the path (tests)
+    if here in (os.path.abspath(p or os.curdir) for p in sys.path):
+        spec = importlib.util.spec_from_file_location(
+            name, os.path.join(here, "nanoareal.py")
+        )
         sys.modules[name] = trainer = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(trainer)
         return trainer

@@ -32,6 +32,7 @@ GROUP_ROW_SLOTS = 64
 class Bucket:
     """Rows of `width` slots that one kernel call runs, from slot `first` of the grid. A copied
     context fills the first `lead` slots of each row: keys alone, no query computed there."""
+
     first: int
     rows: int
     width: int
@@ -44,11 +45,13 @@ class Layout:
     """A packed row's attention, built on the host once per micro-batch. `path` says which parts
     are set: "varlen" (k_index, cu_q, cu_k, max_q, max_k), "padded" (grid, out, pos, buckets)
     or "plain" (the segments alone)."""
+
     segments: list  # [[q_start, q_len, ctx_start, ctx_len], ...]: ints (FSDP2 moves tensors)
     path: str
     kernel: object = None  # the varlen kernel
     cp_group: object = None  # the ranks that share the row (Ulysses)
-    k_index: Tensor | None = None  # each segment's keys, in order: its context's, then its own
+    # each segment's keys, in order: its context's, then its own
+    k_index: Tensor | None = None
     cu_q: Tensor | None = None  # where each segment's queries start (and the end)
     cu_k: Tensor | None = None  # where each segment's keys start in k_index (and the end)
     max_q: int = 0
@@ -87,17 +90,26 @@ def check_segments(segments: Tensor, num_tokens: int) -> None:
     q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
     in_order = (q_start == torch.cumsum(q_len, 0) - q_len).all()
     if int(q_len.sum()) != num_tokens or not in_order:
-        raise ValueError(f"segments must cover the {num_tokens} tokens of the row in order, got "
-                         f"{segments.tolist()}")
+        raise ValueError(
+            f"segments must cover the {num_tokens} tokens of the row in order, got "
+            f"{segments.tolist()}"
+        )
     ctx_end = ctx_start + ctx_len
     later = (ctx_len > 0) & (ctx_end > q_start)
     if ((ctx_start < 0) | later | (ctx_len < 0)).any():
-        raise ValueError("a segment's context must be earlier tokens of the row, got "
-                         f"{segments.tolist()}")
+        raise ValueError(
+            f"a segment's context must be earlier tokens of the row, got {segments.tolist()}"
+        )
 
 
-def attention_layout(segments: Tensor, num_tokens: int, device: torch.device | None = None,
-                     kernel=None, cp_group=None, plain: bool = False) -> Layout:
+def attention_layout(
+    segments: Tensor,
+    num_tokens: int,
+    device: torch.device | None = None,
+    kernel=None,
+    cp_group=None,
+    plain: bool = False,
+) -> Layout:
     """The row's Layout on `device` for a varlen `kernel`, else for the padded path (`plain`:
     the reference path, nothing built)."""
     check_segments(segments, num_tokens)
@@ -116,11 +128,17 @@ def varlen_layout(segments: Tensor, kernel, cp_group) -> Layout:
     j = torch.arange(int(row_len.max()))[None]
     in_ctx = j < ctx_len[:, None]
     src = torch.where(in_ctx, ctx_start[:, None] + j, q_start[:, None] + j - ctx_len[:, None])
-    return Layout(segments.tolist(), "varlen", kernel, cp_group,
-                  k_index=src[j < row_len[:, None]],
-                  cu_q=F.pad(q_len.cumsum(0), (1, 0)).int(),
-                  cu_k=F.pad(row_len.cumsum(0), (1, 0)).int(),
-                  max_q=int(q_len.max()), max_k=int(row_len.max()))
+    return Layout(
+        segments.tolist(),
+        "varlen",
+        kernel,
+        cp_group,
+        k_index=src[j < row_len[:, None]],
+        cu_q=F.pad(q_len.cumsum(0), (1, 0)).int(),
+        cu_k=F.pad(row_len.cumsum(0), (1, 0)).int(),
+        max_q=int(q_len.max()),
+        max_k=int(row_len.max()),
+    )
 
 
 def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
@@ -128,8 +146,9 @@ def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
     buckets: rows longest first, copied contexts' apart, one kernel call per bucket. A row of L
     slots in a bucket W wide costs W^2, not L^2, so a bucket takes rows down to W / sqrt(2)."""
     q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
-    rows, size, masked = _padded_rows(segments.tolist(), int((ctx_len + q_len).max())
-                                      <= GROUP_ROW_SLOTS)
+    rows, size, masked = _padded_rows(
+        segments.tolist(), int((ctx_len + q_len).max()) <= GROUP_ROW_SLOTS
+    )
     order = sorted(range(len(rows)), key=lambda r: (rows[r][0][3], -size[r]))
     rows = [rows[r] for r in order]
     size = [size[r] for r in order]
@@ -155,12 +174,22 @@ def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
         owner = torch.full((slots,), -1).index_put_((flat[query],), seg[query])
         of_token = torch.repeat_interleave(torch.arange(len(segments)), q_len)
         real = torch.zeros(slots, dtype=torch.bool).index_fill_(0, flat, True)
-        buckets = [replace(b, mask=_row_mask(b, owner, grid, real, of_token, ctx_start, ctx_len))
-                   for b in buckets]
+        buckets = [
+            replace(b, mask=_row_mask(b, owner, grid, real, of_token, ctx_start, ctx_len))
+            for b in buckets
+        ]
     else:  # one segment a row: causal, past a copied context bottom-right causal
         buckets = [replace(b, mask=_tail_mask(b.width, b.lead)) for b in buckets]
-    return Layout(segments.tolist(), "padded", None, cp_group, grid=grid, out=out, pos=pos,
-                  buckets=buckets)
+    return Layout(
+        segments.tolist(),
+        "padded",
+        None,
+        cp_group,
+        grid=grid,
+        out=out,
+        pos=pos,
+        buckets=buckets,
+    )
 
 
 def _padded_rows(segments: list, short: bool) -> tuple[list, list, bool]:
@@ -220,14 +249,22 @@ def _row_mask(b: Bucket, owner, grid, real, of_token, ctx_start, ctx_len) -> Ten
     own_past = (of_token[key] == own) & (key <= key.transpose(1, 2))
     in_ctx = (key >= ctx_start[o]) & (key < ctx_start[o] + ctx_len[o])
     sees = (own_past | in_ctx) & real[part].view(b.rows, 1, b.width) & (own >= 0)
-    return (sees | torch.eye(b.width, dtype=torch.bool))[:, None, b.lead:]
+    return (sees | torch.eye(b.width, dtype=torch.bool))[:, None, b.lead :]
 
 
 # -----------------------------------------------------------------------------
 # the three paths: q [H, T, D], k/v [Hkv, T, D] -> [T, H, D]; `window` as HF's sliding_window
 # (the last `window` keys, itself included), `softcap` as Gemma 2's
-def plain_attention(q, k, v, segments: list, scaling: float, dropout: float = 0.0,
-                    window: int | None = None, softcap: float | None = None) -> Tensor:
+def plain_attention(
+    q,
+    k,
+    v,
+    segments: list,
+    scaling: float,
+    dropout: float = 0.0,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Tensor:
     """The reference path: each segment's queries against its context's keys, then its own up to
     themselves, one segment at a time; a key at position j is seen from position i if j <= i
     (and i - j < window); scores softcapped."""
@@ -239,7 +276,8 @@ def plain_attention(q, k, v, segments: list, scaling: float, dropout: float = 0.
         scores = q[:, q_start : q_start + q_len] @ kk.transpose(1, 2) * scaling
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
-        i = torch.arange(q_len, device=q.device)[:, None] + ctx_len  # positions in the sequence
+        # positions in the sequence
+        i = torch.arange(q_len, device=q.device)[:, None] + ctx_len
         j = torch.arange(len(keys), device=q.device)[None]
         sees = j <= i
         if window:
@@ -249,9 +287,16 @@ def plain_attention(q, k, v, segments: list, scaling: float, dropout: float = 0.
     return torch.cat(out)
 
 
-def segment_attention(q, k, v, layout: Layout, scaling: float | None = None,
-                      dropout: float = 0.0, window: int | None = None,
-                      softcap: float | None = None) -> Tensor:
+def segment_attention(
+    q,
+    k,
+    v,
+    layout: Layout,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Tensor:
     """The row's attention on its layout's path. Varlen gathers each segment's keys (context, then
     itself); padded runs each bucket of rows of slots (cost ~ rows * slots^2, not T^2);
     index_select sums a copied context's gradients."""
@@ -276,12 +321,21 @@ def _padded_attention(q, k, v, grid, pos, b: Bucket, scaling, dropout, window, s
     H, D]; no query in the `lead` slots (zeros there)."""
     rows, width = pos.shape
     # [h, T, D] -> [rows, h, slots, D]
-    q, k, v = (x.transpose(0, 1).index_select(0, grid).unflatten(0, (rows, width))
-               .transpose(1, 2) for x in (q, k, v))
+    q, k, v = (
+        x.transpose(0, 1).index_select(0, grid).unflatten(0, (rows, width)).transpose(1, 2)
+        for x in (q, k, v)
+    )
     if window is None and softcap is None:
         out = F.scaled_dot_product_attention(
-            q[:, :, b.lead:], k, v, attn_mask=b.mask, is_causal=b.mask is None,
-            dropout_p=dropout, scale=scaling, enable_gqa=True)
+            q[:, :, b.lead :],
+            k,
+            v,
+            attn_mask=b.mask,
+            is_causal=b.mask is None,
+            dropout_p=dropout,
+            scale=scaling,
+            enable_gqa=True,
+        )
         out = F.pad(out, (0, 0, b.lead, 0))
     else:  # a window is a band of positions: a query at p sees keys at p - window < p' <= p
         if b.mask is None:
@@ -298,8 +352,20 @@ def _padded_attention(q, k, v, grid, pos, b: Bucket, scaling, dropout, window, s
     return out.transpose(1, 2).flatten(0, 1)
 
 
-def packed_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0, layout=None,
-                     sliding_window=None, softcap=None, s_aux=None, **kwargs):
+def packed_attention(
+    module,
+    q,
+    k,
+    v,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    layout=None,
+    sliding_window=None,
+    softcap=None,
+    s_aux=None,
+    **kwargs,
+):
     """transformers attention "packed": q [1, H, T, D], k/v [1, Hkv, T, D] -> ([1, T, H, D], None);
     the row in `layout` (attention_mask is None); under CP, T is this rank's chunk (Ulysses)."""
     if layout is None:
@@ -311,7 +377,8 @@ def packed_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0,
     if group is None:
         return segment_attention(q[0], k[0], v[0], layout, *args)[None], None
     n = dist.get_world_size(group)
-    if k.shape[1] % n:  # too few KV heads to split: repeat each, every rank gets the ones it needs
+    # too few KV heads to split: repeat each, every rank gets the ones it needs
+    if k.shape[1] % n:
         k, v = (x.repeat_interleave(n // math.gcd(x.shape[1], n), 1) for x in (k, v))
     q, k, v = (_Swap.apply(x, group, 1, 2) for x in (q, k, v))
     out = segment_attention(q[0], k[0], v[0], layout, *args)  # [S, H/N, D]
@@ -323,10 +390,21 @@ def packed_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0,
 def _flash_attn_kernel(q, k, v, layout, scaling, dropout, window, softcap):
     """flash-attn 2 (>= 2.6): bottom-right causal; window_size=(w-1, 0) keeps the last w keys."""
     from flash_attn import flash_attn_varlen_func
-    return flash_attn_varlen_func(q, k, v, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
-                                  dropout_p=dropout, softmax_scale=scaling, causal=True,
-                                  window_size=(window - 1 if window else -1, 0),
-                                  softcap=softcap or 0.0)
+
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        layout.cu_q,
+        layout.cu_k,
+        layout.max_q,
+        layout.max_k,
+        dropout_p=dropout,
+        softmax_scale=scaling,
+        causal=True,
+        window_size=(window - 1 if window else -1, 0),
+        softcap=softcap or 0.0,
+    )
 
 
 @functools.cache
@@ -337,6 +415,7 @@ def _params(fn) -> frozenset[str]:
 def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
     """PyTorch's bundled FA2 varlen_attn: flash-attn's window_size and bottom-right causal mask."""
     from torch.nn.attention.varlen import varlen_attn
+
     if softcap or dropout:
         raise NotImplementedError("torch varlen_attn has no softcap or dropout")
     gqa = {}
@@ -346,8 +425,18 @@ def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
         gqa = {}
     window_size = (window - 1 if window else -1, 0)
-    return varlen_attn(q, k, v, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
-                       scale=scaling, window_size=window_size, **gqa)
+    return varlen_attn(
+        q,
+        k,
+        v,
+        layout.cu_q,
+        layout.cu_k,
+        layout.max_q,
+        layout.max_k,
+        scale=scaling,
+        window_size=window_size,
+        **gqa,
+    )
 
 
 @functools.cache
@@ -356,6 +445,7 @@ def varlen_gqa(device: torch.device, dtype: torch.dtype) -> dict | None:
     dtype: the keywords to pass ({"enable_gqa": True} from torch 2.12, {} where its kernel takes
     them as they are), or None where it computes them wrong or refuses them (repeat them)."""
     from torch.nn.attention.varlen import varlen_attn
+
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, heads, 8, generator=g).to(device, dtype) for heads in (4, 2, 2))
     cu = torch.tensor([0, 3], dtype=torch.int32, device=device)
@@ -373,8 +463,9 @@ def varlen_gqa(device: torch.device, dtype: torch.dtype) -> dict | None:
 KERNELS = {"flash_attn": _flash_attn_kernel, "torch_varlen": _torch_varlen_kernel}
 
 
-def choose_attention(requested: str, device: torch.device, half: bool, softcap: bool
-                     ) -> tuple[str, object, str]:
+def choose_attention(
+    requested: str, device: torch.device, half: bool, softcap: bool
+) -> tuple[str, object, str]:
     """(path, kernel, why) for `requested` (auto, a KERNELS name, sdpa or plain): a varlen kernel
     (flash-attn, else PyTorch's) for half compute on a GPU, else the padded path (sdpa); one
     requested that cannot run here raises ValueError."""
@@ -385,8 +476,13 @@ def choose_attention(requested: str, device: torch.device, half: bool, softcap: 
         return requested, KERNELS.get(requested), "as requested"
     path = next((p for p in KERNELS if p not in reasons), "sdpa")
     skipped = {} if path == "flash_attn" else reasons  # only paths before `path` have reasons
-    if len(skipped) > 1 and len(set(skipped.values())) == 1:  # one reason for all: say it once
-        return path, KERNELS.get(path), f"not {' nor '.join(skipped)}: {reasons['flash_attn']}"
+    # one reason for all: say it once
+    if len(skipped) > 1 and len(set(skipped.values())) == 1:
+        return (
+            path,
+            KERNELS.get(path),
+            f"not {' nor '.join(skipped)}: {reasons['flash_attn']}",
+        )
     why = "; ".join(f"not {k}: {v}" for k, v in skipped.items())
     return path, KERNELS.get(path), why
 
@@ -399,15 +495,19 @@ def _kernel_problems(device: torch.device, half: bool, softcap: bool) -> dict[st
     reasons = {}
     try:
         import flash_attn
+
         if not hasattr(flash_attn, "flash_attn_varlen_func"):  # flash-attn-4's namespace
             raise ImportError("this flash_attn has no flash_attn_varlen_func (flash-attn 2)")
     except Exception as e:  # an ABI mismatch raises ImportError or OSError
         reasons["flash_attn"] = f"flash-attn is not usable ({type(e).__name__}: {e})"
     try:  # torch 2.10's varlen_attn has neither scale nor window_size; 2.8-2.9 none at all
         from torch.nn.attention.varlen import varlen_attn
+
         if not {"scale", "window_size"} <= _params(varlen_attn):
-            reasons["torch_varlen"] = f"torch {torch.__version__}'s varlen_attn has no " \
+            reasons["torch_varlen"] = (
+                f"torch {torch.__version__}'s varlen_attn has no "
                 "scale/window_size (torch >= 2.11)"
+            )
     except ImportError:
         reasons["torch_varlen"] = f"torch {torch.__version__} has no nn.attention.varlen"
     if softcap:
@@ -420,10 +520,15 @@ def _kernel_problems(device: torch.device, half: bool, softcap: bool) -> dict[st
 class _Swap(torch.autograd.Function):
     """Dim `split` in N blocks, block i to CP rank i, those received joined along `join`: heads for
     tokens [B, H, S/N, D] -> [B, H/N, S, D] is (1, 2); the way back, (2, 1), is the backward."""
+
     @staticmethod
     def forward(ctx, x, group, split: int, join: int):
         ctx.args = group, join, split
-        x = x.unflatten(split, (dist.get_world_size(group), -1)).movedim(split, 0).contiguous()
+        x = (
+            x.unflatten(split, (dist.get_world_size(group), -1))
+            .movedim(split, 0)
+            .contiguous()
+        )
         out = torch.empty_like(x)  # x contiguous first: empty_like copies a view's strides
         dist.all_to_all_single(out, x, group=group)
         return out.movedim(0, join).flatten(join, join + 1)
@@ -436,6 +541,7 @@ class _Swap(torch.autograd.Function):
 class GatherSequence(torch.autograd.Function):
     """[..., T/N] per CP rank -> [..., T] on every CP rank. Every rank's loss reads all T values:
     the gradient of this rank's slice is the *sum* over the group of the incoming gradients."""
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, x = group, x.contiguous()
@@ -450,8 +556,9 @@ class GatherSequence(torch.autograd.Function):
         return grad.chunk(dist.get_world_size(ctx.group), -1)[dist.get_rank(ctx.group)], None
 
 
-def row_inputs(ids, pos, targets, segments, device, kernel=None, group=None, plain=False
-               ) -> tuple[dict, Layout]:
+def row_inputs(
+    ids, pos, targets, segments, device, kernel=None, group=None, plain=False
+) -> tuple[dict, Layout]:
     """A packed row -> (policy_logprobs' ids, positions [1, T], targets [T] and scored index on
     `device`, the row's layout), built on the host. A CP `group` (Ulysses): this rank's contiguous
     1/N of the row, padded to a multiple of N by a segment of its own (gather_row cuts). A target
@@ -465,12 +572,18 @@ def row_inputs(ids, pos, targets, segments, device, kernel=None, group=None, pla
     if pad:
         segments = torch.cat([segments, segments.new_tensor([[T, pad, 0, 0]])])
     mine = slice(r * (T + pad) // n, (r + 1) * (T + pad) // n)
-    chunk = {"input_ids": ids[mine][None], "position_ids": pos[mine][None],
-             "targets": targets[mine], "scored": (targets[mine] >= 0).nonzero()[:, 0]}
+    chunk = {
+        "input_ids": ids[mine][None],
+        "position_ids": pos[mine][None],
+        "targets": targets[mine],
+        "scored": (targets[mine] >= 0).nonzero()[:, 0],
+    }
     layout = attention_layout(segments, T + pad, device, kernel, group, plain)
     return {k: v.to(device) for k, v in chunk.items()}, layout
 
 
 def gather_row(logprobs, entropy, group, num_tokens: int) -> tuple:
     """Every CP rank's chunk of log-probs and entropies -> the whole row's, on every CP rank."""
-    return GatherSequence.apply(torch.stack([logprobs, entropy]), group)[:, :num_tokens].unbind()
+    return GatherSequence.apply(torch.stack([logprobs, entropy]), group)[
+        :, :num_tokens
+    ].unbind()

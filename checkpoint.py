@@ -38,17 +38,23 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     """The run's complete checkpoints (renamed, with meta.json), oldest first."""
-    found = [p for p in (Path(run_dir) / "checkpoints").glob("step_*")
-             if p.name.removeprefix("step_").isdigit() and (p / "meta.json").is_file()]
+    found = [
+        p
+        for p in (Path(run_dir) / "checkpoints").glob("step_*")
+        if p.name.removeprefix("step_").isdigit() and (p / "meta.json").is_file()
+    ]
     return sorted(found, key=_step)
 
 
 def rng_states() -> dict:
     """Every RNG this process has, as tensors and plain tuples and lists (weights_only loads it)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]}
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached],
+    }
 
 
 def set_rng_states(state: dict) -> None:
@@ -90,8 +96,13 @@ def newest_usable(run_dir: str | Path, say=print) -> Path | None:
     for path in reversed(complete_checkpoints(run_dir)):
         if (problem := unreadable(path)) is None:
             return path
-        aside = next(a for n in itertools.count() if not (a := path.with_name(
-            path.name + ".broken" + (f"-{n}" if n else ""))).exists())
+        aside = next(
+            a
+            for n in itertools.count()
+            if not (
+                a := path.with_name(path.name + ".broken" + (f"-{n}" if n else ""))
+            ).exists()
+        )
         path.rename(aside)
         say(f"warning: checkpoint {path} is unreadable ({problem}); moved it to {aside.name}")
     return None
@@ -119,29 +130,42 @@ def choose_resume(run_dir: str | Path, resume: str, resuming: bool) -> str | Non
     return resume
 
 
-def claim_run_dir(run_dir: str | Path, config: dict, volatile: set[str], fresh: bool,
-                  defaults: dict | None = None) -> bool:
+def claim_run_dir(
+    run_dir: str | Path,
+    config: dict,
+    volatile: set[str],
+    fresh: bool,
+    defaults: dict | None = None,
+) -> bool:
     """Rank 0, before any write: True when `run_dir` holds this run (config.json equal but for
     `volatile`, new flags at their `defaults`); another run is refused, or (`fresh`) moved aside."""
     root = Path(run_dir)
     results = [p for p in ("metrics.jsonl", "checkpoints", "final") if (root / p).exists()]
     if results and fresh:
-        aside = next(a for n in itertools.count(1) if not (a := root.with_name(
-            f"{root.name}.old-{n}")).exists())
+        aside = next(
+            a
+            for n in itertools.count(1)
+            if not (a := root.with_name(f"{root.name}.old-{n}")).exists()
+        )
         root.rename(aside)
         print(f"moved the run in {root} to {aside}", flush=True)
     if not results or fresh:
         return False
     try:
         theirs = json.loads((root / "config.json").read_text())
-        changed = sorted(k for k in set(theirs) | set(config) if k not in volatile
-                         and theirs.get(k, (defaults or {}).get(k)) != config.get(k))
+        changed = sorted(
+            k
+            for k in set(theirs) | set(config)
+            if k not in volatile and theirs.get(k, (defaults or {}).get(k)) != config.get(k)
+        )
     except (OSError, ValueError):
         changed = ["(config.json missing or unreadable)"]
     if changed:
-        raise UserError(f"{root} holds another run ({', '.join(results)}; its config differs in "
-                        f"{', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''}): pass "
-                        "another --run-dir, or --resume fresh to move it aside")
+        raise UserError(
+            f"{root} holds another run ({', '.join(results)}; its config differs in "
+            f"{', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''}): pass "
+            "another --run-dir, or --resume fresh to move it aside"
+        )
     return True
 
 
@@ -154,10 +178,13 @@ def write_config(run_dir: str | Path, config: dict) -> None:
 class Preemption:
     """While active, SIGINT and SIGTERM (a scheduler's warning) are only noted, for the loop to end
     its step, save and exit; the first wins (torchrun passes Ctrl-C on a second time)."""
+
     def __enter__(self):
         self.signals: list[int] = []
-        self.previous = {s: signal.signal(s, lambda signum, _: self.signals.append(signum))
-                         for s in (signal.SIGINT, signal.SIGTERM)}
+        self.previous = {
+            s: signal.signal(s, lambda signum, _: self.signals.append(signum))
+            for s in (signal.SIGINT, signal.SIGTERM)
+        }
         return self
 
     def signal_sums(self) -> dict:
@@ -171,11 +198,15 @@ class Preemption:
 
 class Interrupted(Stopped):
     """Stopped on a signal at `step`: says where a rerun resumes; exit code 128 + the signal."""
+
     def __init__(self, run_dir: str | Path, step: int, signum: int):
         at = _step(last[-1]) if (last := complete_checkpoints(run_dir)) else 0
         saved = f"saved {last[-1]}" if at == step else f"the last good checkpoint is {at}"
-        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}: {saved}; "
-                         f"rerun the same command to resume from step {at}", 128 + signum)
+        super().__init__(
+            f"interrupted by {signal.Signals(signum).name} at step {step}: {saved}; "
+            f"rerun the same command to resume from step {at}",
+            128 + signum,
+        )
 
 
 def write_meta(tmp: Path, meta: dict) -> None:
@@ -183,8 +214,9 @@ def write_meta(tmp: Path, meta: dict) -> None:
     atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1))
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, meta: dict,
-                    ahead: dict | None = None) -> Path:
+def save_checkpoint(
+    run_dir: str | Path, step: int, model, optimizer, meta: dict, ahead: dict | None = None
+) -> Path:
     """Collective: each rank's DCP shards, RNG states and batches generated ahead into step_N.tmp/,
     then rank 0's meta.json ({"step": step} | meta), the rename to step_N/ and old ones deleted."""
     rank, final = dist.get_rank(), Path(run_dir) / "checkpoints" / f"step_{step:06d}"
@@ -193,22 +225,26 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, meta: dict
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optimizer))), checkpoint_id=tmp)
+    dcp.save(
+        dict(zip(("model", "optim"), get_state_dict(model, optimizer))), checkpoint_id=tmp
+    )
     for name, obj in (("rng", rng_states()), ("ahead", ahead)):
-        if obj:  # fsynced like DCP's shards: a renamed checkpoint never holds a part of a file
+        # fsynced like DCP's shards: a renamed checkpoint never holds a part of a file
+        if obj:
             with open(tmp / f"{name}_rank{rank}.pt", "wb") as f:
                 torch.save(obj, f)
                 f.flush(), os.fsync(f.fileno())
     dist.barrier()  # every rank's files are written
     if rank == 0:
         write_meta(tmp, {"step": step} | meta)
-        shutil.rmtree(final, ignore_errors=True)  # only there when resumed from an older checkpoint
+        # only there when resumed from an older checkpoint
+        shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         os.fsync(fd := os.open(final.parent, os.O_RDONLY))  # the rename survives a power loss
         os.close(fd)
         older = [p for p in complete_checkpoints(run_dir) if _step(p) < step]
         if KEEP_CHECKPOINTS > 0:  # this one and the KEEP_CHECKPOINTS - 1 newest before it
-            for old in older[:max(len(older) + 1 - KEEP_CHECKPOINTS, 0)]:
+            for old in older[: max(len(older) + 1 - KEEP_CHECKPOINTS, 0)]:
                 shutil.rmtree(old)
     dist.barrier()
     return final
@@ -222,8 +258,9 @@ def saved_config(path: str | Path) -> dict | None:
     try:
         return json.loads(meta.read_text())["config"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{meta}: not a checkpoint's meta.json ({type(e).__name__}: {e})"
-                        ) from None
+        raise UserError(
+            f"{meta}: not a checkpoint's meta.json ({type(e).__name__}: {e})"
+        ) from None
 
 
 def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
@@ -232,20 +269,27 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
     A checkpoint that passed the cheap checks (sizes, meta.json) yet does not load, or does not
     fit this model (DCP raises CheckpointException, a BaseException), is a UserError naming it."""
     from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         return _load(path, model, optimizer)
     except (Exception, CheckpointException) as e:
-        raise UserError(f"checkpoint {path} cannot be loaded ({cli.why(e)}); move it aside to "
-                        "resume from the one before it, or check --lora-rank") from None
+        raise UserError(
+            f"checkpoint {path} cannot be loaded ({cli.why(e)}); move it aside to "
+            "resume from the one before it, or check --lora-rank"
+        ) from None
 
 
 def _load(path: Path, model, optimizer) -> tuple[dict, dict]:
     meta = json.loads((path / "meta.json").read_text())
     sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
     dcp.load(sd, storage_reader=safe_dcp_reader(path), planner=safe_dcp_planner())
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+    )
     rng = path / f"rng_rank{dist.get_rank()}.pt"  # absent on more ranks than saved: rank 0's
-    set_rng_states(torch.load(rng if rng.exists() else path / "rng_rank0.pt", weights_only=True))
+    set_rng_states(
+        torch.load(rng if rng.exists() else path / "rng_rank0.pt", weights_only=True)
+    )
     ahead: dict[int, list] = {}
     for part in sorted(path.glob("ahead_rank*.pt")):
         for step, batch in torch.load(part, weights_only=True).items():
@@ -266,32 +310,44 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 def safe_dcp_reader(path: Path):
     """DCP's FileSystemReader, but `.metadata` (plain pickle) is first unpickled by an allowlist."""
-    safe = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-            ("pathlib", "WindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+    safe = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    }
+
     class MetadataUnpickler(pickle.Unpickler):
         def find_class(self, module, name):
             dcp_meta = module == "torch.distributed.checkpoint.metadata" and (
-                "." not in name and name[:1].isupper() or name == "_MEM_FORMAT_ENCODING")
+                "." not in name and name[:1].isupper() or name == "_MEM_FORMAT_ENCODING"
+            )
             dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
             if not (dcp_meta or dtype or (module, name) in safe):
-                raise pickle.UnpicklingError(f"{path}/.metadata: refusing to unpickle "
-                                             f"{module}.{name}")
+                raise pickle.UnpicklingError(
+                    f"{path}/.metadata: refusing to unpickle {module}.{name}"
+                )
             return super().find_class(module, name)
+
     class Reader(dcp.FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             with open(Path(path) / ".metadata", "rb") as f:
                 MetadataUnpickler(f).load()
             return super().read_metadata(*args, **kwargs)
+
     return Reader(path)
 
 
 def safe_dcp_planner():
     """DCP loads non-tensors (param_groups) with weights_only=False: check with True first."""
+
     class Planner(dcp.DefaultLoadPlanner):
         def load_bytes(self, read_item, value):
             torch.load(value, weights_only=True)
             value.seek(0)
             super().load_bytes(read_item, value)
+
     return Planner()
 
 
@@ -301,6 +357,7 @@ def export_hf(model, adapters: dict | None, tokenizer, src: str, out_dir: Path) 
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoConfig
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
     if dist.get_rank() != 0:

@@ -15,7 +15,8 @@ import typing
 import torch.distributed as dist
 
 T = typing.TypeVar("T")
-ERROR_FILE_WAIT_S = 3.0  # under torchrun, a non-zero rank waits this long for rank 0 to report
+# under torchrun, a non-zero rank waits this long for rank 0 to report
+ERROR_FILE_WAIT_S = 3.0
 
 
 class UserError(Exception):
@@ -24,6 +25,7 @@ class UserError(Exception):
 
 class Stopped(Exception):
     """The run stopped early on purpose (a signal, bad steps): its message, then exit `code`."""
+
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
@@ -39,6 +41,7 @@ def parse(cls: type[T], argv: list[str], preset=lambda dataset: {}) -> T:
     """Flags -> a `cls` dataclass (tyro: each field's docstring is its --help). Later layers win:
     the dataclass's defaults, `preset(dataset)` (a built-in task's flags), --config's, argv."""
     import tyro
+
     args = list(argv)
     if "--config" in argv:
         path = [*argv, ""][argv.index("--config") + 1]
@@ -48,8 +51,14 @@ def parse(cls: type[T], argv: list[str], preset=lambda dataset: {}) -> T:
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise UserError(f"--config {path}: {e}") from None
     check_flags(cls, args)
-    dataset = next((a.partition("=")[2] or args[i + 1] for i, a in reversed(list(enumerate(args)))
-                    if a.partition("=")[0] == "--dataset"), getattr(cls, "dataset", None))
+    dataset = next(
+        (
+            a.partition("=")[2] or args[i + 1]
+            for i, a in reversed(list(enumerate(args)))
+            if a.partition("=")[0] == "--dataset"
+        ),
+        getattr(cls, "dataset", None),
+    )
     return tyro.cli(cls, args=as_flags(cls, preset(dataset), "a built-in task") + args)
 
 
@@ -77,32 +86,47 @@ def _base(hint):  # a field's type without its Optional: bool, int, float, str, 
 
 def check_flags(cls: type, args: list[str]) -> None:
     """Refuse, in one line, what tyro would: it reports parse errors only as multi-line boxes."""
-    known = {"--" + n.replace("_", "-"): _base(t) for n, t in typing.get_type_hints(cls).items()}
+    known = {
+        "--" + n.replace("_", "-"): _base(t) for n, t in typing.get_type_hints(cls).items()
+    }
     known |= {"--no-" + k[2:]: bool for k, t in list(known.items()) if t is bool}
     i = 0
-    while i < len(args):  # a flag's values run up to the next --flag (none after --flag=value)
+    # a flag's values run up to the next --flag (none after --flag=value)
+    while i < len(args):
         flag, _, inline = args[i].partition("=")
-        end = i + 1 if inline else next(
-            (j for j in range(i + 1, len(args)) if args[j].startswith("--")), len(args))
-        values, i = [inline] if inline else args[i + 1:end], end
+        end = (
+            i + 1
+            if inline
+            else next(
+                (j for j in range(i + 1, len(args)) if args[j].startswith("--")), len(args)
+            )
+        )
+        values, i = [inline] if inline else args[i + 1 : end], end
         if flag in ("-h", "--help"):
             return
         if (kind := known.get(flag)) is None:
             near = [f"did you mean {n}?" for n in difflib.get_close_matches(flag, known, n=1)]
             raise UserError(f"unknown flag {flag} ({(near or ['see --help'])[0]})")
-        many, choices = typing.get_origin(kind) is list, [str(c) for c in typing.get_args(kind)]
+        many, choices = (
+            typing.get_origin(kind) is list,
+            [str(c) for c in typing.get_args(kind)],
+        )
         if (kind is bool) != (not values) or (not many and len(values) > 1):
-            count = "no value" if kind is bool else "one or more values" if many else "one value"
-            raise UserError(f"{flag} takes {count}, got {len(values)}: {' '.join(values)}"
-                            .rstrip(": "))
+            count = (
+                "no value" if kind is bool else "one or more values" if many else "one value"
+            )
+            raise UserError(
+                f"{flag} takes {count}, got {len(values)}: {' '.join(values)}".rstrip(": ")
+            )
         if typing.get_origin(kind) is typing.Literal and values[0] not in choices:
             raise UserError(f"{flag} {values[0]}: choose one of {', '.join(choices)}")
         for value in values if kind in (int, float) else []:
             try:
                 kind(value)
             except ValueError:
-                raise UserError(f"{flag} {value}: not {'an int' if kind is int else 'a number'}"
-                                ) from None
+                raise UserError(
+                    f"{flag} {value}: not {'an int' if kind is int else 'a number'}"
+                ) from None
 
 
 def rank() -> int:
@@ -135,11 +159,22 @@ def _torchrun_error_file(message: str) -> bool:
     """Hand the error to torchrun, whose summary shows the root cause's error file once, last."""
     if not (path := os.environ.get("TORCHELASTIC_ERROR_FILE")):
         return False
-    time.sleep(0 if rank() == 0 else ERROR_FILE_WAIT_S)  # rank 0 first: torchrun stops the rest
+    # rank 0 first: torchrun stops the rest
+    time.sleep(0 if rank() == 0 else ERROR_FILE_WAIT_S)
     try:
         with open(path, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": {
-                "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
+            json.dump(
+                {
+                    "message": {
+                        "message": message,
+                        "extraInfo": {
+                            "py_callstack": message,
+                            "timestamp": str(int(time.time())),
+                        },
+                    }
+                },
+                f,
+            )
         return True
     except OSError:
         return False

@@ -16,18 +16,24 @@ from cli import rank
 SAMPLE_GROUPS = 2  # prompt groups written to samples.jsonl per sampled step
 SAMPLED_STEPS = 100  # about this many steps of a run write samples, evenly spread
 # metric -> (numerator, denominator) of the step's summed counters (every rank, each sample once)
-MEANS = {"reward": ("reward", "samples"), "accuracy": ("correct", "judged"),
-         "response_len/correct": ("len_correct", "correct"),
-         "response_len/incorrect": ("len_incorrect", "incorrect"),
-         "response_len": ("response_tokens", "samples"), "truncated_frac": ("truncated", "samples"),
-         "zero_adv_frac": ("zero_adv", "samples"), "entropy": ("entropy", "denom_tokens"),
-         "logprob_mismatch": ("mismatch", "denom_tokens"), "policy_version": ("version", "samples"),
-         "importance_weight/mean": ("importance_weight", "denom_tokens"),
-         "mismatch/k3": ("mismatch_k3", "denom_tokens"),
-         "mismatch/log_ppl_gap": ("log_ppl_gap", "responses"),
-         "mismatch/rejected_token_frac": ("rejected", "loss_tokens"),
-         "mismatch/rejected_seq_frac": ("rejected_responses", "all_responses"),
-         "resample/extra_samples_frac": ("resampled", "samples")}
+MEANS = {
+    "reward": ("reward", "samples"),
+    "accuracy": ("correct", "judged"),
+    "response_len/correct": ("len_correct", "correct"),
+    "response_len/incorrect": ("len_incorrect", "incorrect"),
+    "response_len": ("response_tokens", "samples"),
+    "truncated_frac": ("truncated", "samples"),
+    "zero_adv_frac": ("zero_adv", "samples"),
+    "entropy": ("entropy", "denom_tokens"),
+    "logprob_mismatch": ("mismatch", "denom_tokens"),
+    "policy_version": ("version", "samples"),
+    "importance_weight/mean": ("importance_weight", "denom_tokens"),
+    "mismatch/k3": ("mismatch_k3", "denom_tokens"),
+    "mismatch/log_ppl_gap": ("log_ppl_gap", "responses"),
+    "mismatch/rejected_token_frac": ("rejected", "loss_tokens"),
+    "mismatch/rejected_seq_frac": ("rejected_responses", "all_responses"),
+    "resample/extra_samples_frac": ("resampled", "samples"),
+}
 # counters reduced by max over ranks, not summed (the step's extremes)
 MAXIMA = {"importance_weight_max", "gen_s", "seq_log_ratio_max", "seq_log_ratio_min_max"}
 
@@ -39,8 +45,15 @@ def print0(*args, **kwargs) -> None:
 
 class Logger:
     """JSON lines appended; a progress bar only on a terminal, so a log file gets clean lines."""
-    def __init__(self, run_dir: str | Path, total_steps: int, start_step: int,
-                 wandb_project: str | None = None, config: dict | None = None):
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        total_steps: int,
+        start_step: int,
+        wandb_project: str | None = None,
+        config: dict | None = None,
+    ):
         self.run_dir, self.total, self.active = Path(run_dir), total_steps, rank() == 0
         self.wandb = self.bar = None
         if not self.active:
@@ -48,10 +61,16 @@ class Logger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if wandb_project:
             import wandb
-            self.wandb = wandb.init(project=wandb_project, name=self.run_dir.name, config=config)
+
+            self.wandb = wandb.init(
+                project=wandb_project, name=self.run_dir.name, config=config
+            )
         if sys.stdout.isatty():
             from tqdm import tqdm
-            self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, leave=False)
+
+            self.bar = tqdm(
+                total=total_steps, initial=start_step, dynamic_ncols=True, leave=False
+            )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.active:
@@ -73,6 +92,7 @@ class Logger:
         self._append("samples.jsonl", [{"step": step} | r for r in rows])
         if self.wandb is not None:
             import wandb
+
             table = wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
             self.wandb.log({"samples": table}, step=step)
 
@@ -88,7 +108,9 @@ class Logger:
 
     def close(self, last_eval: dict | None = None) -> None:
         if last_eval:
-            self.line("final held-out " + "  ".join(f"{k} {v:.3f}" for k, v in last_eval.items()))
+            self.line(
+                "final held-out " + "  ".join(f"{k} {v:.3f}" for k, v in last_eval.items())
+            )
         if self.bar is not None:
             self.bar.close()
         if self.wandb is not None:
@@ -102,28 +124,46 @@ def reduce_metrics(sums: dict) -> dict:
         dist.all_gather_object(gathered := [None] * dist.get_world_size(), sums)
     total: dict = {}
     for k, v in (item for part in gathered for item in part.items()):
-        total[k] = (total.get(k, v) if isinstance(v, str) else max(total.get(k, v), v)
-                    if k in MAXIMA else total.get(k, 0.0) + float(v))
+        total[k] = (
+            total.get(k, v)
+            if isinstance(v, str)
+            else max(total.get(k, v), v)
+            if k in MAXIMA
+            else total.get(k, 0.0) + float(v)
+        )
     return total
 
 
 def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> dict:
     """The step's metrics.jsonl line: MEANS of the summed counters, training stats, phase times."""
-    metrics = {name: sums[n] / sums[d] for name, (n, d) in MEANS.items() if sums.get(d, 0) > 0}
+    metrics = {
+        name: sums[n] / sums[d] for name, (n, d) in MEANS.items() if sums.get(d, 0) > 0
+    }
     metrics["staleness"] = step - 1 - metrics.get("policy_version", step - 1)
-    metrics |= {"importance_weight/max": sums.get("importance_weight_max", 1.0),
-                "zero_var_groups": sums.get("zero_var_groups", 0),
-                "reward_errors": sums.get("reward_errors", 0), "lr": lr}
-    extremes = {"mismatch/seq_ratio_max": sums.get("seq_log_ratio_max", -math.inf),
-                "mismatch/seq_ratio_min": -sums.get("seq_log_ratio_min_max", -math.inf)}
+    metrics |= {
+        "importance_weight/max": sums.get("importance_weight_max", 1.0),
+        "zero_var_groups": sums.get("zero_var_groups", 0),
+        "reward_errors": sums.get("reward_errors", 0),
+        "lr": lr,
+    }
+    extremes = {
+        "mismatch/seq_ratio_max": sums.get("seq_log_ratio_max", -math.inf),
+        "mismatch/seq_ratio_min": -sums.get("seq_log_ratio_min_max", -math.inf),
+    }
     metrics |= {k: math.exp(v) for k, v in extremes.items() if math.isfinite(v)}
     generated = sums.get("response_tokens", 0) + sums.get("discarded_tokens", 0)
     metrics["generated_tokens"] = generated  # with those of groups resampled away
     metrics["gen_tokens_per_s"] = generated / max(sums.get("gen_s", 0), 1e-9)
     metrics["train_tokens_per_s"] = sums.get("trained_tokens", 0) / max(times["train"], 1e-9)
     metrics["train_positions"] = sums.get("positions", 0)
-    metrics |= {k if "/" in k or k in ("grad_norm", "skipped_steps") else
-                "loss/total" if k == "loss" else f"loss/{k}": v for k, v in stats.items()}
+    metrics |= {
+        k
+        if "/" in k or k in ("grad_norm", "skipped_steps")
+        else "loss/total"
+        if k == "loss"
+        else f"loss/{k}": v
+        for k, v in stats.items()
+    }
     # x with an "x#n" partner: a mean over its reporters (a new metric adds {x: v, "x#n": 1})
     metrics |= {k: sums[k] / max(sums[k + "#n"], 1) for k in sums if k + "#n" in sums}
     return metrics | {f"time/{k}": v for k, v in times.items()}
@@ -132,27 +172,54 @@ def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> 
 def sample_rows(samples: list, tokenizer) -> list[dict]:
     """The first SAMPLE_GROUPS groups of a step's samples, readable: for samples.jsonl and wandb."""
     groups = sorted({s.group for s in samples})[:SAMPLE_GROUPS]
-    turns = lambda c: {} if c.policy_mask is None else {"turns": [  # an episode's: [who, text]
-        ["policy" if who else "env", tokenizer.decode([t for t, _ in run])]
-        for who, run in itertools.groupby(zip(c.output_ids, c.policy_mask), lambda x: x[1])]}
-    return [{"group": s.group, "prompt": tokenizer.decode(s.prompt_ids),
-             "completion": tokenizer.decode(s.completion.output_ids), "reward": s.reward,
-             "advantage": s.advantage, "correct": s.correct,
-             "finish_reason": s.completion.finish_reason, "length": len(s.completion.output_ids),
-             "version": s.version} | turns(s.completion) for s in samples if s.group in groups]
+    turns = lambda c: (
+        {}
+        if c.policy_mask is None
+        else {
+            "turns": [  # an episode's: [who, text]
+                ["policy" if who else "env", tokenizer.decode([t for t, _ in run])]
+                for who, run in itertools.groupby(
+                    zip(c.output_ids, c.policy_mask), lambda x: x[1]
+                )
+            ]
+        }
+    )
+    return [
+        {
+            "group": s.group,
+            "prompt": tokenizer.decode(s.prompt_ids),
+            "completion": tokenizer.decode(s.completion.output_ids),
+            "reward": s.reward,
+            "advantage": s.advantage,
+            "correct": s.correct,
+            "finish_reason": s.completion.finish_reason,
+            "length": len(s.completion.output_ids),
+            "version": s.version,
+        }
+        | turns(s.completion)
+        for s in samples
+        if s.group in groups
+    ]
 
 
 def format_line(step: int, total: int, m: dict[str, float]) -> str:
     """The console line of a step, at most 120 columns; metrics.jsonl has everything else."""
-    evals = "  ".join(f"{'eval' if k == 'eval/accuracy' else k[5:]} {v:.3f}" for k, v in m.items()
-                      if k.startswith("eval/"))
+    evals = "  ".join(
+        f"{'eval' if k == 'eval/accuracy' else k[5:]} {v:.3f}"
+        for k, v in m.items()
+        if k.startswith("eval/")
+    )
     if "reward" not in m:  # the step-0 (or evaluate-only) line: held-out metrics only
         return f"step {step}/{total}  {evals}"
     parts = [f"step {step}/{total}", f"reward {m['reward']:.3f}"]
     parts += [f"acc {m['accuracy']:.3f}"] if "accuracy" in m else []
-    parts += [f"len {m.get('response_len', 0.0):.1f}", f"loss {m.get('loss/total', 0.0):+.4f}",
-              f"clip {m.get('policy/clip_frac', 0.0):.3f}", f"gnorm {m['grad_norm']:.3g}",
-              f"{m['time/step']:.2f}s/step"]
+    parts += [
+        f"len {m.get('response_len', 0.0):.1f}",
+        f"loss {m.get('loss/total', 0.0):+.4f}",
+        f"clip {m.get('policy/clip_frac', 0.0):.3f}",
+        f"gnorm {m['grad_norm']:.3g}",
+        f"{m['time/step']:.2f}s/step",
+    ]
     line = "  ".join(parts + ([evals] if evals else []))
     return line if len(line) <= 120 else line[:117] + "..."
 
@@ -161,5 +228,6 @@ def quiet_libraries() -> None:
     """No progress bars or chatter from transformers and the hub: a user error stays one line."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from transformers.utils import logging as hf_logging
+
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

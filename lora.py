@@ -22,8 +22,15 @@ from cli import UserError
 LORA_ALPHA = 32
 PEFT_PREFIX = "base_model.model."  # PEFT's names of a model's parameters in its adapter files
 # what nanoareal reads of adapter_config.json; an adapter using anything else is refused
-PEFT_EXTRAS = ("use_dora", "use_rslora", "modules_to_save", "rank_pattern", "alpha_pattern",
-               "target_parameters", "layers_to_transform")
+PEFT_EXTRAS = (
+    "use_dora",
+    "use_rslora",
+    "modules_to_save",
+    "rank_pattern",
+    "alpha_pattern",
+    "target_parameters",
+    "layers_to_transform",
+)
 
 
 def is_adapter(name: str) -> bool:
@@ -39,10 +46,12 @@ def is_conv1d(layer: nn.Module) -> bool:
 class LoraLinear(nn.Module):
     """y = base(x) + (alpha / r) B A x (the adapter's path in the adapters' dtype, the sum in the
     output's); `enabled` False: the base alone (the KL penalty's reference policy)."""
+
     def __init__(self, base: nn.Module, r: int, alpha: float):
         super().__init__()
         fan_in, fan_out = base.weight.shape if is_conv1d(base) else base.weight.shape[::-1]
-        dtype = torch.promote_types(base.weight.dtype, torch.float32)  # fp32 adapters at least
+        # fp32 adapters at least
+        dtype = torch.promote_types(base.weight.dtype, torch.float32)
         kw = {"device": base.weight.device, "dtype": dtype}
         self.base, self.scale, self.enabled = base, alpha / r, True
         self.lora_A = nn.Parameter(torch.empty(r, fan_in, **kw))
@@ -104,8 +113,10 @@ def apply(model: nn.Module, r: int, config: dict | None = None) -> str:
     trainable = sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))
     frozen = sum(p.numel() for n, p in model.named_parameters() if not is_adapter(n))
     dtype = next(p for n, p in model.named_parameters() if not is_adapter(n)).dtype
-    return (f"LoRA r={r} alpha={alpha} on {len(names)} layers: {trainable:,} trainable, "
-            f"{frozen:,} frozen in {dtype}; ")
+    return (
+        f"LoRA r={r} alpha={alpha} on {len(names)} layers: {trainable:,} trainable, "
+        f"{frozen:,} frozen in {dtype}; "
+    )
 
 
 @contextmanager
@@ -142,7 +153,9 @@ def merged(named, model: nn.Module):
             parts[kind] = t
             if len(parts) == 3:
                 del held[owner]
-                weight = adapted[owner].merged(parts["weight"], parts["lora_A"], parts["lora_B"])
+                weight = adapted[owner].merged(
+                    parts["weight"], parts["lora_A"], parts["lora_B"]
+                )
                 yield f"{owner}.weight", weight
 
 
@@ -155,20 +168,33 @@ def read_config(path: str | Path | None) -> dict | None:
     try:
         config = json.loads(file.read_text())
     except (OSError, ValueError) as e:
-        raise UserError(f"{file}: not a readable adapter config ({type(e).__name__}: {e})"
-                        ) from None
-    needed = {"peft_type": str, "r": int, "lora_alpha": (int, float),
-              "target_modules": (str, list), "base_model_name_or_path": str}
+        raise UserError(
+            f"{file}: not a readable adapter config ({type(e).__name__}: {e})"
+        ) from None
+    needed = {
+        "peft_type": str,
+        "r": int,
+        "lora_alpha": (int, float),
+        "target_modules": (str, list),
+        "base_model_name_or_path": str,
+    }
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        raise UserError(f"{file}: not a PEFT LoRA adapter (peft_type {config.get('peft_type')!r})"
-                        if isinstance(config, dict) else f"{file}: not a JSON object")
+        raise UserError(
+            f"{file}: not a PEFT LoRA adapter (peft_type {config.get('peft_type')!r})"
+            if isinstance(config, dict)
+            else f"{file}: not a JSON object"
+        )
     missing = [k for k, kind in needed.items() if not isinstance(config.get(k), kind)]
     if missing:
-        raise UserError(f"{file}: incomplete LoRA adapter config (no valid {', '.join(missing)})")
+        raise UserError(
+            f"{file}: incomplete LoRA adapter config (no valid {', '.join(missing)})"
+        )
     extras = [k for k in PEFT_EXTRAS if config.get(k)]
     if extras or config.get("bias", "none") != "none":
-        raise UserError(f"{file}: uses {', '.join(extras) or 'a bias'}, which nanoareal's LoRA "
-                        "does not reproduce")
+        raise UserError(
+            f"{file}: uses {', '.join(extras) or 'a bias'}, which nanoareal's LoRA "
+            "does not reproduce"
+        )
     return config
 
 
@@ -176,27 +202,42 @@ def save(tensors: dict, config: dict, base: str, out_dir: Path) -> None:
     """Adapters (full tensors, by our names) in PEFT's format: adapter_model.safetensors and an
     adapter_config.json naming `base` (PeftModel.from_pretrained and --model load it)."""
     from safetensors.torch import save_file
+
     out_dir.mkdir(parents=True, exist_ok=True)
     peft_names = {PEFT_PREFIX + k + ".weight": v.contiguous() for k, v in tensors.items()}
     save_file(peft_names, str(out_dir / "adapter_model.safetensors"))
     base = str(Path(base).resolve()) if Path(base).exists() else base
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
-              "bias": "none", "lora_dropout": 0.0, "fan_in_fan_out": False} | config
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "bias": "none",
+        "lora_dropout": 0.0,
+        "fan_in_fan_out": False,
+    } | config
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=1))
 
 
 def load_weights(model: nn.Module, path: str) -> None:
     """A PEFT adapter's weights into `model`'s adapters; a UserError if they do not fit."""
     from safetensors.torch import load_file
+
     own = {k: p for k, p in model.named_parameters() if is_adapter(k)}
     theirs = {}
     for k, v in load_file(str(Path(path) / "adapter_model.safetensors")).items():
-        theirs[k.removeprefix(PEFT_PREFIX).removesuffix(".weight").replace(".default", "")] = v
-    bad = [k for k in own.keys() | theirs.keys()
-           if k not in own or k not in theirs or own[k].shape != theirs[k].shape]
+        theirs[
+            k.removeprefix(PEFT_PREFIX).removesuffix(".weight").replace(".default", "")
+        ] = v
+    bad = [
+        k
+        for k in own.keys() | theirs.keys()
+        if k not in own or k not in theirs or own[k].shape != theirs[k].shape
+    ]
     if bad:
-        raise UserError(f"--model {path}: the adapter does not fit this base model ({len(bad)} "
-                        f"tensors missing or of another shape, e.g. {sorted(bad)[0]})")
+        raise UserError(
+            f"--model {path}: the adapter does not fit this base model ({len(bad)} "
+            f"tensors missing or of another shape, e.g. {sorted(bad)[0]})"
+        )
     with torch.no_grad():
         for k, p in own.items():
             p.copy_(theirs[k])

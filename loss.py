@@ -50,7 +50,8 @@ LOG_RATIO_BOUND = 20.0  # |log-ratio| clamp before any exp(): exp(20) ~ 5e8 over
 K3_CAP = 10.0  # k3's value explodes where pi_ref >> pi; cap it like verl's low_var_kl
 CAPPED = "policy/behave_capped_frac"  # the share of d tokens a correction capped or masked
 Stats = dict[str, tuple[Tensor, Tensor]]  # name -> (total, count): a global fraction
-TokenLoss = tuple[Tensor, dict[str, Tensor]]  # a surrogate's (loss [T], {name: indicator [T]})
+# a surrogate's (loss [T], {name: indicator [T]})
+TokenLoss = tuple[Tensor, dict[str, Tensor]]
 
 
 def _safe_inverse(x: Tensor) -> Tensor:
@@ -88,14 +89,23 @@ def _choice(kind: str, name: str, table: Mapping):
 # each sample held by `copies` of them (a CP group's)
 def grpo(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
     """A_i = (R_i - mean_g R) / (std_g R + eps), the group's unbiased std (GRPO)."""
-    return (rewards - group_mean(rewards, group_ids)) / (group_std(rewards, group_ids) + ADV_EPS)
+    return (rewards - group_mean(rewards, group_ids)) / (
+        group_std(rewards, group_ids) + ADV_EPS
+    )
 
 
 def grpo_batch_std(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
     """A_i = (R_i - mean_g R) / (std R + eps), the whole step's batch std, every rank's (TRL's
     scale_rewards="batch")."""
-    n, s, ss = all_reduce_vector(torch.stack([rewards.new_tensor(float(len(rewards))),
-                                              rewards.sum(), (rewards**2).sum()]), group) / copies
+    n, s, ss = (
+        all_reduce_vector(
+            torch.stack(
+                [rewards.new_tensor(float(len(rewards))), rewards.sum(), (rewards**2).sum()]
+            ),
+            group,
+        )
+        / copies
+    )
     std = ((ss - s * s / n) / (n - 1).clamp(min=1)).clamp(min=0).sqrt() if n > 0 else 0.0
     return (rewards - group_mean(rewards, group_ids)) / (std + ADV_EPS)
 
@@ -118,7 +128,8 @@ def no_reward(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -
 
 
 ADVANTAGES = {fn.__name__: fn for fn in (grpo, grpo_batch_std, dr_grpo, rloo)} | {
-    "none": no_reward}
+    "none": no_reward
+}
 
 
 def group_mean(rewards: Tensor, group_ids: Tensor) -> Tensor:
@@ -133,8 +144,9 @@ def group_std(rewards: Tensor, group_ids: Tensor) -> Tensor:
     return (_group_sums(deviation, group_ids) / (n - 1).clamp(min=1)).sqrt()
 
 
-def group_advantages(rewards: Tensor, group_ids: Tensor, estimator: str = "grpo", group=None,
-                     copies: int = 1) -> Tensor:
+def group_advantages(
+    rewards: Tensor, group_ids: Tensor, estimator: str = "grpo", group=None, copies: int = 1
+) -> Tensor:
     """Per-sample advantages of ADVANTAGES[estimator]; a group of one gets 0."""
     fn = _choice("adv-estimator", estimator, ADVANTAGES)
     rewards = rewards.double()
@@ -143,7 +155,9 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, estimator: str = "grpo"
     return torch.where(alone, torch.zeros_like(adv), adv).float()
 
 
-def distill_advantages(teacher: Tensor, behave: Tensor, policy: Tensor, coef: float) -> Tensor:
+def distill_advantages(
+    teacher: Tensor, behave: Tensor, policy: Tensor, coef: float
+) -> Tensor:
     """On-policy distillation (Agarwal et al. 2024; Thinking Machines 2025): the per-token
     advantage coef * (log pi_teacher(a_t) - log pi_behave(a_t)), the negative reverse KL of the
     policy that sampled to the teacher, on the policy's own tokens (`policy` 1; an env's: 0)."""
@@ -175,31 +189,44 @@ def constant(M: Tensor, groups: Tensor, divisor: float) -> tuple[Tensor, Tensor]
     """sum_t m_t l_t / (N C), C = --loss-aggregation-divisor (Dr. GRPO; TRL "dr_grpo", verl
     "seq-mean-token-sum-norm"): w = 1/C, and nw = 1/M_i makes the normalizer count responses."""
     if not (divisor is not None and math.isfinite(divisor) and divisor > 0):
-        raise ValueError(f"--loss-aggregation constant needs a positive "
-                         f"--loss-aggregation-divisor, got {divisor!r}")
+        raise ValueError(
+            f"--loss-aggregation constant needs a positive "
+            f"--loss-aggregation-divisor, got {divisor!r}"
+        )
     return (M > 0).double() / divisor, _safe_inverse(M)
 
 
 MODES = {fn.__name__: fn for fn in (token_mean, seq_mean, prompt_mean, constant)}
 
 
-def response_weights(mode: str, denom_counts: Tensor, group_ids: Tensor,
-                     divisor: float | None = None) -> tuple[Tensor, Tensor]:
+def response_weights(
+    mode: str, denom_counts: Tensor, group_ids: Tensor, divisor: float | None = None
+) -> tuple[Tensor, Tensor]:
     """Per-response (w_i, nw_i) of `mode`; denom_counts (M_i) cover the WHOLE mini-batch."""
     fn = _choice("loss-aggregation", mode, MODES)
     M = denom_counts.to(torch.float64)
     if M.dim() != 1 or group_ids.shape != M.shape or (M < 0).any() or not M.isfinite().all():
-        raise ValueError(f"denom_counts {tuple(M.shape)} must be finite, >= 0 and [R] like "
-                         f"group_ids {tuple(group_ids.shape)}")
+        raise ValueError(
+            f"denom_counts {tuple(M.shape)} must be finite, >= 0 and [R] like "
+            f"group_ids {tuple(group_ids.shape)}"
+        )
     return fn(M, group_ids, divisor)
 
 
 # -----------------------------------------------------------------------------
 # policy surrogates (--policy-loss): fn(logp, prox, A, seq_ids, mask, **params) -> TokenLoss on
 # [T] (log pi, log pi_prox, advantages, response ids or -1, m); stats: policy/<name>, means over m
-def ppo_surrogate(logp: Tensor, prox: Tensor, A: Tensor, seq_ids: Tensor | None = None,
-                  mask: Tensor | None = None, *, eps_low: float = 0.2, eps_high: float = 0.2,
-                  dual_clip: float | None = None) -> TokenLoss:
+def ppo_surrogate(
+    logp: Tensor,
+    prox: Tensor,
+    A: Tensor,
+    seq_ids: Tensor | None = None,
+    mask: Tensor | None = None,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> TokenLoss:
     """l = max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), r = pi / pi_prox (Schulman et al. 2017;
     eps_high > eps_low: DAPO's clip-higher); dual clip c (Ye et al. 2020): min(l, -c A) if A < 0."""
     ratio = torch.exp(log_ratio(logp, prox))
@@ -214,8 +241,16 @@ def ppo_surrogate(logp: Tensor, prox: Tensor, A: Tensor, seq_ids: Tensor | None 
     return loss, stats
 
 
-def gspo_surrogate(logp: Tensor, prox: Tensor, A: Tensor, seq_ids: Tensor, mask: Tensor, *,
-                   eps_low: float = 3e-4, eps_high: float = 4e-4) -> TokenLoss:
+def gspo_surrogate(
+    logp: Tensor,
+    prox: Tensor,
+    A: Tensor,
+    seq_ids: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+) -> TokenLoss:
     """GSPO (Zheng et al. 2025), per token (GSPO-token): l = max(-A r_t, -A clip(r_t, 1-eps_low,
     1+eps_high)), r_t = sg(s_i) pi_t / sg(pi_t) (value s_i, gradient s_i grad logp_t), s_i =
     exp(mean_{t in i, mask} log(pi_t / pi_prox_t)). Needs whole responses in the micro-batch."""
@@ -230,8 +265,15 @@ def gspo_surrogate(logp: Tensor, prox: Tensor, A: Tensor, seq_ids: Tensor, mask:
     return torch.maximum(unclipped, clipped), stats
 
 
-def cispo_surrogate(logp: Tensor, prox: Tensor, A: Tensor, seq_ids: Tensor | None = None,
-                    mask: Tensor | None = None, *, eps_high: float = 0.2) -> TokenLoss:
+def cispo_surrogate(
+    logp: Tensor,
+    prox: Tensor,
+    A: Tensor,
+    seq_ids: Tensor | None = None,
+    mask: Tensor | None = None,
+    *,
+    eps_high: float = 0.2,
+) -> TokenLoss:
     """CISPO (MiniMax-M1, 2025): l = -sg(clip(r, 0, 1+eps_high)) A logp: the clipped weight
     scales a REINFORCE gradient, so clipped tokens still get gradient."""
     ratio = torch.exp(log_ratio(logp, prox)).detach()
@@ -239,9 +281,16 @@ def cispo_surrogate(logp: Tensor, prox: Tensor, A: Tensor, seq_ids: Tensor | Non
     return loss, {"clip_frac": (ratio > 1.0 + eps_high).to(logp.dtype)}
 
 
-def sapo_surrogate(logp: Tensor, prox: Tensor, A: Tensor, seq_ids: Tensor | None = None,
-                   mask: Tensor | None = None, *, tau_pos: float = 1.0, tau_neg: float = 1.05
-                   ) -> TokenLoss:
+def sapo_surrogate(
+    logp: Tensor,
+    prox: Tensor,
+    A: Tensor,
+    seq_ids: Tensor | None = None,
+    mask: Tensor | None = None,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> TokenLoss:
     """SAPO (Qwen, 2025): l = -(4/tau) sigmoid(tau (r - 1)) A, tau = tau_pos if A > 0 else
     tau_neg: a soft trust region; at r = 1 its gradient is PPO's."""
     tau = torch.full_like(A, tau_neg).masked_fill(A > 0, tau_pos)
@@ -252,7 +301,9 @@ def sapo_surrogate(logp: Tensor, prox: Tensor, A: Tensor, seq_ids: Tensor | None
 @dataclass(frozen=True)
 class Surrogate:
     fn: Callable
-    params: dict  # its hyper-parameters' defaults (--eps-low/--eps-high override those it has)
+    params: (
+        dict  # its hyper-parameters' defaults (--eps-low/--eps-high override those it has)
+    )
     aggregation: str = "token_mean"  # its --loss-aggregation auto
 
 
@@ -261,7 +312,8 @@ SURROGATES: dict[str, Surrogate] = {
     "ppo": Surrogate(ppo_surrogate, {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": None}),
     "gspo": Surrogate(gspo_surrogate, {"eps_low": 3e-4, "eps_high": 4e-4}, "seq_mean"),
     "cispo": Surrogate(cispo_surrogate, {"eps_high": 0.2}),
-    "sapo": Surrogate(sapo_surrogate, {"tau_pos": 1.0, "tau_neg": 1.05})}
+    "sapo": Surrogate(sapo_surrogate, {"tau_pos": 1.0, "tau_neg": 1.05}),
+}
 
 
 # -----------------------------------------------------------------------------
@@ -270,7 +322,9 @@ SURROGATES: dict[str, Surrogate] = {
 # weights before this step's update). r_t = pi_prox / pi_behave of a token, rho_i = prod_t r_t
 # of a response (t in m), g_i = rho_i^(1/|i|) its geometric mean. A weigh fn(log r [T], seq_ids,
 # m, cap) -> (w, rejected): the importance weight (sg) and tokens out of the numerator only
-def token_truncate(lr: Tensor, seq_ids: Tensor, m: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+def token_truncate(
+    lr: Tensor, seq_ids: Tensor, m: Tensor, cap: float
+) -> tuple[Tensor, Tensor]:
     """Truncated IS (decoupled PPO, Hilton et al. 2022; TIS): w_t = min(r_t, C)."""
     return torch.exp(lr).clamp(max=cap), torch.zeros_like(lr)
 
@@ -312,8 +366,14 @@ def token_reject(lr: Tensor, seq_ids: Tensor, d: Tensor, cap: float) -> Tensor:
     return (lr.abs() <= math.log(cap)).to(lr.dtype)
 
 
-def m2po_mask(prox_logprobs: Tensor, behave_logprobs: Tensor, loss_mask: Tensor, *,
-              threshold: float, group=None) -> Tensor:
+def m2po_mask(
+    prox_logprobs: Tensor,
+    behave_logprobs: Tensor,
+    loss_mask: Tensor,
+    *,
+    threshold: float,
+    group=None,
+) -> Tensor:
     """M2PO (Zheng et al. 2025): the keep mask (0/1, within m) that drops the tokens of largest x =
     (log pi_prox/pi_behave)^2, ties together, until mean x <= threshold over `group`'s kept tokens.
     Exact across ranks: mean(x | x <= v) is non-decreasing in v, so bisect the largest admissible
@@ -323,15 +383,22 @@ def m2po_mask(prox_logprobs: Tensor, behave_logprobs: Tensor, loss_mask: Tensor,
 
     def kept_mean_ok(cut: float) -> bool:
         keep = valid & (x <= cut)
-        s = all_reduce_vector(torch.stack([torch.where(keep, x, 0.0).sum(),
-                                           keep.sum().double()]), group)
+        s = all_reduce_vector(
+            torch.stack([torch.where(keep, x, 0.0).sum(), keep.sum().double()]), group
+        )
         return bool(s[0] <= threshold * s[1])
+
     local_max = torch.cat([torch.where(valid, x, 0.0), x.new_zeros(1)]).max()[None]  # x >= 0
     x_max = all_reduce_vector(local_max, group, op=dist.ReduceOp.MAX).item()
     if kept_mean_ok(x_max):
         return loss_mask.clone()
-    value = lambda b: struct.unpack("<d", struct.pack("<q", b))[0]  # the float64 of bit pattern b
-    lo, hi = 0, struct.unpack("<q", struct.pack("<d", x_max))[0]  # 0: 0.0's bits (keeps x = 0)
+    # the float64 of bit pattern b
+    value = lambda b: struct.unpack("<d", struct.pack("<q", b))[0]
+    # 0: 0.0's bits (keeps x = 0)
+    lo, hi = (
+        0,
+        struct.unpack("<q", struct.pack("<d", x_max))[0],
+    )
     while hi - lo > 1:  # invariant: ok(value(lo)), not ok(value(hi))
         mid = (lo + hi) // 2
         if kept_mean_ok(value(mid)):
@@ -347,21 +414,31 @@ class Correction:
     clip_to_behaviour: bool = False  # the surrogate's ratio against pi_behave, not pi_prox
     weigh: Callable | None = None  # per token, in the step: (w, rejected from m alone)
     reject: Callable | None = None  # before the step, from pi_prox: a keep mask for m and d
-    global_mask: Callable | None = None  # before the step over the mini-batch: a keep mask in m
+    # before the step over the mini-batch: a keep mask in m
+    global_mask: Callable | None = None
     clip: bool = True  # False: the surrogate's clip range opened up (eps_low 1, eps_high inf)
 
 
 CORRECTIONS: dict[str, Correction] = {
     "none": Correction(),  # clip around pi_prox; pi_behave is ignored
-    "behave": Correction(clip_to_behaviour=True),  # PPO around the policy that sampled (AReaL's)
+    "behave": Correction(
+        clip_to_behaviour=True
+    ),  # PPO around the policy that sampled (AReaL's)
     "truncate": Correction(2.0, weigh=token_truncate),  # token TIS: decoupled PPO, capped
-    "mask": Correction(2.0, weigh=token_mask),  # AReaL's decoupled PPO: tokens over the cap out
+    "mask": Correction(
+        2.0, weigh=token_mask
+    ),  # AReaL's decoupled PPO: tokens over the cap out
     "m2po": Correction(0.04, clip_to_behaviour=True, global_mask=m2po_mask, clip=False),
     "seq_tis": Correction(2.0, weigh=seq_truncate),
     "token_mis": Correction(2.0, weigh=token_truncate, reject=token_reject),
     "seq_mis": Correction(2.0, weigh=seq_truncate, reject=seq_reject),
-    "geo_mis": Correction(1.01, reject=geo_reject)}
-AUTO_CORRECTION = {False: "behave", True: "truncate"}  # --correction auto, by updates_per_batch > 1
+    "geo_mis": Correction(1.01, reject=geo_reject),
+}
+# --correction auto, by updates_per_batch > 1
+AUTO_CORRECTION = {
+    False: "behave",
+    True: "truncate",
+}
 
 
 def needs_proximal_forward(correction: str, updates_per_batch: int) -> bool:
@@ -382,8 +459,9 @@ def anchor(mb, logp: Tensor, correction: Correction) -> Tensor:
     return torch.where(mb.denom_mask > 0, base, logp.detach())
 
 
-def correct(correction: Correction, prox: Tensor, mb, cap: float | None
-            ) -> tuple[Tensor, Tensor, Stats]:
+def correct(
+    correction: Correction, prox: Tensor, mb, cap: float | None
+) -> tuple[Tensor, Tensor, Stats]:
     """(w, m, stats) of a micro-batch: the correction's importance weight per token, the numerator
     mask (its global keep mask and rejections applied), the share of d it capped or masked."""
     d = mb.denom_mask
@@ -410,7 +488,8 @@ def correct(correction: Correction, prox: Tensor, mb, cap: float | None
 KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
     "k1": lambda L: L,
     "k2": lambda L: L**2 / 2,
-    "k3": lambda L: (torch.exp(-L) - 1.0 + L).clamp(max=K3_CAP)}
+    "k3": lambda L: (torch.exp(-L) - 1.0 + L).clamp(max=K3_CAP),
+}
 
 
 def kl_penalty(logp: Tensor, ref: Tensor, estimator: str = "k3") -> Tensor:
@@ -418,8 +497,9 @@ def kl_penalty(logp: Tensor, ref: Tensor, estimator: str = "k3") -> Tensor:
     return _choice("kl-estimator", estimator, KL_ESTIMATORS)(log_ratio(logp, ref))
 
 
-def mismatch_sums(logp: Tensor, behave: Tensor, d: Tensor, seq_ids: Tensor,
-                  rejected: Tensor | None = None) -> Tensor:
+def mismatch_sums(
+    logp: Tensor, behave: Tensor, d: Tensor, seq_ids: Tensor, rejected: Tensor | None = None
+) -> Tensor:
     """The engine-vs-trainer mismatch of a micro-batch, as sums over d (reduce_metrics sums them,
     logs.step_metrics divides): tokens, |log r|, k3 = r - 1 - log r (KL(pi_behave || pi), r =
     pi / pi_behave), responses, their log perplexity gap mean_t (log pi_behave - log pi), and
@@ -434,9 +514,17 @@ def mismatch_sums(logp: Tensor, behave: Tensor, d: Tensor, seq_ids: Tensor,
     active = first & (count > 0)
     gone = first & (count == 0) & (_group_sums(rejected.double(), seq_ids) > 0)
     gap = torch.where(active, -_group_sums(lr, seq_ids) / count.clamp(min=1), 0.0)
-    return torch.stack([d.double().sum(), (lr.abs() * d).sum(), (k3 * d).sum(),
-                        active.double().sum(), gap.sum(), rejected.double().sum(),
-                        gone.double().sum()])
+    return torch.stack(
+        [
+            d.double().sum(),
+            (lr.abs() * d).sum(),
+            (k3 * d).sum(),
+            active.double().sum(),
+            gap.sum(),
+            rejected.double().sum(),
+            gone.double().sum(),
+        ]
+    )
 
 
 def seq_log_ratios(logp: Tensor, behave: Tensor, d: Tensor, seq_ids: Tensor) -> Tensor:
@@ -455,6 +543,7 @@ def seq_log_ratios(logp: Tensor, behave: Tensor, d: Tensor, seq_ids: Tensor) -> 
 class MicroBatch:
     """A packed micro-batch. Past the model's input_ids, position_ids and segments: 1-D [T] tensors
     aligned with the *predicted* token. A field computed later is set (`replace`) where it is."""
+
     input_ids: Tensor | None = None
     position_ids: Tensor | None = None
     segments: Tensor | None = None  # [R, 4] attention layout
@@ -470,7 +559,8 @@ class MicroBatch:
     ref_logprobs: Tensor | None = None  # the reference policy's (KL penalty)
     keep_mask: Tensor | None = None  # a correction's mask over the whole mini-batch (M2PO)
     rejected: Tensor | None = None  # d tokens a mismatch correction took out of m and d
-    logprobs: Tensor | None = None  # given log-probs (tests); the trainer's come from its forward
+    # given log-probs (tests); the trainer's come from its forward
+    logprobs: Tensor | None = None
     entropy: Tensor | None = None
 
     def validate(self, masks: bool = True) -> None:
@@ -482,12 +572,18 @@ class MicroBatch:
         ref_key, ref = given[0]
         for key, value in given:
             if value.dim() != 1 or value.shape != ref.shape:
-                raise ValueError(f"'{key}' has shape {tuple(value.shape)}: per-token tensors are "
-                                 f"1-D [T] (packed), like '{ref_key}' {tuple(ref.shape)}")
+                raise ValueError(
+                    f"'{key}' has shape {tuple(value.shape)}: per-token tensors are "
+                    f"1-D [T] (packed), like '{ref_key}' {tuple(ref.shape)}"
+                )
         if self.seq_ids is not None and self.seq_ids.is_floating_point():
             raise ValueError(f"'seq_ids' must be an integer tensor, got {self.seq_ids.dtype}")
-        if (masks and self.loss_mask is not None and self.denom_mask is not None
-                and (self.loss_mask > self.denom_mask).any()):
+        if (
+            masks
+            and self.loss_mask is not None
+            and self.denom_mask is not None
+            and (self.loss_mask > self.denom_mask).any()
+        ):
             raise ValueError("'loss_mask' > 'denom_mask' somewhere, but m_t <= d_t")
 
     def to(self, device) -> MicroBatch:
@@ -509,14 +605,16 @@ def as_microbatch(mb: MicroBatch | Mapping) -> MicroBatch:
 @dataclass
 class LossTerm:
     name: str
-    normalizer_fn: Callable[[MicroBatch], float | Tensor]  # masks and weights only: pre-forward
+    # masks and weights only: pre-forward
+    normalizer_fn: Callable[[MicroBatch], float | Tensor]
     coef: float = 1.0
 
 
 def all_reduce_vector(vec: Tensor, group=None, op=None) -> Tensor:
     """All-reduce a small host vector (sum by default) over `group`; a no-op in a world of one."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        nccl = dist.get_backend(group) == "nccl"  # NCCL reduces CUDA tensors only, gloo CPU ones
+        # NCCL reduces CUDA tensors only, gloo CPU ones
+        nccl = dist.get_backend(group) == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
         buf = vec.to(device)
         dist.all_reduce(buf, op=dist.ReduceOp.SUM if op is None else op, group=group)
@@ -527,12 +625,20 @@ def all_reduce_vector(vec: Tensor, group=None, op=None) -> Tensor:
 class LossReduction:
     """The contract's reduction. `group`: the ranks whose gradients are summed (None: the default
     group), which together see each token once; `cp_factor`: rule 5's CP size, else 1."""
+
     def __init__(self, terms: list[LossTerm], group=None, cp_factor: int = 1):
         if len({t.name for t in terms}) != len(terms) or cp_factor < 1:
-            raise ValueError(f"need unique term names and cp_factor >= 1, got "
-                             f"{[t.name for t in terms]} and {cp_factor}")
+            raise ValueError(
+                f"need unique term names and cp_factor >= 1, got "
+                f"{[t.name for t in terms]} and {cp_factor}"
+            )
         self.terms, self.group, self.cp_factor = terms, group, cp_factor
-        self.Z, self._numerators, self._stats = {}, {}, {}  # Z: begin_step's; the rest on device
+        # Z: begin_step's; the rest on device
+        self.Z, self._numerators, self._stats = (
+            {},
+            {},
+            {},
+        )
 
     def begin_step(self, microbatches: list) -> None:
         """Every term's normalizer over this rank's micro-batches; one all_reduce -> global Z_k."""
@@ -543,28 +649,39 @@ class LossReduction:
             for k, term in enumerate(self.terms):
                 n = float(torch.as_tensor(term.normalizer_fn(mb), dtype=torch.float64))
                 if not math.isfinite(n) or n < 0:
-                    raise ValueError(f"term {term.name!r}: normalizer {n} is not finite and >= 0")
+                    raise ValueError(
+                        f"term {term.name!r}: normalizer {n} is not finite and >= 0"
+                    )
                 local[k] += n
-        Z = all_reduce_vector(local, self.group) * self.cp_factor  # each token cp_factor times
+        # each token cp_factor times
+        Z = all_reduce_vector(local, self.group) * self.cp_factor
         self.Z = {t.name: float(z) for t, z in zip(self.terms, Z.tolist(), strict=True)}
         self._numerators, self._stats = {t.name: 0.0 for t in self.terms}, {}
 
-    def __call__(self, numerators: Mapping[str, Tensor], stats: Stats | None = None) -> Tensor:
+    def __call__(
+        self, numerators: Mapping[str, Tensor], stats: Stats | None = None
+    ) -> Tensor:
         """The micro-batch's loss for backward: sum_k coef_k * N_k / Z_k, from each term's
         numerator N_k (every term's, by name); `stats`: (total, count) pairs to report."""
         if not self.Z:
-            raise RuntimeError("call begin_step(microbatches) before computing micro-batch losses")
+            raise RuntimeError(
+                "call begin_step(microbatches) before computing micro-batch losses"
+            )
         if set(numerators) != {t.name for t in self.terms}:
-            raise ValueError(f"numerators {sorted(numerators)} for terms "
-                             f"{[t.name for t in self.terms]}")
+            raise ValueError(
+                f"numerators {sorted(numerators)} for terms {[t.name for t in self.terms]}"
+            )
         for k, pair in (stats or {}).items():
             old = self._stats.get(k, (0, 0))
             self._stats[k] = [a + b.detach() for a, b in zip(old, pair)]
         total = 0.0
         for term in self.terms:
             value = numerators[term.name]
-            self._numerators[term.name] = self._numerators[term.name] + value.detach().double()
-            Z = self.Z[term.name]  # Z == 0: multiply by 0, never divide: finite zero gradients
+            self._numerators[term.name] = (
+                self._numerators[term.name] + value.detach().double()
+            )
+            # Z == 0: multiply by 0, never divide: finite zero gradients
+            Z = self.Z[term.name]
             total = total + (value * (term.coef / Z) if Z > 0 else value * 0.0)
         return total
 
@@ -583,12 +700,15 @@ class LossReduction:
         return out
 
 
-def masked_sum(values: Tensor, mask: Tensor, weight: Tensor | None = None,
-               name: str = "loss") -> Tensor:
+def masked_sum(
+    values: Tensor, mask: Tensor, weight: Tensor | None = None, name: str = "loss"
+) -> Tensor:
     """sum_t mask_t weight_t values_t, no broadcasting; masked values -> 0 first (inf * 0 = NaN)."""
     for key, t in (("mask", mask), ("weight", weight)):
         if t is not None and t.shape != values.shape:
-            raise ValueError(f"{name}: {key} shape {tuple(t.shape)} != loss {tuple(values.shape)}")
+            raise ValueError(
+                f"{name}: {key} shape {tuple(t.shape)} != loss {tuple(values.shape)}"
+            )
     w = mask if weight is None else mask * weight
     return (torch.where(w != 0, values, 0.0) * w).sum()
 
@@ -606,18 +726,28 @@ def token_count(mb: MicroBatch) -> Tensor:
 def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
     """The trainer's reduction from resolved flags: "policy" (over the mode's normaliser), and,
     where their coefficients are not 0, "entropy" (-entropy_coef) and "kl" (token means)."""
-    terms = [LossTerm("policy", policy_normalizer),
-             LossTerm("entropy", token_count, -cfg.entropy_coef),
-             LossTerm("kl", token_count, cfg.kl_coef)]
+    terms = [
+        LossTerm("policy", policy_normalizer),
+        LossTerm("entropy", token_count, -cfg.entropy_coef),
+        LossTerm("kl", token_count, cfg.kl_coef),
+    ]
     return LossReduction([t for t in terms if t.coef != 0.0], group, cp_factor)
 
 
 # -----------------------------------------------------------------------------
 # flags: defaults that depend on other flags, and checks
-def resolve_loss_flags(policy_loss: str, loss_aggregation: str, eps_low: float | None,
-                       eps_high: float | None, divisor: float | None, correction: str,
-                       threshold: float | None, max_new_tokens: int, max_staleness: int = 0,
-                       updates_per_batch: int = 1) -> dict:
+def resolve_loss_flags(
+    policy_loss: str,
+    loss_aggregation: str,
+    eps_low: float | None,
+    eps_high: float | None,
+    divisor: float | None,
+    correction: str,
+    threshold: float | None,
+    max_new_tokens: int,
+    max_staleness: int = 0,
+    updates_per_batch: int = 1,
+) -> dict:
     """Defaults that depend on other flags: the surrogate's mode (auto) and clip range, constant's
     divisor (the longest response), the correction (auto) and its threshold."""
     s = _choice("policy-loss", policy_loss, SURROGATES)
@@ -628,21 +758,28 @@ def resolve_loss_flags(policy_loss: str, loss_aggregation: str, eps_low: float |
     if mode == "constant":
         divisor = pick(divisor, float(max_new_tokens))
     corr = _choice("correction", correction, CORRECTIONS)
-    return {"loss_aggregation": mode, "loss_aggregation_divisor": divisor,
-            "eps_low": pick(eps_low, s.params.get("eps_low")),
-            "eps_high": pick(eps_high, s.params.get("eps_high")), "correction": correction,
-            "correction_threshold": pick(threshold, corr.threshold)}
+    return {
+        "loss_aggregation": mode,
+        "loss_aggregation_divisor": divisor,
+        "eps_low": pick(eps_low, s.params.get("eps_low")),
+        "eps_high": pick(eps_high, s.params.get("eps_high")),
+        "correction": correction,
+        "correction_threshold": pick(threshold, corr.threshold),
+    }
 
 
-def surrogate_params(policy_loss: str, eps_low: float | None, eps_high: float | None,
-                     correction: str = "none") -> dict:
+def surrogate_params(
+    policy_loss: str, eps_low: float | None, eps_high: float | None, correction: str = "none"
+) -> dict:
     """The surrogate's defaults and the clip flags given; one it cannot use is an error. A
     correction that replaces the clip opens it (r in [1 - 1, 1 + inf]: never clipped)."""
     params = _choice("policy-loss", policy_loss, SURROGATES).params
     given = {k: v for k, v in (("eps_low", eps_low), ("eps_high", eps_high)) if v is not None}
     unused = [k for k in given if k not in params]
     if unused:
-        raise ValueError(f"--{unused[0].replace('_', '-')}: {policy_loss} has no such parameter")
+        raise ValueError(
+            f"--{unused[0].replace('_', '-')}: {policy_loss} has no such parameter"
+        )
     params = params | given
     if not _choice("correction", correction, CORRECTIONS).clip:
         opened = {"eps_low": 1.0, "eps_high": math.inf}
@@ -652,21 +789,33 @@ def surrogate_params(policy_loss: str, eps_low: float | None, eps_high: float | 
 
 def check_loss_flags(cfg) -> None:
     """Every loss flag's range (on resolved flags); raises ValueError naming the flag."""
-    response_weights(cfg.loss_aggregation, torch.zeros(0), torch.zeros(0),  # the mode, a divisor
-                     cfg.loss_aggregation_divisor)
+    response_weights(
+        cfg.loss_aggregation,
+        torch.zeros(0),
+        torch.zeros(0),  # the mode, a divisor
+        cfg.loss_aggregation_divisor,
+    )
     if cfg.loss_aggregation != "constant" and cfg.loss_aggregation_divisor is not None:
-        raise ValueError("--loss-aggregation-divisor is only used by --loss-aggregation constant "
-                         f"(not {cfg.loss_aggregation})")
+        raise ValueError(
+            "--loss-aggregation-divisor is only used by --loss-aggregation constant "
+            f"(not {cfg.loss_aggregation})"
+        )
     params = surrogate_params(cfg.policy_loss, cfg.eps_low, cfg.eps_high)
     if not (0 <= params.get("eps_low", 0) < 1 and params.get("eps_high", 0) >= 0):
-        raise ValueError(f"--eps-low must be in [0, 1) and --eps-high >= 0, got {cfg.eps_low} and "
-                         f"{cfg.eps_high}")
+        raise ValueError(
+            f"--eps-low must be in [0, 1) and --eps-high >= 0, got {cfg.eps_low} and "
+            f"{cfg.eps_high}"
+        )
     corr = _choice("correction", cfg.correction, CORRECTIONS)
     if corr.threshold is not None and not cfg.correction_threshold > 0:
-        raise ValueError(f"--correction-threshold must be > 0, got {cfg.correction_threshold}")
+        raise ValueError(
+            f"--correction-threshold must be > 0, got {cfg.correction_threshold}"
+        )
     if corr.reject is not None and not cfg.correction_threshold > 1:
-        raise ValueError(f"--correction {cfg.correction} keeps ratios in [1/C, C]: "
-                         f"--correction-threshold must be > 1, got {cfg.correction_threshold}")
+        raise ValueError(
+            f"--correction {cfg.correction} keeps ratios in [1/C, C]: "
+            f"--correction-threshold must be > 1, got {cfg.correction_threshold}"
+        )
     if corr.threshold is None and cfg.correction_threshold is not None:
         raise ValueError(f"--correction-threshold: --correction {cfg.correction} has none")
     if cfg.kl_coef < 0:

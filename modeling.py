@@ -26,33 +26,50 @@ from cli import UserError, why
 
 HALF = (torch.float16, torch.bfloat16)
 # selective checkpointing keeps these ops' outputs (a layer's matmuls and attention kernel)
-KEPT_OPS = tuple(getattr(torch.ops.aten, op).default for op in (
-    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention") if hasattr(torch.ops.aten, op))
+KEPT_OPS = tuple(
+    getattr(torch.ops.aten, op).default
+    for op in (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(torch.ops.aten, op)
+)
 # model_type prefix -> (the config field that scales its head's logits, whether it divides by it)
-HEAD_SCALES = {"granite": ("logits_scaling", True), "cohere": ("logit_scale", False),
-               "hyperclovax": ("logits_scaling", False), "falcon_h1": ("lm_head_multiplier", False)}
+HEAD_SCALES = {
+    "granite": ("logits_scaling", True),
+    "cohere": ("logit_scale", False),
+    "hyperclovax": ("logits_scaling", False),
+    "falcon_h1": ("lm_head_multiplier", False),
+}
 FAST_HEAD = True  # the chunked head (HeadLogprobs); False: plain_head, autograd's, to compare
 HEAD_CHUNK = 1024  # the head's fp32 logits: rows at once (1024 x 150k: 0.6 GB)
 HEAD_ROWS = (16, 256)  # rows a pass of the head's softmax takes on a CPU, on a GPU
 HEAD_KEEP = 1 << 29  # bytes of logits kept from forward to backward (else a GEMM reruns them)
-BIG_WEIGHT = 10**5  # the CPU engine packs weights of this many elements for oneDNN (pack_weights)
+# the CPU engine packs weights of this many elements for oneDNN (pack_weights)
+BIG_WEIGHT = 10**5
 ATTENTION = "auto"  # auto | flash_attn | torch_varlen | sdpa | plain: force a path to compare
 # checkpointing (exact: no dropout, a rerun op computes what it did): "full" reruns each decoder
 # layer from its input (~10x less memory), "selective" its elementwise work alone (~half), ""
 # none; None: decided, on a GPU by the memory plan, on a CPU by SELECTIVE_FROM
 CHECKPOINT_LAYERS = None
 SELECTIVE_FROM = 2**20  # a CPU: selective if a whole micro-batch's layer input has this many
-RERUN_FROM = 2**19  # elements; yet a micro-batch's own under this many runs as is (135M: -12%)
+# elements; yet a micro-batch's own under this many runs as is (135M: -12%)
+RERUN_FROM = 2**19
 NO_RERUN_UP_TO = 0.8  # a GPU checkpoints no layer while the plan without it is <= this share
-COMPILE_FROM = 5 * 10**7  # --compile: decoder layers' parameters; fewer gain less than it costs
+# --compile: decoder layers' parameters; fewer gain less than it costs
+COMPILE_FROM = 5 * 10**7
 _PROBES = itertools.count()  # compile_probe's functions, each compiled anew
 
 
 @dataclass
 class Model:
     """A causal LM as the trainer runs it. Decided once at load, the same on every rank."""
+
     module: nn.Module  # the HF model: FSDP2-sharded (several ranks or bf16), else plain
     device: torch.device
     attention: str  # the attention path: flash_attn, torch_varlen, sdpa or plain
@@ -66,7 +83,9 @@ class Model:
     cp_group: object = None  # Ulysses: the ranks that split each row
     summary: str = ""  # the start-up lines that say all of the above
 
-    def logprobs(self, mb, temperature: float, grad: bool = False, entropy_grad: bool = False):
+    def logprobs(
+        self, mb, temperature: float, grad: bool = False, entropy_grad: bool = False
+    ):
         """(log pi(target), entropy) [T] of a packed micro-batch at `temperature`. Inputs and
         layout are made on the host; under CP this rank runs its 1/N of the row and the whole
         row's values are gathered. entropy_grad: a graph for the entropy (a bonus), else none."""
@@ -75,11 +94,24 @@ class Model:
             targets = targets.masked_fill(mb.seq_ids < 0, -1)
         with torch.set_grad_enabled(grad), self.adapters():
             inputs, layout = attention.row_inputs(
-                mb.input_ids, mb.position_ids, targets, mb.segments, self.device, self.kernel,
-                self.cp_group, self.attention == "plain")
-            out = as_root_forward(self.module, policy_logprobs, self.module, **inputs,
-                                  layout=layout, temperature=temperature,
-                                  entropy_grad=entropy_grad)
+                mb.input_ids,
+                mb.position_ids,
+                targets,
+                mb.segments,
+                self.device,
+                self.kernel,
+                self.cp_group,
+                self.attention == "plain",
+            )
+            out = as_root_forward(
+                self.module,
+                policy_logprobs,
+                self.module,
+                **inputs,
+                layout=layout,
+                temperature=temperature,
+                entropy_grad=entropy_grad,
+            )
         if self.cp_group is None:
             return out
         return attention.gather_row(*out, self.cp_group, len(targets))
@@ -112,8 +144,14 @@ def as_root_forward(module: nn.Module, fn, *args, **kwargs):
 
 # -----------------------------------------------------------------------------
 # loading: rank 0 reads the weights on the host, every rank shards a meta-device model
-def load_model(cfg, device: torch.device, world: int = 1, cp_group=None, trainable: bool = True,
-               memory: dict | None = None) -> Model:
+def load_model(
+    cfg,
+    device: torch.device,
+    world: int = 1,
+    cp_group=None,
+    trainable: bool = True,
+    memory: dict | None = None,
+) -> Model:
     """cfg.model (an HF causal LM) as a Model: dropout off (its log-probs must be the sampler's),
     checked against its own forward, LoRA per cfg.lora_rank / cfg.lora_adapter, decisions made
     on the meta-device model, then sharded over `world` ranks (one rank in full precision: plain)
@@ -122,6 +160,7 @@ def load_model(cfg, device: torch.device, world: int = 1, cp_group=None, trainab
     if the model cannot run here."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+
     AttentionInterface.register("packed", torch.compiler.disable(attention.packed_attention))
     mixed = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
     dtype = {"float64": torch.float64}.get(cfg.dtype, torch.float32)
@@ -129,12 +168,16 @@ def load_model(cfg, device: torch.device, world: int = 1, cp_group=None, trainab
         dtype = torch.bfloat16
     adapter = lora.read_config(cfg.lora_adapter)
     cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
-    full = _on_rank0(lambda: _load_checked(cfg.model, dtype, cp_size, trainable, cfg.lora_rank,
-                                           cfg.lora_adapter, adapter))
+    full = _on_rank0(
+        lambda: _load_checked(
+            cfg.model, dtype, cp_size, trainable, cfg.lora_rank, cfg.lora_adapter, adapter
+        )
+    )
     with torch.device("meta"):
         config = AutoConfig.from_pretrained(cfg.model, use_cache=False)
-        module = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                  attn_implementation="packed")
+        module = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation="packed"
+        )
     described = lora.apply(module, cfg.lora_rank, adapter)
     tokens = -(-cfg.micro_batch_tokens // cp_size)  # a micro-batch's, on this rank
     model = decide(module, cfg, device, world, tokens, trainable, mixed, memory or {})
@@ -143,9 +186,12 @@ def load_model(cfg, device: torch.device, world: int = 1, cp_group=None, trainab
     _shard(module, device, world, mixed)
     if model.compiled:
         compile_layers(module)
-    if model.checkpointing:  # a CPU's own choice (selective) skips small micro-batches' reruns
+    # a CPU's own choice (selective) skips small micro-batches' reruns
+    if model.checkpointing:
         auto = CHECKPOINT_LAYERS is None and model.checkpointing == "selective"
-        checkpoint_layers(module, model.checkpointing == "selective", RERUN_FROM if auto else 0)
+        checkpoint_layers(
+            module, model.checkpointing == "selective", RERUN_FROM if auto else 0
+        )
     module.to_empty(device=device).eval().tie_weights()  # to_empty unties a plain model
     state = {} if full is None else full.state_dict()
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -175,20 +221,31 @@ def _on_rank0(load):
     return full
 
 
-def _load_checked(path: str, dtype: torch.dtype, heads_divisor: int, check: bool, rank: int,
-                  adapter_path: str | None, adapter: dict | None):
+def _load_checked(
+    path: str,
+    dtype: torch.dtype,
+    heads_divisor: int,
+    check: bool,
+    rank: int,
+    adapter_path: str | None,
+    adapter: dict | None,
+):
     """Rank 0's whole model on the host, checked (before its adapters: they start at zero or
     load after), with its adapters; a UserError if it cannot run here."""
     from transformers import AutoModelForCausalLM
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_cache=False,
-                                                     attn_implementation="packed").eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, use_cache=False, attn_implementation="packed"
+        ).eval()
     except (OSError, ValueError) as e:  # no weights, an unknown architecture, ...
         raise UserError(f"--model {path}: cannot load a causal LM ({why(e)})") from None
     text = model.config.get_text_config()
     if text.num_attention_heads % heads_divisor:  # each CP rank attends with H/N whole heads
-        raise UserError(f"config error: --cp-size {heads_divisor} must divide the model's "
-                        f"{text.num_attention_heads} attention heads")
+        raise UserError(
+            f"config error: --cp-size {heads_divisor} must divide the model's "
+            f"{text.num_attention_heads} attention heads"
+        )
     problem = check_model(model, text.vocab_size) if check else None
     if problem:
         raise UserError(f"--model {path} ({text.model_type}) is not supported: {problem}")
@@ -207,8 +264,16 @@ def _lora_config(module: nn.Module, rank: int, adapter: dict | None) -> dict | N
     return {"r": rank, "lora_alpha": alpha, "target_modules": layers}
 
 
-def decide(module: nn.Module, cfg, device, world: int, tokens: int, trainable: bool,
-           mixed: bool, memory: dict) -> Model:
+def decide(
+    module: nn.Module,
+    cfg,
+    device,
+    world: int,
+    tokens: int,
+    trainable: bool,
+    mixed: bool,
+    memory: dict,
+) -> Model:
     """Every decision about the model, from its meta-device shapes and what all ranks agree on:
     attention path, compiled layers, checkpointing and gradient sync (the memory plan)."""
     text = module.config.get_text_config()
@@ -220,16 +285,28 @@ def decide(module: nn.Module, cfg, device, world: int, tokens: int, trainable: b
     eager = "eager (--no-compile)"
     if cfg.compile:
         eager = compile_verdict(module, device)
-    compute = "bf16 (fp32 master weights)" if mixed else str(module.dtype).removeprefix("torch.")
+    compute = (
+        "bf16 (fp32 master weights)" if mixed else str(module.dtype).removeprefix("torch.")
+    )
     because = f" ({reason})" if reason else ""
     summary = f"attention: {path}{because}; compute: {compute}; {eager or 'layers compiled'}"
     checkpointing, defer = "", False  # a frozen copy: no backward
     if trainable:
-        checkpointing, defer, plan = memory_decisions(shape_of(module, mixed), world, tokens,
-                                                      eager is None, **memory)
+        checkpointing, defer, plan = memory_decisions(
+            shape_of(module, mixed), world, tokens, eager is None, **memory
+        )
         summary += "\n" + plan
-    return Model(module, device, path, kernel, checkpointing, eager is None, mixed, defer,
-                 summary=summary)
+    return Model(
+        module,
+        device,
+        path,
+        kernel,
+        checkpointing,
+        eager is None,
+        mixed,
+        defer,
+        summary=summary,
+    )
 
 
 def _shard(module: nn.Module, device, world: int, mixed: bool) -> None:
@@ -237,6 +314,7 @@ def _shard(module: nn.Module, device, world: int, mixed: bool) -> None:
     would only copy every weight and gradient twice a step (fresh buffers: 0.5B 19 -> 14 s)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     if world == 1 and not mixed:
         return
     mp = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if mixed else {}
@@ -251,6 +329,7 @@ def sum_gradients(module: nn.Module) -> None:
     parameters), forced sums (a divide factor alone reduces with PREMUL_SUM, which gloo rejects);
     one rank's average is its sum, and a factor, even 1, divides every gradient: none there."""
     from torch.distributed.fsdp import FSDPModule
+
     if dist.get_world_size() == 1:
         return
     for m in module.modules():
@@ -273,8 +352,11 @@ def adamw(params: list, **kwargs) -> torch.optim.AdamW:
     would, before any activation: made in their freed memory, the next step's fault in afresh."""
     optimizer = torch.optim.AdamW(params, fused=True, **kwargs)
     for p in params:
-        optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-                              "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        optimizer.state[p] = {
+            "step": torch.zeros((), dtype=torch.float32, device=p.device),
+            "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p),
+        }
     return optimizer
 
 
@@ -296,7 +378,8 @@ def compile_probe(device: torch.device) -> str | None:
     launch. Errors are raised here: under suppress_errors a missing one would silently run eager
     while the memory plan counts compiled layers."""
     probe = lambda x: torch.sin(x) * 2 + 1
-    probe.__code__ = probe.__code__.replace(co_name=f"probe_{next(_PROBES)}")  # compiled afresh
+    # compiled afresh
+    probe.__code__ = probe.__code__.replace(co_name=f"probe_{next(_PROBES)}")
     try:
         with torch._dynamo.config.patch(suppress_errors=False):
             torch.compile(probe, dynamic=False)(torch.ones(8, device=device))
@@ -308,7 +391,8 @@ def compile_probe(device: torch.device) -> str | None:
 def compile_layers(module: nn.Module) -> None:
     """torch.compile each decoder layer (dynamic shapes: a new row length does not recompile; the
     attention kernel eager): inductor fuses the elementwise work and reruns it in backward."""
-    torch._dynamo.config.suppress_errors = True  # what fails to compile runs eager (a warning)
+    # what fails to compile runs eager (a warning)
+    torch._dynamo.config.suppress_errors = True
     for layer in decoder_layers(module):
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
@@ -320,6 +404,7 @@ def checkpoint_layers(module: nn.Module, selective: bool = False, from_elements:
     hooks (they gather the layer's weights for the rerun too); a CP all-to-all inside reruns on
     every rank alike (equal chunks: row_inputs). A layer input under `from_elements` runs as is."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts as keeping
+
     kw = {"context_fn": functools.partial(keeping, list(KEPT_OPS))} if selective else {}
     for layer in decoder_layers(module):
         layer.forward = functools.partial(_maybe_rerun, layer.forward, from_elements, kw)
@@ -329,7 +414,9 @@ def _maybe_rerun(forward, from_elements: int, kw: dict, *args, **kwargs):
     hidden = args[0] if args else kwargs["hidden_states"]
     if hidden.numel() < from_elements:
         return forward(*args, **kwargs)
-    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kw, **kwargs)
+    return torch.utils.checkpoint.checkpoint(
+        forward, *args, use_reentrant=False, **kw, **kwargs
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -337,6 +424,7 @@ def _maybe_rerun(forward, from_elements: int, kw: dict, *args, **kwargs):
 @dataclass(frozen=True)
 class Shape:
     """What the memory plan reads of a model (parameters in elements, sizes in bytes)."""
+
     params: int  # every parameter (LoRA: the base's too)
     trainable: int  # those with gradients and AdamW state
     layers: int
@@ -353,6 +441,7 @@ class Shape:
 def parameter_count(path: str) -> int:
     """The parameters of the causal LM at `path`, counted on the meta device (nothing loaded)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
     with torch.device("meta"):
         module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     return sum(p.numel() for p in module.parameters())
@@ -368,16 +457,31 @@ def shape_of(module: nn.Module, mixed: bool) -> Shape:
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     master = trained[0].element_size()
-    return Shape(sum(p.numel() for _, p in names), sum(p.numel() for p in trained),
-                 text.num_hidden_layers, hidden,
-                 getattr(text, "intermediate_size", None) or 4 * hidden, kv_heads * head_dim,
-                 text.vocab_size, bool(getattr(text, "tie_word_embeddings", False)), master,
-                 frozen[0].element_size(), 2 if mixed else master)
+    return Shape(
+        sum(p.numel() for _, p in names),
+        sum(p.numel() for p in trained),
+        text.num_hidden_layers,
+        hidden,
+        getattr(text, "intermediate_size", None) or 4 * hidden,
+        kv_heads * head_dim,
+        text.vocab_size,
+        bool(getattr(text, "tie_word_embeddings", False)),
+        master,
+        frozen[0].element_size(),
+        2 if mixed else master,
+    )
 
 
-def memory_plan(shape: Shape, world: int, tokens: int, checkpointing: str, *,
-                engine: tuple[float, float] = (0.0, 0.0), grads_unsharded: bool = False,
-                others: int = 0) -> dict[str, float]:
+def memory_plan(
+    shape: Shape,
+    world: int,
+    tokens: int,
+    checkpointing: str,
+    *,
+    engine: tuple[float, float] = (0.0, 0.0),
+    grads_unsharded: bool = False,
+    others: int = 0,
+) -> dict[str, float]:
     """Peak bytes per rank of a training step of a decoder LM FSDP2-sharded over `world` ranks (one
     in full precision: plain), by part, and "total"; `tokens` a micro-batch's positions on this
     rank; `others` the parameters of frozen models beside it (the KL reference, a teacher).
@@ -400,13 +504,15 @@ def memory_plan(shape: Shape, world: int, tokens: int, checkpointing: str, *,
     else:
         saved = s.layers * layer
     frozen = (s.params - s.trainable) * s.frozen_bytes + others * s.master_bytes
-    plan = {"weights": (s.trainable * s.master_bytes + frozen) / world,
-            "grads": s.trainable * s.master_bytes * (1 / world + (grads_unsharded and fsdp)),
-            "adamw": 2 * s.trainable * s.master_bytes / world,
-            "activations": saved + layer * (2 if checkpointing else 1),
-            "head": head_bytes(s.vocab, s.hidden, tokens, c),
-            "gathered": fsdp * 2 * c * (2 * (s.params - root) / s.layers + root),
-            "engine": max(engine)}
+    plan = {
+        "weights": (s.trainable * s.master_bytes + frozen) / world,
+        "grads": s.trainable * s.master_bytes * (1 / world + (grads_unsharded and fsdp)),
+        "adamw": 2 * s.trainable * s.master_bytes / world,
+        "activations": saved + layer * (2 if checkpointing else 1),
+        "head": head_bytes(s.vocab, s.hidden, tokens, c),
+        "gathered": fsdp * 2 * c * (2 * (s.params - root) / s.layers + root),
+        "engine": max(engine),
+    }
     training = sum(plan.values()) - plan["engine"] + engine[1]
     plan["total"] = max(plan["weights"] + plan["adamw"] + engine[0], training)
     return plan
@@ -421,14 +527,21 @@ def head_bytes(vocab: int, hidden: int, tokens: int, compute_bytes: int) -> int:
     return (logit_bytes + compute_bytes % 4) * vocab * rows + accumulator
 
 
-def memory_decisions(shape: Shape, world: int, tokens: int, compiled: bool,
-                     gpu: tuple[int, int] | None = None, engine: tuple[float, float] = (0, 0),
-                     others: int = 0) -> tuple[str, bool, str]:
+def memory_decisions(
+    shape: Shape,
+    world: int,
+    tokens: int,
+    compiled: bool,
+    gpu: tuple[int, int] | None = None,
+    engine: tuple[float, float] = (0, 0),
+    others: int = 0,
+) -> tuple[str, bool, str]:
     """(checkpointing, whether gradients stay unsharded until the step, the plan's line). `gpu`:
     (free, total) bytes before the weights loaded, the least over ranks (None: a CPU, whose
     decisions do not depend on memory); `engine`: what the engine holds while it generates and
     while the trainer trains. A UserError if nothing fits."""
-    plain = "selective" if compiled else ""  # inductor keeps what selective checkpointing keeps
+    # inductor keeps what selective checkpointing keeps
+    plain = "selective" if compiled else ""
     checkpointing = CHECKPOINT_LAYERS
     kw = {"engine": engine, "others": others}
     raw = memory_plan(shape, world, tokens, plain, grads_unsharded=True, **kw)
@@ -446,9 +559,11 @@ def memory_decisions(shape: Shape, world: int, tokens: int, compiled: bool,
     plan = deferred if defer else synced
     line = _plan_line(plan, raw if checkpointing else None, capacity)
     if capacity is not None and plan["total"] > capacity:
-        raise UserError(f"config error: this will not fit: {line}; lower --micro-batch-tokens "
-                        "(activations), raise --cp-size, or use more GPUs (weights, grads and "
-                        "AdamW are sharded over ranks)")
+        raise UserError(
+            f"config error: this will not fit: {line}; lower --micro-batch-tokens "
+            "(activations), raise --cp-size, or use more GPUs (weights, grads and "
+            "AdamW are sharded over ranks)"
+        )
     return checkpointing, defer, f"memory per rank (plan): {line}"
 
 
@@ -497,7 +612,9 @@ def head_transform(config) -> tuple[float, float | None]:
     softcap * tanh(logits / softcap). check_model catches a family that applies something else."""
     text = config.get_text_config()
     kind = getattr(text, "model_type", "") or ""
-    name, divide = next((v for k, v in HEAD_SCALES.items() if kind.startswith(k)), (None, False))
+    name, divide = next(
+        (v for k, v in HEAD_SCALES.items() if kind.startswith(k)), (None, False)
+    )
     value = getattr(text, name, None) if name else None
     scale = 1.0
     if value:
@@ -505,9 +622,18 @@ def head_transform(config) -> tuple[float, float | None]:
     return scale, getattr(text, "final_logit_softcapping", None) or None
 
 
-def policy_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0,
-                    segments: Tensor | None = None, layout=None, entropy_grad: bool = True,
-                    scored: Tensor | None = None, chunk: int = HEAD_CHUNK):
+def policy_logprobs(
+    model,
+    input_ids,
+    position_ids,
+    targets,
+    temperature: float = 1.0,
+    segments: Tensor | None = None,
+    layout=None,
+    entropy_grad: bool = True,
+    scored: Tensor | None = None,
+    chunk: int = HEAD_CHUNK,
+):
     """(log pi(target_t | prefix), entropy) [T] of a packed row by `segments` (default: one sequence
     per run of positions from 0) or its `layout`; entropy_grad=False: no entropy graph.
     `scored`: the positions read (an index, default all): the head runs there alone, the rest 0."""
@@ -515,17 +641,20 @@ def policy_logprobs(model, input_ids, position_ids, targets, temperature: float 
         if segments is None:
             segments = attention.segments_from_positions(position_ids.cpu())
         layout = attention.attention_layout(segments, input_ids.shape[-1], input_ids.device)
-    hidden = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                              layout=layout).last_hidden_state[0]
-    if scored is not None:  # TRL's logits_to_keep: a shared prompt's prefix predicts nothing read
+    hidden = model.base_model(
+        input_ids=input_ids, position_ids=position_ids, use_cache=False, layout=layout
+    ).last_hidden_state[0]
+    # TRL's logits_to_keep: a shared prompt's prefix predicts nothing read
+    if scored is not None:
         hidden, targets = hidden[scored], targets[scored]
     head = model.get_output_embeddings()
     bias = getattr(head, "bias", None)
     transform = (temperature, *head_transform(model.config))
     if FAST_HEAD:
         keep = HEAD_KEEP if torch.is_grad_enabled() else 0
-        out = HeadLogprobs.apply(hidden, head.weight, bias, targets, *transform, chunk,
-                                 entropy_grad, keep)
+        out = HeadLogprobs.apply(
+            hidden, head.weight, bias, targets, *transform, chunk, entropy_grad, keep
+        )
     else:
         out = plain_head(hidden, head.weight, bias, targets, *transform, entropy_grad)
     if scored is None:
@@ -533,8 +662,16 @@ def policy_logprobs(model, input_ids, position_ids, targets, temperature: float 
     return tuple(x.new_zeros(input_ids.shape[-1]).index_copy(0, scored, x) for x in out)
 
 
-def plain_head(hidden, weight, bias, targets, temperature: float, scale: float,
-               softcap: float | None, entropy_grad: bool = True) -> tuple[Tensor, Tensor]:
+def plain_head(
+    hidden,
+    weight,
+    bias,
+    targets,
+    temperature: float,
+    scale: float,
+    softcap: float | None,
+    entropy_grad: bool = True,
+) -> tuple[Tensor, Tensor]:
     """The head as written: x = softcap(scale (hW^T + b)) / T in fp32 at least for every row at
     once, log p = log_softmax(x), (log p(target), H = -sum_v p_v log p_v); autograd's backward.
     HeadLogprobs computes the same in chunks, in less memory and fewer GEMMs."""
@@ -556,8 +693,11 @@ class HeadLogprobs(torch.autograd.Function):
     `keep` bytes (else a GEMM reruns it); there d/dx = g_lp (onehot(y) - p) - g_H p (log p + H),
     times scale / T (1 - tanh^2 under a softcap), overwrites it for two GEMMs. Exact; without
     `h_grad`: no d/dH."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temp, scale, softcap, chunk, h_grad, keep):
+    def forward(
+        ctx, hidden, weight, bias, targets, temp, scale, softcap, chunk, h_grad, keep
+    ):
         ctx.set_materialize_grads(False)
         up = torch.promote_types(hidden.dtype, torch.float32)
         kept = None  # x stays for backward when it fits `keep`: one chunk of every row
@@ -591,7 +731,9 @@ class HeadLogprobs(torch.autograd.Function):
         sums = len(hidden) > chunk
         grads = []
         for i, (x, n) in enumerate(zip((hidden, weight, bias), need)):
-            grads.append(torch.zeros_like(x, dtype=up if sums and i else x.dtype) if n else None)
+            grads.append(
+                torch.zeros_like(x, dtype=up if sums and i else x.dtype) if n else None
+            )
         for rows, x in _head_blocks(hidden, weight, bias, *ctx.args, grads, ctx.kept):
             cap = 1.0
             if softcap:  # d softcap tanh(u / softcap) / du = 1 - tanh^2
@@ -612,7 +754,9 @@ class HeadLogprobs(torch.autograd.Function):
         return *grads, *[None] * 7
 
 
-def _head_blocks(hidden, weight, bias, temperature, scale, softcap, chunk, grads=None, kept=None):
+def _head_blocks(
+    hidden, weight, bias, temperature, scale, softcap, chunk, grads=None, kept=None
+):
     """(rows, x) HEAD_ROWS rows at a time: logits x = softcap(scale z) / T in place in z = hW^T + b
     (fp32 at least), `chunk` rows at a time in one buffer, or `kept` (forward appends z, backward
     pops it). With `grads` [hidden, weight, bias]: once the caller overwrote a chunk by d/dz, its
@@ -662,10 +806,13 @@ def _head_grads(grads: list, dz: Tensor, h: Tensor, weight: Tensor, up, i: int) 
 def mm_out_dtype_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch.mm(a, b, out_dtype=torch.float32) runs here (torch 2.13: CUDA and XPU kernels
     for fp16/bf16 inputs, no CPU one). Probed once, without autograd: mm.dtype has no derivative."""
+    # NotImplementedError: no kernel on this device; TypeError: an older torch
     try:
         x = torch.ones(1, 1, device=device, dtype=dtype)
-        return dtype in HALF and torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
-    except Exception:  # NotImplementedError: no kernel on this device; TypeError: an older torch
+        return (
+            dtype in HALF and torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
+        )
+    except Exception:
         return False
 
 
@@ -686,8 +833,14 @@ def pack_weights(weights: list[Tensor], rows: int) -> dict[int, Tensor]:
     shape, 16 rows, 2 threads: 2x the decode's matmuls. {} where oneDNN is absent: F.linear."""
     if not torch.backends.mkldnn.is_available():
         return {}
-    big = [w for w in weights if w.device.type == "cpu" and w.dtype == torch.float32
-           and w.dim() == 2 and w.numel() >= BIG_WEIGHT]
+    big = [
+        w
+        for w in weights
+        if w.device.type == "cpu"
+        and w.dtype == torch.float32
+        and w.dim() == 2
+        and w.numel() >= BIG_WEIGHT
+    ]
     return {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows) for w in big}
 
 
@@ -699,8 +852,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: dict |
     return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
 
 
-def head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, packed: dict | None = None
-                ) -> Tensor:
+def head_logits(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, packed: dict | None = None
+) -> Tensor:
     """The sampler's logits hW^T (+ b) [n, V] in fp32 at least by a half GEMM where one runs."""
     if hidden.dtype == weight.dtype == torch.float32:
         logits = linear(hidden, weight, None, packed)
@@ -721,19 +875,25 @@ def check_model_source(name: str) -> None:
             raise bad("not a model directory (it has no config.json)")
         files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
         if not any((path / f).is_file() for f in files):
-            raise bad(f"no tokenizer files there (none of {', '.join(files)}); save the tokenizer "
-                      "with the model")
+            raise bad(
+                f"no tokenizer files there (none of {', '.join(files)}); save the tokenizer "
+                "with the model"
+            )
         return
     if name.startswith((".", "/", "~")) or name.count("/") > 1:  # a path, not an org/name id
         raise bad("no such directory")
     try:
         from huggingface_hub import try_to_load_from_cache
+
         if isinstance(try_to_load_from_cache(name, "config.json"), str):
             return
     except Exception:  # not a valid repo id either
         raise bad("no such directory, nor a Hugging Face hub id") from None
     where = f"no such directory, and {name!r} is not in the local Hugging Face cache"
-    if {os.environ.get(v, "0") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")} - {"0", ""}:
+    if {os.environ.get(v, "0") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")} - {
+        "0",
+        "",
+    }:
         raise bad(f"{where} (HF_HUB_OFFLINE is set)")
     host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
     try:
@@ -756,26 +916,45 @@ def check_model(model, vocab_size: int) -> str | None:
     tensor = functools.partial(torch.tensor, device=next(model.parameters()).device)
     ids = prompt[:-1] + sum((prompt[-1:] + t[:-1] for t in tails), [])
     pos = list(range(p - 1)) + sum((list(range(p - 1, p - 1 + len(t))) for t in tails), [])
-    segments = torch.tensor([[0, p - 1, 0, 0], [p - 1, len(tails[0]), 0, p - 1],
-                             [p - 1 + len(tails[0]), len(tails[1]), 0, p - 1]])
+    segments = torch.tensor(
+        [
+            [0, p - 1, 0, 0],
+            [p - 1, len(tails[0]), 0, p - 1],
+            [p - 1 + len(tails[0]), len(tails[1]), 0, p - 1],
+        ]
+    )
     try:
         with torch.no_grad():
-            ours, _ = policy_logprobs(model, tensor([ids]), tensor([pos]),
-                                      tensor(prompt[1:] + tails[0] + tails[1]), segments=segments)
+            ours, _ = policy_logprobs(
+                model,
+                tensor([ids]),
+                tensor([pos]),
+                tensor(prompt[1:] + tails[0] + tails[1]),
+                segments=segments,
+            )
             model.set_attn_implementation("eager")
             theirs = []
             for k, t in enumerate(tails):
                 s = tensor(prompt + t)
-                lp = model(input_ids=s[None], use_cache=False).logits[0].float().log_softmax(-1)
+                lp = (
+                    model(input_ids=s[None], use_cache=False)
+                    .logits[0]
+                    .float()
+                    .log_softmax(-1)
+                )
                 lp = lp[:-1].gather(-1, s[1:, None]).squeeze(-1)
                 theirs.append(lp[0 if k == 0 else p - 1 :])
     except Exception as e:  # e.g. an attention keyword packed_attention does not implement
-        return f"its forward fails under nanoareal's packed attention ({type(e).__name__}: {e})"
+        return (
+            f"its forward fails under nanoareal's packed attention ({type(e).__name__}: {e})"
+        )
     finally:
         model.set_attn_implementation("packed")
     diff = float((ours.float() - torch.cat(theirs).float()).abs().max())
     tol = 0.1 if next(model.parameters()).dtype in HALF else 1e-4  # bf16 (LoRA's base): ~0.03
     if diff <= tol:  # 1e-4 for fp64 too: eager softmaxes in fp32; NaN fails
         return None
-    return (f"nanoareal's packed forward disagrees with the model's own by {diff:.2g} in log-prob "
-            "(an attention or head feature this model uses is not reproduced)")
+    return (
+        f"nanoareal's packed forward disagrees with the model's own by {diff:.2g} in log-prob "
+        "(an attention or head feature this model uses is not reproduced)"
+    )

@@ -52,9 +52,11 @@ from rollout import Sample, SamplingParams, mix_seed
 
 ROOT = Path(__file__).resolve().parent
 ADAM_BETAS, WEIGHT_DECAY = (0.9, 0.99), 0.0  # AdamW: RL steps are few and noisy, no decay
-SHARE_PROMPTS = True  # feed a group's prompt once per micro-batch (exact; off only to compare)
+# feed a group's prompt once per micro-batch (exact; off only to compare)
+SHARE_PROMPTS = True
 REWARD_TIMEOUT_S = 30.0  # a reward call that takes longer scores 0 and is counted
-DIST_TIMEOUT_S = 1800.0  # a collective waits this long for a peer: a dead rank never hangs a run
+# a collective waits this long for a peer: a dead rank never hangs a run
+DIST_TIMEOUT_S = 1800.0
 MAX_BAD_STEPS = 3  # stop after this many steps in a row with a non-finite gradient norm
 CKPT_MINUTES = 10.0  # save a checkpoint when this long has passed since the last one
 
@@ -204,23 +206,36 @@ class Config:
     def __post_init__(self):
         # defaults that depend on other flags, filled once when the config is made (command line
         # or code); given values stay: a replace() of --policy-loss keeps the clip range filled in
-        if self.reward == "auto":  # the built-in task's own reward, exact_match for a JSONL file
+        # the built-in task's own reward, exact_match for a JSONL file
+        if self.reward == "auto":
             task = tasks.TASKS.get(self.dataset)
             self.reward = task.reward if task else "exact_match"
         if not self.lr:  # docs/studies.md: LoRA wants a 10x larger one
             self.lr = default_lr(self.lora_rank or self.lora_adapter)
         updates = self.num_minibatches * self.ppo_epochs
         resolved = loss.resolve_loss_flags(
-            self.policy_loss, self.loss_aggregation, self.eps_low, self.eps_high,
-            self.loss_aggregation_divisor, self.correction, self.correction_threshold,
-            self.max_new_tokens, self.max_staleness, updates)
+            self.policy_loss,
+            self.loss_aggregation,
+            self.eps_low,
+            self.eps_high,
+            self.loss_aggregation_divisor,
+            self.correction,
+            self.correction_threshold,
+            self.max_new_tokens,
+            self.max_staleness,
+            updates,
+        )
         for k, v in resolved.items():
             setattr(self, k, v)
 
 
-VOLATILE = {k for k, hint in typing.get_type_hints(Config, include_extras=True).items()
-            if "volatile" in getattr(hint, "__metadata__", ())}
+VOLATILE = {
+    k
+    for k, hint in typing.get_type_hints(Config, include_extras=True).items()
+    if "volatile" in getattr(hint, "__metadata__", ())
+}
 DEFAULTS = {f.name: f.default for f in fields(Config) if f.default is not MISSING}
+
 
 # -----------------------------------------------------------------------------
 # the training loop
@@ -228,19 +243,33 @@ def main(argv: list[str]) -> None:
     cfg = parse_config(argv)  # flags, TOML, the task's own flags -> resolved and checked
     ranks, device = setup_distributed(cfg.cp_size)  # torchrun's, or a world of one
     data, reward_fn, resuming = prepare_run(cfg)  # the run directory claimed, data, reward
-    engine = rollout.make_engine(cfg, device, share=cfg.max_staleness == 0 and ranks.world == 1)
+    engine = rollout.make_engine(
+        cfg, device, share=cfg.max_staleness == 0 and ranks.world == 1
+    )
     model, reference, teacher, optimizer = load_models(cfg, device, ranks, engine)
     reduction = loss.build_loss(cfg, dist.group.WORLD, cp_factor=ranks.cp_size)
-    run = resume(cfg, model, optimizer, engine, ranks, resuming)  # step, updates, batches ahead
+    # step, updates, batches ahead
+    run = resume(cfg, model, optimizer, engine, ranks, resuming)
     logger = Logger(cfg.run_dir, cfg.steps, run.step, cfg.wandb_project, asdict(cfg))
     make_batch = lambda step: rollout_batch(engine, data, reward_fn, step, cfg, ranks)
-    rollouts = rollout.Rollouts(make_batch, cfg.max_staleness, engine.overlaps, run.pending,
-                                cfg.steps, share=lambda batch: cp_broadcast(batch, ranks))
-    print0(f"nanoareal: {ranks.world} rank(s) on {device.type}, {cfg.model}, {len(data.rows)}/"
-           f"{len(data.evalset)} train/eval prompts, {cfg.policy_loss}/{cfg.loss_aggregation}, "
-           f"{rollouts.describe()}, run {cfg.run_dir}")
-    evaluate = lambda: run.evaluated(tasks.evaluate(engine, data, reward_fn, cfg, ranks.rank,
-                                                    ranks.world, REWARD_TIMEOUT_S))
+    rollouts = rollout.Rollouts(
+        make_batch,
+        cfg.max_staleness,
+        engine.overlaps,
+        run.pending,
+        cfg.steps,
+        share=lambda batch: cp_broadcast(batch, ranks),
+    )
+    print0(
+        f"nanoareal: {ranks.world} rank(s) on {device.type}, {cfg.model}, {len(data.rows)}/"
+        f"{len(data.evalset)} train/eval prompts, {cfg.policy_loss}/{cfg.loss_aggregation}, "
+        f"{rollouts.describe()}, run {cfg.run_dir}"
+    )
+    evaluate = lambda: run.evaluated(
+        tasks.evaluate(
+            engine, data, reward_fn, cfg, ranks.rank, ranks.world, REWARD_TIMEOUT_S
+        )
+    )
     if data.evalset and (cfg.steps == 0 or (cfg.eval_every > 0 and run.step == 0)):
         logger.log(run.step, evaluate())
     with checkpoint.Preemption() as preempt:  # SIGINT/SIGTERM: finish the step, save, exit
@@ -249,7 +278,8 @@ def main(argv: list[str]) -> None:
             # ALGO LOGIC. the batch for this step, sampled and scored by the policy of step
             # max(0, step - K); the engine starts on the batch for step + K meanwhile
             samples = rollouts.take(step)
-            set_advantages(samples, cfg, ranks, teacher)  # the group's, the teacher's per token
+            # the group's, the teacher's per token
+            set_advantages(samples, cfg, ranks, teacher)
             sums = rollout_sums(samples, ranks)
             if cfg.zero_variance == "filter":  # no signal: only normaliser mass
                 samples = [s for s in samples if not s.zero_variance]
@@ -257,16 +287,21 @@ def main(argv: list[str]) -> None:
             # loss and optimizer step(s); a colocated engine frees its GPU memory meanwhile
             engine.release_memory()
             lr = set_lr(optimizer, run.updates, cfg)
-            train_sums, stats = train_on_samples(model, reference, optimizer, reduction, samples,
-                                                 cfg, ranks)
+            train_sums, stats = train_on_samples(
+                model, reference, optimizer, reduction, samples, cfg, ranks
+            )
             run.updates += int(stats.pop("updated"))
             engine.resume_memory()
             t2 = time.perf_counter()
             rollouts.wait()  # sync: once the batch in flight is done, the engine gets new weights
             t3 = time.perf_counter()
             engine.update_weights(model.module, step + 1)
-            times = {"rollout": t1 - t0 + t3 - t2, "train": t2 - t1,
-                     "sync": time.perf_counter() - t3, "step": time.perf_counter() - t0}
+            times = {
+                "rollout": t1 - t0 + t3 - t2,
+                "train": t2 - t1,
+                "sync": time.perf_counter() - t3,
+                "step": time.perf_counter() - t0,
+            }
             # TRY NOT TO MODIFY: one collective for metrics and what ranks agree on (signal, save)
             sums = reduce_metrics(sums | train_sums | run.flags(preempt))
             metrics = step_metrics(sums, stats, times, lr, step + 1)
@@ -278,9 +313,11 @@ def main(argv: list[str]) -> None:
             end_step(step + 1, sums, metrics, cfg, model, optimizer, run, rollouts, logger)
     rollouts.close()
     logger.close(run.last_eval)
-    if cfg.steps > 0:  # also when resumed with nothing left to train: a save killed mid-export
-        checkpoint.export_hf(model.module, model.lora, data.tokenizer, cfg.model,
-                             Path(cfg.run_dir) / "final")
+    # also when resumed with nothing left to train: a save killed mid-export
+    if cfg.steps > 0:
+        checkpoint.export_hf(
+            model.module, model.lora, data.tokenizer, cfg.model, Path(cfg.run_dir) / "final"
+        )
     engine.shutdown()
 
 
@@ -320,8 +357,16 @@ def resolve_config(cfg: Config) -> Config:
     lr = cfg.lr
     if rank and not cfg.lora_rank and lr == default_lr(cfg.lora_adapter):  # an adopted rank
         lr = default_lr(rank)
-    cfg = replace(cfg, model=model, resume=resume_from, eval_dataset=held, lora_adapter=adapter,
-                  lora_rank=rank, teacher=teacher, lr=lr)
+    cfg = replace(
+        cfg,
+        model=model,
+        resume=resume_from,
+        eval_dataset=held,
+        lora_adapter=adapter,
+        lora_rank=rank,
+        teacher=teacher,
+        lr=lr,
+    )
     if cfg.steps:
         identity["model"] = model
     name = cfg.loss_aggregation if cfg.steps else "eval"
@@ -344,35 +389,70 @@ def shipped(path: str) -> str:
 def validate_config(cfg: Config, world: int) -> Config:
     """Every flag checked before anything heavy loads; a mistake: one UserError line naming it."""
     positive = (cfg.prompts_per_step, cfg.max_new_tokens, cfg.micro_batch_tokens)
-    counts = (cfg.steps, cfg.eval_every, cfg.eval_k, cfg.warmup_steps, cfg.ckpt_every,
-              cfg.max_staleness, cfg.max_resample)
+    counts = (
+        cfg.steps,
+        cfg.eval_every,
+        cfg.eval_k,
+        cfg.warmup_steps,
+        cfg.ckpt_every,
+        cfg.max_staleness,
+        cfg.max_resample,
+    )
     checks = [
-        (min(positive) >= 1 and min(counts) >= 0,
-         "--prompts-per-step, --max-new-tokens, --micro-batch-tokens >= 1; --steps, "
-         "--eval-every, --eval-k, --warmup-steps, --ckpt-every, --max-staleness and "
-         "--max-resample >= 0"),
-        (cfg.group_size >= 2, f"--group-size {cfg.group_size}: a sample alone in its group has no "
-         "baseline (every advantage would be 0); use --group-size >= 2"),
-        (cfg.temperature > 0, f"--temperature {cfg.temperature}: rollouts must sample (> 0; "
-         "eval/accuracy is greedy anyway)"),
+        (
+            min(positive) >= 1 and min(counts) >= 0,
+            "--prompts-per-step, --max-new-tokens, --micro-batch-tokens >= 1; --steps, "
+            "--eval-every, --eval-k, --warmup-steps, --ckpt-every, --max-staleness and "
+            "--max-resample >= 0",
+        ),
+        (
+            cfg.group_size >= 2,
+            f"--group-size {cfg.group_size}: a sample alone in its group has no "
+            "baseline (every advantage would be 0); use --group-size >= 2",
+        ),
+        (
+            cfg.temperature > 0,
+            f"--temperature {cfg.temperature}: rollouts must sample (> 0; "
+            "eval/accuracy is greedy anyway)",
+        ),
         (cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number"),
-        (cfg.grad_clip >= 0, f"--grad-clip {cfg.grad_clip}: must be > 0, or 0 for no clipping"),
-        (1 <= cfg.num_minibatches <= cfg.prompts_per_step,
-         "--num-minibatches must be in [1, --prompts-per-step]"),
+        (
+            cfg.grad_clip >= 0,
+            f"--grad-clip {cfg.grad_clip}: must be > 0, or 0 for no clipping",
+        ),
+        (
+            1 <= cfg.num_minibatches <= cfg.prompts_per_step,
+            "--num-minibatches must be in [1, --prompts-per-step]",
+        ),
         (cfg.ppo_epochs >= 1, f"--ppo-epochs {cfg.ppo_epochs}: must be >= 1"),
-        (0 <= cfg.overlong_buffer <= cfg.max_new_tokens, f"--overlong-buffer "
-         f"{cfg.overlong_buffer}: must be in [0, --max-new-tokens ({cfg.max_new_tokens})]"),
-        (0 < cfg.top_p <= 1 and (cfg.top_k >= 1 or cfg.top_k == -1), f"--top-p {cfg.top_p} "
-         f"--top-k {cfg.top_k}: top-p must be in (0, 1], top-k -1 (all) or >= 1"),
-        (cfg.cp_size >= 1 and world % cfg.cp_size == 0,
-         f"--cp-size {cfg.cp_size} must divide the number of ranks ({world})"),
-        (not cfg.eval_dataset or cfg.dataset not in tasks.TASKS, f"--eval-dataset is for a JSONL "
-         f"--dataset: the built-in task {cfg.dataset!r} has its own held-out split"),
-        (cfg.resume in ("auto", "fresh") or (Path(cfg.resume) / "meta.json").is_file(),
-         f"--resume {cfg.resume} is not a complete checkpoint (no directory, or a save that never "
-         "finished: no meta.json); use --resume auto or fresh"),
-        (cfg.teacher or cfg.adv_estimator != "none", "--adv-estimator none leaves no signal but a "
-         "--teacher's"),
+        (
+            0 <= cfg.overlong_buffer <= cfg.max_new_tokens,
+            f"--overlong-buffer "
+            f"{cfg.overlong_buffer}: must be in [0, --max-new-tokens ({cfg.max_new_tokens})]",
+        ),
+        (
+            0 < cfg.top_p <= 1 and (cfg.top_k >= 1 or cfg.top_k == -1),
+            f"--top-p {cfg.top_p} "
+            f"--top-k {cfg.top_k}: top-p must be in (0, 1], top-k -1 (all) or >= 1",
+        ),
+        (
+            cfg.cp_size >= 1 and world % cfg.cp_size == 0,
+            f"--cp-size {cfg.cp_size} must divide the number of ranks ({world})",
+        ),
+        (
+            not cfg.eval_dataset or cfg.dataset not in tasks.TASKS,
+            f"--eval-dataset is for a JSONL "
+            f"--dataset: the built-in task {cfg.dataset!r} has its own held-out split",
+        ),
+        (
+            cfg.resume in ("auto", "fresh") or (Path(cfg.resume) / "meta.json").is_file(),
+            f"--resume {cfg.resume} is not a complete checkpoint (no directory, or a save "
+            "that never finished: no meta.json); use --resume auto or fresh",
+        ),
+        (
+            cfg.teacher or cfg.adv_estimator != "none",
+            "--adv-estimator none leaves no signal but a --teacher's",
+        ),
         (math.isfinite(cfg.distill_coef), f"--distill-coef {cfg.distill_coef}: not a number"),
     ]
     problem = next((message for ok, message in checks if not ok), None)
@@ -383,8 +463,9 @@ def validate_config(cfg: Config, world: int) -> Config:
     except ValueError as e:
         raise UserError(f"config error: {e}") from None
     check_lora(cfg)
-    rollout.check_rollout_config(cfg.rollout_backend, cfg.rollout_url, cfg.weight_sync,
-                                 torch.cuda.is_available())
+    rollout.check_rollout_config(
+        cfg.rollout_backend, cfg.rollout_url, cfg.weight_sync, torch.cuda.is_available()
+    )
     return cfg
 
 
@@ -397,14 +478,18 @@ def check_lora(cfg: Config) -> None:
     elif cfg.lora_adapter and found is None:
         problem = f"--lora-adapter {cfg.lora_adapter} is not a PEFT adapter directory"
     elif found and found["r"] != cfg.lora_rank:
-        problem = f"--lora-adapter {cfg.lora_adapter} has rank {found['r']}, not --lora-rank " \
+        problem = (
+            f"--lora-adapter {cfg.lora_adapter} has rank {found['r']}, not --lora-rank "
             f"{cfg.lora_rank}"
+        )
     elif found:
         base = found["base_model_name_or_path"]
         same = Path(base).exists() and Path(base).resolve() == Path(cfg.model).resolve()
         if base != cfg.model and not same:
-            problem = f"--lora-adapter {cfg.lora_adapter} is an adapter of {base!r}, not of " \
+            problem = (
+                f"--lora-adapter {cfg.lora_adapter} is an adapter of {base!r}, not of "
                 f"--model {cfg.model}"
+            )
     if problem:
         raise UserError(f"config error: {problem}")
 
@@ -413,6 +498,7 @@ def check_lora(cfg: Config) -> None:
 class Ranks:
     """This process's place in torchrun's world and the (dp, cp) mesh: ranks [k*cp_size,
     (k+1)*cp_size) are CP group k (dp rank k): one rollout, each micro-batch's tokens split."""
+
     rank: int = 0
     world: int = 1
     dp_rank: int = 0
@@ -426,14 +512,20 @@ def setup_distributed(cp_size: int = 1) -> tuple[Ranks, torch.device]:
     """torchrun's environment (or a world of one: one code path for FSDP2 and collectives), this
     rank's device, the (dp, cp) mesh. Threads: OMP_NUM_THREADS, else 1 (stable on CPUs)."""
     cuda = torch.cuda.is_available()
-    alone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=DIST_TIMEOUT_S),
-                            **alone)
+    alone = (
+        {}
+        if "RANK" in os.environ
+        else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    )
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", timeout=timedelta(seconds=DIST_TIMEOUT_S), **alone
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-    elif platform.libc_ver()[0] == "glibc":  # freed blocks went back to the OS, so each step's
+    # freed blocks went back to the OS, so each step's
+    elif platform.libc_ver()[0] == "glibc":
         # buffers page-faulted afresh (0.5B shape: 130-550k faults, ~1 s a training step): mmap
         # only past 1 GiB (older glibc: 32 MB), never trim the heap (M_MMAP_, M_TRIM_THRESHOLD)
         libc = ctypes.CDLL(None)
@@ -453,8 +545,14 @@ def prepare_run(cfg: Config) -> tuple[tasks.Data, object, bool]:
     """(data, reward, whether the run directory, claimed now or refused, holds a run to resume)."""
     reward_fn = tasks.load_reward(cfg.reward)
     modeling.check_model_source(cfg.model)
-    resuming = on_rank0(checkpoint.claim_run_dir, cfg.run_dir, asdict(cfg), VOLATILE,
-                        cfg.resume == "fresh", DEFAULTS)
+    resuming = on_rank0(
+        checkpoint.claim_run_dir,
+        cfg.run_dir,
+        asdict(cfg),
+        VOLATILE,
+        cfg.resume == "fresh",
+        DEFAULTS,
+    )
     torch.manual_seed(cfg.seed)
     data = tasks.load_data(cfg)
     if cfg.teacher:
@@ -495,6 +593,7 @@ def prompts_for_step(num_rows: int, per_step: int, step: int, seed: int) -> list
     """Row indices of a step's prompts: an epoch is a seeded permutation cut into steps (rows left
     over sit out the epoch), so no step holds a row twice (fewer rows than --prompts-per-step: fresh
     permutations joined). A function of (seed, step): no loader state, the same on any world."""
+
     def permutation(epoch: int) -> list[int]:
         perm = list(range(num_rows))
         random.Random(mix_seed(seed, 0xDA7A, epoch)).shuffle(perm)
@@ -507,8 +606,9 @@ def prompts_for_step(num_rows: int, per_step: int, step: int, seed: int) -> list
     return permutation(epoch)[k * per_step : (k + 1) * per_step]
 
 
-def rollout_batch(engine, data: tasks.Data, reward_fn, step: int, cfg: Config,
-                  ranks: Ranks) -> list[Sample]:
+def rollout_batch(
+    engine, data: tasks.Data, reward_fn, step: int, cfg: Config, ranks: Ranks
+) -> list[Sample]:
     """This data-parallel rank's share of the step's groups (every dp_size-th slot: a group never
     straddles ranks), sampled by the engine's current weights and scored. --zero-variance
     resample: a slot whose group's rewards are all equal draws a fresh prompt (a function of
@@ -529,8 +629,11 @@ def rollout_batch(engine, data: tasks.Data, reward_fn, step: int, cfg: Config,
             discarded[slot] += sum(len(s.completion.output_ids) for s in old)
             groups[slot] = [s for s in drawn if s.group == slot]
         flat = flat_groups(drawn)
-        todo = [(slot, resampled_row(len(data.rows), cfg.seed, step, slot, round_ + 1))
-                for slot, _ in todo if slot in flat]
+        todo = [
+            (slot, resampled_row(len(data.rows), cfg.seed, step, slot, round_ + 1))
+            for slot, _ in todo
+            if slot in flat
+        ]
         if not todo:
             break
     for slot, group in groups.items():
@@ -552,36 +655,67 @@ def resampled_row(num_rows: int, seed: int, step: int, slot: int, round_: int) -
     return random.Random(mix_seed(seed, step, slot, round_, 0x5A3F)).randrange(num_rows)
 
 
-def generate(engine, data: tasks.Data, prompts: list[tuple[int, int]], step: int, cfg: Config,
-             round_: int = 0) -> list[Sample]:
+def generate(
+    engine,
+    data: tasks.Data,
+    prompts: list[tuple[int, int]],
+    step: int,
+    cfg: Config,
+    round_: int = 0,
+) -> list[Sample]:
     """group_size completions of each (slot, row) prompt, timed (gen_s; one the engine aborted is
     dropped); the slot is the group; seeds (seed, step, slot, k[, round]), not the rank's."""
-    sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k,
-                              data.stop_ids)
+    sampling = SamplingParams(
+        cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, data.stop_ids
+    )
     slots = [(slot, row) for slot, row in prompts for _ in range(cfg.group_size)]
     extra = (round_,) if round_ else ()
-    seeds = [mix_seed(cfg.seed, step, slot, k, *extra) for slot, _ in prompts
-             for k in range(cfg.group_size)]
+    seeds = [
+        mix_seed(cfg.seed, step, slot, k, *extra)
+        for slot, _ in prompts
+        for k in range(cfg.group_size)
+    ]
     encoded = [data.prompts[r] for _, r in slots]
     rows = [data.rows[r] for _, r in slots] if data.tools else None
     version, start = engine.version, time.perf_counter()
     completions = rollout.run_episodes(engine, encoded, sampling, seeds, data.tools, rows)
     took = time.perf_counter() - start
-    return [Sample(slot, data.prompts[row], c, row=row, version=version, seed=seed, gen_s=took,
-                   round=round_)
-            for (slot, row), c, seed in zip(slots, completions, seeds)
-            if c.finish_reason != "abort"]
+    return [
+        Sample(
+            slot,
+            data.prompts[row],
+            c,
+            row=row,
+            version=version,
+            seed=seed,
+            gen_s=took,
+            round=round_,
+        )
+        for (slot, row), c, seed in zip(slots, completions, seeds)
+        if c.finish_reason != "abort"
+    ]
 
 
 def score(samples: list[Sample], data: tasks.Data, reward_fn, cfg: Config) -> None:
     """Reward every completion (.reward, .correct, .metrics, .reward_error; random seeded by its
     seed, DAPO's overlong penalty added); a call that raises or hangs scores 0 and is counted."""
     scores = tasks.score_completions(
-        reward_fn, data.tokenizer, [s.completion for s in samples],
-        [data.rows[s.row] for s in samples], REWARD_TIMEOUT_S, [s.seed for s in samples],
-        cfg.overlong_buffer, cfg.max_new_tokens)
+        reward_fn,
+        data.tokenizer,
+        [s.completion for s in samples],
+        [data.rows[s.row] for s in samples],
+        REWARD_TIMEOUT_S,
+        [s.seed for s in samples],
+        cfg.overlong_buffer,
+        cfg.max_new_tokens,
+    )
     for s, sc in zip(samples, scores):
-        s.reward, s.correct, s.metrics, s.reward_error = sc.reward, sc.correct, sc.metrics, sc.error
+        s.reward, s.correct, s.metrics, s.reward_error = (
+            sc.reward,
+            sc.correct,
+            sc.metrics,
+            sc.error,
+        )
 
 
 def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:
@@ -592,16 +726,25 @@ def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:
     sums = Counter({"samples": len(samples), "reward": 0.0, "judged": 0, "correct": 0})
     for s in samples:
         n = len(s.completion.output_ids)
-        sums.update({"reward": s.reward, "response_tokens": n, "version": s.version,
-                     "truncated": s.completion.finish_reason == "length",
-                     "reward_errors": s.reward_error is not None,
-                     "zero_adv": abs(s.advantage) < 1e-12, "resampled": s.round > 0,
-                     "discarded_tokens": s.discarded_tokens})
+        sums.update(
+            {
+                "reward": s.reward,
+                "response_tokens": n,
+                "version": s.version,
+                "truncated": s.completion.finish_reason == "length",
+                "reward_errors": s.reward_error is not None,
+                "zero_adv": abs(s.advantage) < 1e-12,
+                "resampled": s.round > 0,
+                "discarded_tokens": s.discarded_tokens,
+            }
+        )
         if s.correct is not None:  # response lengths split by correctness: who grows longer
             kind = "correct" if s.correct else "incorrect"
             sums.update({"judged": 1, "correct": s.correct, kind: 1, f"len_{kind}": n})
-        reported = [*((f"reward/{k}", v) for k, v in s.metrics.items()),
-                    *s.completion.episode.items()]
+        reported = [
+            *((f"reward/{k}", v) for k, v in s.metrics.items()),
+            *s.completion.episode.items(),
+        ]
         for k, v in reported:  # the reward's and env's: means per reporter
             sums.update({k: v, f"{k}#n": 1})
     sums["zero_var_groups"] = len({s.group for s in samples if s.zero_variance})
@@ -613,8 +756,9 @@ def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:
     return dict(sums)
 
 
-def set_advantages(samples: list[Sample], cfg: Config, ranks: Ranks = Ranks(),
-                   teacher=None) -> None:
+def set_advantages(
+    samples: list[Sample], cfg: Config, ranks: Ranks = Ranks(), teacher=None
+) -> None:
     """Each sample's .advantage (its reward against its group's, loss.ADVANTAGES) and
     .zero_variance (its group's rewards are all equal); with a teacher, .token_advantages: the
     advantage plus the teacher's per-token term (loss.distill_advantages)."""
@@ -629,13 +773,15 @@ def set_advantages(samples: list[Sample], cfg: Config, ranks: Ranks = Ranks(),
     for s, scores in zip(samples, teacher_logprobs(teacher, samples, cfg, ranks)):
         c = s.completion
         policy = torch.tensor(c.policy_mask or [1] * len(c.output_ids), dtype=torch.float32)
-        distill = loss.distill_advantages(scores, torch.tensor(c.logprobs), policy,
-                                          cfg.distill_coef)
+        distill = loss.distill_advantages(
+            scores, torch.tensor(c.logprobs), policy, cfg.distill_coef
+        )
         s.token_advantages = (s.advantage + distill).tolist()
 
 
-def teacher_logprobs(teacher, samples: list[Sample], cfg: Config, ranks: Ranks
-                     ) -> list[torch.Tensor]:
+def teacher_logprobs(
+    teacher, samples: list[Sample], cfg: Config, ranks: Ranks
+) -> list[torch.Tensor]:
     """The teacher's log-prob of each sampled token at --temperature: an SGLang server's
     (prefill only), or a frozen Model's forward of the packed samples (every rank forwards the
     same number of micro-batches: FSDP2 gathers per forward)."""
@@ -653,8 +799,15 @@ def teacher_logprobs(teacher, samples: list[Sample], cfg: Config, ranks: Ranks
 
 # -----------------------------------------------------------------------------
 # loss and step: packed micro-batches, log-probs, the objective, clip, AdamW
-def train_on_samples(model, reference, optimizer, reduction: loss.LossReduction,
-                     samples: list[Sample], cfg: Config, ranks: Ranks) -> tuple[dict, dict]:
+def train_on_samples(
+    model,
+    reference,
+    optimizer,
+    reduction: loss.LossReduction,
+    samples: list[Sample],
+    cfg: Config,
+    ranks: Ranks,
+) -> tuple[dict, dict]:
     """One rollout batch -> --ppo-epochs x --num-minibatches optimizer steps, each on a share of
     the groups. Returns this rank's counters (the first pass's; reduce_metrics sums them over ranks)
     and the step's stats: grad norm and loss terms (means), skipped steps, whether any update."""
@@ -662,26 +815,35 @@ def train_on_samples(model, reference, optimizer, reduction: loss.LossReduction,
     packed = []
     for i in range(cfg.num_minibatches):  # pi_prox and pi_ref: the weights before any update
         share = set(groups[i :: cfg.num_minibatches])
-        packed.append(minibatch(model, reference, [s for s in samples if s.group in share],
-                                cfg, ranks))
+        packed.append(
+            minibatch(model, reference, [s for s in samples if s.group in share], cfg, ranks)
+        )
     # positions: what the model was fed (fewer than trained_tokens: shared prompts, no last tokens)
-    sums = Counter({"positions": sum(len(mb.input_ids) for mbs in packed for mb in mbs),
-                    "trained_tokens": sum(len(s.prompt_ids) + len(s.completion.output_ids)
-                                          for s in samples)})
+    sums = Counter(
+        {
+            "positions": sum(len(mb.input_ids) for mbs in packed for mb in mbs),
+            "trained_tokens": sum(
+                len(s.prompt_ids) + len(s.completion.output_ids) for s in samples
+            ),
+        }
+    )
     stats, updates = Counter(), packed * cfg.ppo_epochs  # pass after pass
     for i, mbs in enumerate(updates):
         counters, out = train_minibatch(model, optimizer, reduction, mbs, cfg, ranks)
         if i < len(packed):  # later passes see the same tokens again
             for k, v in counters.items():  # counters summed, extremes (_max) kept
-                sums[k] = max(sums.get(k, -math.inf), v) if k.endswith("_max") else sums[k] + v
+                sums[k] = (
+                    max(sums.get(k, -math.inf), v) if k.endswith("_max") else sums[k] + v
+                )
         stats.update({k: v / len(updates) for k, v in out.items() if k != "updated"})
         stats["updated"] = max(stats["updated"], out["updated"])
     stats["skipped_steps"] *= len(updates)  # a count, not a mean
     return (dict(sums) if ranks.cp_rank == 0 else {}), dict(stats)  # a CP group counts once
 
 
-def minibatch(model, reference, samples: list[Sample], cfg: Config, ranks: Ranks
-              ) -> list[loss.MicroBatch]:
+def minibatch(
+    model, reference, samples: list[Sample], cfg: Config, ranks: Ranks
+) -> list[loss.MicroBatch]:
     """A mini-batch's micro-batches, the same number on every rank, with the frozen log-probs
     they need: pi_prox's own forward (loss.needs_proximal_forward), the reference's (KL); then a
     correction's masks from pi_prox (M2PO's over every rank; a mismatch rejection, taken out of
@@ -694,17 +856,32 @@ def minibatch(model, reference, samples: list[Sample], cfg: Config, ranks: Ranks
     if reference is not None:
         frozen["ref_logprobs"] = reference
     with torch.no_grad():
-        mbs = [replace(mb, **{k: m.logprobs(mb, cfg.temperature)[0].float().cpu()
-                              for k, m in frozen.items()}) for mb in mbs]
+        mbs = [
+            replace(
+                mb,
+                **{
+                    k: m.logprobs(mb, cfg.temperature)[0].float().cpu()
+                    for k, m in frozen.items()
+                },
+            )
+            for mb in mbs
+        ]
     corr = loss.CORRECTIONS[cfg.correction]
     if corr.reject is not None:
         mbs = [reject(mb, corr, cfg.correction_threshold) for mb in mbs]
-        mbs = packing.reweigh(mbs, samples, cfg.loss_aggregation, cfg.loss_aggregation_divisor)
+        mbs = packing.reweigh(
+            mbs, samples, cfg.loss_aggregation, cfg.loss_aggregation_divisor
+        )
     if corr.global_mask is None or not mbs:
         return mbs
-    keep = corr.global_mask(*(torch.cat([getattr(mb, k) for mb in mbs]) for k in (
-        "prox_logprobs", "behave_logprobs", "loss_mask")), threshold=cfg.correction_threshold,
-        group=dist.group.WORLD if ranks.world > 1 else None)
+    keep = corr.global_mask(
+        *(
+            torch.cat([getattr(mb, k) for mb in mbs])
+            for k in ("prox_logprobs", "behave_logprobs", "loss_mask")
+        ),
+        threshold=cfg.correction_threshold,
+        group=dist.group.WORLD if ranks.world > 1 else None,
+    )
     sizes = [len(mb.loss_mask) for mb in mbs]
     return [replace(mb, keep_mask=k) for mb, k in zip(mbs, keep.split(sizes))]
 
@@ -714,11 +891,19 @@ def reject(mb: loss.MicroBatch, corr: loss.Correction, cap: float) -> loss.Micro
     d = mb.denom_mask
     behave = torch.where(d > 0, mb.behave_logprobs, mb.prox_logprobs)
     keep = corr.reject(loss.log_ratio(mb.prox_logprobs, behave), mb.seq_ids, d, cap)
-    return replace(mb, loss_mask=mb.loss_mask * keep, denom_mask=d * keep, rejected=d - d * keep)
+    return replace(
+        mb, loss_mask=mb.loss_mask * keep, denom_mask=d * keep, rejected=d - d * keep
+    )
 
 
-def train_minibatch(model, optimizer, reduction: loss.LossReduction, mbs: list[loss.MicroBatch],
-                    cfg: Config, ranks: Ranks) -> tuple[dict, dict]:
+def train_minibatch(
+    model,
+    optimizer,
+    reduction: loss.LossReduction,
+    mbs: list[loss.MicroBatch],
+    cfg: Config,
+    ranks: Ranks,
+) -> tuple[dict, dict]:
     """One optimizer step on a mini-batch's micro-batches. Its objective, over tokens t:
 
         J = sum_t m_t w_t l_t / Z_policy - entropy_coef sum_t m_t H_t / Z_tokens
@@ -738,8 +923,9 @@ def train_minibatch(model, optimizer, reduction: loss.LossReduction, mbs: list[l
     metrics = StepMetrics(model.device)
     for i, mb in enumerate(mbs if learn else []):  # FSDP2: one reduce-scatter, after the last
         model.set_grad_sync(i == len(mbs) - 1 or not model.defer_grad_sync)
-        logp, entropy = model.logprobs(mb, cfg.temperature, grad=True,
-                                       entropy_grad=cfg.entropy_coef != 0)
+        logp, entropy = model.logprobs(
+            mb, cfg.temperature, grad=True, entropy_grad=cfg.entropy_coef != 0
+        )
         mb = mb.to(model.device)
         prox = loss.anchor(mb, logp, corr)  # pi_prox, or pi_behave (clip_to_behaviour)
         weight, m, stats = loss.correct(corr, prox, mb, cfg.correction_threshold)
@@ -764,14 +950,25 @@ class StepMetrics:
     """A step's counters, on the device until the end (a float() per micro-batch would sync the
     GPU): the engine-vs-trainer mismatch (loss.mismatch_sums), entropy, the correction's
     importance weights; the largest weight and log rho over responses (and -the smallest)."""
-    NAMES = ("denom_tokens", "mismatch", "mismatch_k3", "responses", "log_ppl_gap", "rejected",
-             "rejected_responses", "entropy", "importance_weight")
+
+    NAMES = (
+        "denom_tokens",
+        "mismatch",
+        "mismatch_k3",
+        "responses",
+        "log_ppl_gap",
+        "rejected",
+        "rejected_responses",
+        "entropy",
+        "importance_weight",
+    )
     MAXIMA = ("importance_weight_max", "seq_log_ratio_max", "seq_log_ratio_min_max")
 
     def __init__(self, device):
         self.acc = torch.zeros(len(self.NAMES), dtype=torch.float64, device=device)
-        self.most = torch.full((len(self.MAXIMA),), -math.inf, dtype=torch.float64,
-                               device=device)
+        self.most = torch.full(
+            (len(self.MAXIMA),), -math.inf, dtype=torch.float64, device=device
+        )
 
     def add(self, mb, logp, entropy, prox) -> None:
         d, behave = mb.denom_mask, mb.behave_logprobs
@@ -806,12 +1003,19 @@ def optimizer_step(model, optimizer, cfg: Config, learn: bool) -> dict:
     return out
 
 
-def pack_microbatches(samples: list[Sample], cfg: Config,
-                      share_prompts: bool | None = None) -> list[loss.MicroBatch]:
+def pack_microbatches(
+    samples: list[Sample], cfg: Config, share_prompts: bool | None = None
+) -> list[loss.MicroBatch]:
     """Samples -> packed micro-batches of at most --micro-batch-tokens positions (packing.py)."""
     share = SHARE_PROMPTS if share_prompts is None else share_prompts
-    return packing.pack_microbatches(samples, cfg.loss_aggregation, cfg.loss_aggregation_divisor,
-                                     cfg.micro_batch_tokens, cfg.mask_truncated, share)
+    return packing.pack_microbatches(
+        samples,
+        cfg.loss_aggregation,
+        cfg.loss_aggregation_divisor,
+        cfg.micro_batch_tokens,
+        cfg.mask_truncated,
+        share,
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -826,8 +1030,9 @@ def load_models(cfg: Config, device: torch.device, ranks: Ranks, engine=None) ->
         frozen.append(cfg.model)
     others = sum(modeling.parameter_count(path) for path in frozen)
     memory = {"gpu": gpu, "engine": engine_bytes, "others": others}
-    load = lambda c, trainable: modeling.load_model(c, device, ranks.world, ranks.cp_group,
-                                                    trainable, memory)
+    load = lambda c, trainable: modeling.load_model(
+        c, device, ranks.world, ranks.cp_group, trainable, memory
+    )
     model = load(cfg, True)
     print0(model.summary)
     reference = None
@@ -840,8 +1045,10 @@ def load_models(cfg: Config, device: torch.device, ranks: Ranks, engine=None) ->
         teacher = rollout.Scorer(cfg.teacher)
     elif cfg.teacher:
         teacher = load(replace(cfg, model=cfg.teacher, lora_rank=0, lora_adapter=None), False)
-    optimizer = modeling.adamw(model.trainable(), lr=cfg.lr, betas=ADAM_BETAS,
-                               weight_decay=WEIGHT_DECAY)  # LoRA: the adapters alone
+    # LoRA: the adapters alone
+    optimizer = modeling.adamw(
+        model.trainable(), lr=cfg.lr, betas=ADAM_BETAS, weight_decay=WEIGHT_DECAY
+    )
     return model, reference, teacher, optimizer
 
 
@@ -850,6 +1057,7 @@ def load_models(cfg: Config, device: torch.device, ranks: Ranks, engine=None) ->
 @dataclass
 class RunState:
     """What a checkpoint restores besides weights, optimizer and RNGs, and the run's bookkeeping."""
+
     step: int = 0
     updates: int = 0  # steps that updated the weights: the learning-rate schedule's clock
     last_eval: dict = field(default_factory=dict)
@@ -867,23 +1075,40 @@ class RunState:
         return {"due": due} | preempt.signal_sums()
 
 
-def end_step(step: int, sums: dict, metrics: dict, cfg: Config, model, optimizer, run: RunState,
-             rollouts: rollout.Rollouts, logger: Logger) -> None:
+def end_step(
+    step: int,
+    sums: dict,
+    metrics: dict,
+    cfg: Config,
+    model,
+    optimizer,
+    run: RunState,
+    rollouts: rollout.Rollouts,
+    logger: Logger,
+) -> None:
     """After logging: stop after MAX_BAD_STEPS non-finite steps in a row (checkpoints hold healthy
     steps only); save when due (time, --ckpt-every, the end, a signal); stop on a signal."""
     run.bad_steps = run.bad_steps + 1 if metrics["skipped_steps"] else 0
     if run.bad_steps >= MAX_BAD_STEPS:
         last = checkpoint.complete_checkpoints(cfg.run_dir)
-        raise cli.Stopped(f"error: {run.bad_steps} steps in a row had a non-finite loss or grad "
-                          f"norm; last good checkpoint: {last[-1] if last else 'none'}", code=1)
+        raise cli.Stopped(
+            f"error: {run.bad_steps} steps in a row had a non-finite loss or grad "
+            f"norm; last good checkpoint: {last[-1] if last else 'none'}",
+            code=1,
+        )
     due = sums["due"] or "signal" in sums or step == cfg.steps
     if run.bad_steps == 0 and (due or every(cfg.ckpt_every, step, cfg.steps)):
         t0 = time.perf_counter()
         ahead = {s: [asdict(x) for x in b] for s, b in rollouts.wait().items()}
-        meta = {"world": dist.get_world_size(), "updates": run.updates,
-                "last_eval": run.last_eval, "config": asdict(cfg)}
-        path = checkpoint.save_checkpoint(cfg.run_dir, step, model.module, optimizer, meta,
-                                          ahead)
+        meta = {
+            "world": dist.get_world_size(),
+            "updates": run.updates,
+            "last_eval": run.last_eval,
+            "config": asdict(cfg),
+        }
+        path = checkpoint.save_checkpoint(
+            cfg.run_dir, step, model.module, optimizer, meta, ahead
+        )
         logger.line(f"saved {path} in {time.perf_counter() - t0:.2f}s")
         run.last_save = time.monotonic()
     if "signal" in sums:
@@ -902,13 +1127,19 @@ def resume(cfg: Config, model, optimizer, engine, ranks: Ranks, resuming: bool) 
     run = RunState()
     if path is not None:
         meta, ahead = checkpoint.load_checkpoint(Path(path), model.module, optimizer)
-        mine = lambda batch: [rollout.sample_from_dict(x) for x in batch
-                              if x["group"] % ranks.dp_size == ranks.dp_rank]
+        mine = lambda batch: [
+            rollout.sample_from_dict(x)
+            for x in batch
+            if x["group"] % ranks.dp_size == ranks.dp_rank
+        ]
         pending = {s: mine(b) for s, b in ahead.items()} if ranks.cp_rank == 0 else {}
         run = RunState(meta["step"], meta["updates"], meta["last_eval"] or {}, pending)
         done = " (nothing left to train)" if meta["step"] >= cfg.steps > 0 else ""
-        print0(f"evaluating step {meta['step']} ({path})" if cfg.steps == 0 else
-               f"resumed from step {meta['step']} ({path}){done}")
+        print0(
+            f"evaluating step {meta['step']} ({path})"
+            if cfg.steps == 0
+            else f"resumed from step {meta['step']} ({path}){done}"
+        )
     # the engine loaded --model: these weights instead (share: the trainer's tensors; an engine
     # that released its weights to measure its memory holds none)
     if path is not None or cfg.lora_adapter or engine.share or engine.version < 0:

@@ -22,9 +22,14 @@ INT_COLUMNS = ("input_ids", "position_ids", "targets", "seq_ids")
 FLOAT_COLUMNS = ("loss_mask", "advantages", "behave_logprobs", "loss_weight", "norm_weight")
 
 
-def pack_microbatches(samples: list[Sample], mode: str, divisor: float | None, budget: int,
-                      mask_truncated: bool = False, share_prompts: bool = True
-                      ) -> list[MicroBatch]:
+def pack_microbatches(
+    samples: list[Sample],
+    mode: str,
+    divisor: float | None,
+    budget: int,
+    mask_truncated: bool = False,
+    share_prompts: bool = True,
+) -> list[MicroBatch]:
     """Micro-batches of at most `budget` fed positions, cut in order as evenly as `cuts` can (a
     shared prefix costs its first sample in each). The mode's weights are the whole mini-batch's, so
     any split is exact (loss.py's rule 2); mask_truncated: a cut response counts nowhere. A
@@ -32,7 +37,9 @@ def pack_microbatches(samples: list[Sample], mode: str, divisor: float | None, b
     masks = [loss_mask(s, mask_truncated) for s in samples]
     weights, norm_weights = mode_weights([sum(m) for m in masks], samples, mode, divisor)
     keys = [tuple(s.prompt_ids[:-1]) if share_prompts else i for i, s in enumerate(samples)]
-    spans = [(k, len(s.prompt_ids), len(s.completion.output_ids)) for k, s in zip(keys, samples)]
+    spans = [
+        (k, len(s.prompt_ids), len(s.completion.output_ids)) for k, s in zip(keys, samples)
+    ]
     starts = set(cuts(spans, budget)[1:])
     mbs, cols, prefix_at = [], defaultdict(list), {}  # prefix_at: key -> its prefix's context
     for i, (s, key) in enumerate(zip(samples, keys)):
@@ -42,7 +49,8 @@ def pack_microbatches(samples: list[Sample], mode: str, divisor: float | None, b
             mbs.append(to_microbatch(cols))
             cols, prefix_at = defaultdict(list), {}
         head, ctx = (p - 1, prefix_at.get(key)) if share_prompts else (0, (0, 0))
-        if ctx is None:  # the prompt's first sample here: its prefix is fed, predicting nothing
+        # the prompt's first sample here: its prefix is fed, predicting nothing
+        if ctx is None:
             ctx = prefix_at[key] = (len(cols["input_ids"]), p - 1)
             if p > 1:
                 feed(cols, full, 0, p - 1)
@@ -50,11 +58,19 @@ def pack_microbatches(samples: list[Sample], mode: str, divisor: float | None, b
         n, fed_prompt = p + r - 1 - head, p - 1 - head
         if n:
             advantages = s.token_advantages or [s.advantage] * r
-            feed(cols, full, head, p + r - 1, ctx, [-1] * fed_prompt + [i] * r,
-                 loss_mask=[0.0] * fed_prompt + masks[i],
-                 advantages=[0.0] * fed_prompt + list(advantages),
-                 behave_logprobs=[0.0] * fed_prompt + s.completion.logprobs,
-                 loss_weight=[weights[i]] * n, norm_weight=[norm_weights[i]] * n)
+            feed(
+                cols,
+                full,
+                head,
+                p + r - 1,
+                ctx,
+                [-1] * fed_prompt + [i] * r,
+                loss_mask=[0.0] * fed_prompt + masks[i],
+                advantages=[0.0] * fed_prompt + list(advantages),
+                behave_logprobs=[0.0] * fed_prompt + s.completion.logprobs,
+                loss_weight=[weights[i]] * n,
+                norm_weight=[norm_weights[i]] * n,
+            )
     return mbs + [to_microbatch(cols)] if samples else []
 
 
@@ -67,7 +83,9 @@ def loss_mask(s: Sample, mask_truncated: bool) -> list[float]:
     return [float(x) for x in c.policy_mask or [1] * len(c.output_ids)]
 
 
-def mode_weights(counts: list[float], samples: list[Sample], mode: str, divisor: float | None):
+def mode_weights(
+    counts: list[float], samples: list[Sample], mode: str, divisor: float | None
+):
     """The mode's per-response (w_i, nw_i) as lists, from the responses' M_i and groups."""
     groups = torch.tensor([s.group for s in samples], dtype=torch.long)
     M = torch.tensor(counts, dtype=torch.float64)
@@ -75,22 +93,27 @@ def mode_weights(counts: list[float], samples: list[Sample], mode: str, divisor:
     return w.tolist(), nw.tolist()
 
 
-def reweigh(mbs: list[MicroBatch], samples: list[Sample], mode: str, divisor: float | None
-            ) -> list[MicroBatch]:
+def reweigh(
+    mbs: list[MicroBatch], samples: list[Sample], mode: str, divisor: float | None
+) -> list[MicroBatch]:
     """The mode's weights again after tokens left the denominators (a mismatch correction's
     rejection): M_i summed over every micro-batch, by seq_id (an index into `samples`)."""
     counts = torch.zeros(len(samples), dtype=torch.float64)
     for mb in mbs:
         mine = mb.seq_ids >= 0
         counts.index_add_(0, mb.seq_ids[mine], mb.denom_mask[mine].double())
-    w, nw = (torch.tensor(x + [0.0]) for x in mode_weights(counts.tolist(), samples, mode,
-                                                              divisor))
+    w, nw = (
+        torch.tensor(x + [0.0]) for x in mode_weights(counts.tolist(), samples, mode, divisor)
+    )
     out = []
     for mb in mbs:  # seq_id -1 (a prompt's positions) reads the appended 0
         index = torch.where(mb.seq_ids >= 0, mb.seq_ids, len(samples))
-        out.append(MicroBatch(**{f: getattr(mb, f) for f in MicroBatch.__dataclass_fields__}
-                              | {"loss_weight": w[index].float(),
-                                 "norm_weight": nw[index].float()}))
+        out.append(
+            MicroBatch(
+                **{f: getattr(mb, f) for f in MicroBatch.__dataclass_fields__}
+                | {"loss_weight": w[index].float(), "norm_weight": nw[index].float()}
+            )
+        )
     return out
 
 
@@ -98,6 +121,7 @@ def cuts(spans: list[tuple], budget: int) -> list[int]:
     """Where micro-batches start, for spans (prompt key, prompt length, response length): as many
     as greedy filling to `budget` makes, at the smallest budget that needs no more: the memory
     peak is the largest micro-batch (4 x 4 answers of 512: 3710/3773/1087 -> 3198/3198/2111)."""
+
     def greedy(cap: int) -> list[int]:
         starts, used, seen = [], 0, set()
         for i, (key, p, r) in enumerate(spans):
@@ -108,6 +132,7 @@ def cuts(spans: list[tuple], budget: int) -> list[int]:
             used += cost
             seen.add(key)
         return starts
+
     n, lo, hi = len(greedy(budget)), 1, budget
     while lo < hi:  # hi always cuts into at most n
         mid = (lo + hi) // 2
@@ -118,8 +143,15 @@ def cuts(spans: list[tuple], budget: int) -> list[int]:
     return greedy(hi)
 
 
-def feed(cols: dict[str, list], full: list[int], start: int, stop: int, ctx: tuple = (0, 0),
-         seq_ids: list[int] | None = None, **floats: list[float]) -> dict[str, list]:
+def feed(
+    cols: dict[str, list],
+    full: list[int],
+    start: int,
+    stop: int,
+    ctx: tuple = (0, 0),
+    seq_ids: list[int] | None = None,
+    **floats: list[float],
+) -> dict[str, list]:
     """Append positions start..stop-1 of the sequence `full` as one segment attending to `ctx`
     (start, length); seq_ids not given are -1, floats 0 (a prefix: no loss, weights, advantages)."""
     cols["segments"].append((len(cols["input_ids"]), stop - start, *ctx))
@@ -135,7 +167,9 @@ def feed(cols: dict[str, list], full: list[int], start: int, stop: int, ctx: tup
 def to_microbatch(cols: dict[str, list]) -> MicroBatch:
     t = {}
     for k in INT_COLUMNS + FLOAT_COLUMNS:
-        t[k] = torch.tensor(cols[k], dtype=torch.float32 if k in FLOAT_COLUMNS else torch.long)
+        t[k] = torch.tensor(
+            cols[k], dtype=torch.float32 if k in FLOAT_COLUMNS else torch.long
+        )
     segments = torch.tensor(cols["segments"], dtype=torch.long).view(-1, 4)
     return MicroBatch(**t, denom_mask=t["loss_mask"].clone(), segments=segments)
 

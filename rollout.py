@@ -12,7 +12,6 @@ import json
 import mmap
 import multiprocessing
 import os
-import re
 import shutil
 import signal
 import socket
@@ -39,7 +38,8 @@ import lora
 import modeling
 from cli import UserError, rank
 
-HTTP_TIMEOUT_S = 600.0  # a request to a server; a /generate: plus its tokens at the rate below
+# a request to a server; a /generate: plus its tokens at the rate below
+HTTP_TIMEOUT_S = 600.0
 MIN_TOKENS_PER_S = 10.0  # past HTTP_TIMEOUT_S + tokens / this, a /generate is aborted there
 HTTP_RETRIES = 3  # retries of a timeout, connection error or 5xx, backing off exponentially
 HTTP_BACKOFF_S = 0.5  # the first back-off; it doubles at every retry
@@ -55,13 +55,22 @@ INT4_MAX = 7  # hf_int4: weights rounded to the integers -7..7 times a scale per
 ENV_TIMEOUT_S = 30.0  # an --env step that takes longer ends its episode and is counted
 # torchrun's variables, hidden from SGLang's scheduler processes: with them its process group (a
 # tcp:// rendezvous) looks for torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) and waits
-TORCHRUN_VARS = tuple("RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE "
-                      "ROLE_RANK ROLE_WORLD_SIZE ROLE_NAME MASTER_ADDR MASTER_PORT".split())
+TORCHRUN_VARS = tuple(
+    "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE "
+    "ROLE_RANK ROLE_WORLD_SIZE ROLE_NAME MASTER_ADDR MASTER_PORT".split()
+)
 _MASK32 = 0xFFFFFFFF
 _SAID: set[str] = set()  # what was said once per process (an env's first failure)
-_DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float": torch.float32, "float32": torch.float32}
-IN_CHILD = "in the rollout process"  # a batch requested from the forked child, not yet received
+_DTYPES = {
+    "half": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+}
+IN_CHILD = (
+    "in the rollout process"  # a batch requested from the forked child, not yet received
+)
 
 
 @dataclasses.dataclass
@@ -79,12 +88,14 @@ class Completion:
     logprobs: list[float]  # behaviour log-prob of each output token (0 for an env's)
     finish_reason: str  # "stop" (ends in a stop token, included), "length" or "abort"
     policy_mask: list[int] | None = None  # an episode's: 1 sampled by the policy, 0 env text
-    episode: dict = dataclasses.field(default_factory=dict)  # env/turns, tool_calls, errors...
+    # env/turns, tool_calls, errors...
+    episode: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
 class Sample:
     """One completion of a step's prompt, what scored it and what it trains with."""
+
     group: int  # the GRPO group (the prompt's slot in the step): advantages compare within it
     prompt_ids: list[int]
     completion: Completion
@@ -97,10 +108,13 @@ class Sample:
     metrics: dict = dataclasses.field(default_factory=dict)  # the reward's own
     reward_error: str | None = None
     gen_s: float = 0.0  # seconds its batch took to generate
-    seed: int = 0  # (seed, step, slot, k) mixed: its sampling noise and its reward's random state
+    # (seed, step, slot, k) mixed: its sampling noise and its reward's random state
+    seed: int = 0
     round: int = 0  # --zero-variance resample: the round its slot drew this prompt at
-    discarded_tokens: int = 0  # tokens of its slot's groups resampled away (on its first sample)
-    token_advantages: list[float] | None = None  # per token (a teacher's term), else advantage
+    # tokens of its slot's groups resampled away (on its first sample)
+    discarded_tokens: int = 0
+    # per token (a teacher's term), else advantage
+    token_advantages: list[float] | None = None
 
 
 def sample_from_dict(d: dict) -> Sample:
@@ -114,22 +128,33 @@ class Engine(Protocol):
     gathers are collectives); release/resume_memory bracket training: a colocated engine frees the
     GPU, others inherit no-ops (no KV cache outlives a generate call; servers own their GPUs).
     `max_new_tokens`, one per prompt, overrides sampling.max_new_tokens (an episode's own room)."""
+
     version: int  # the policy version (optimizer steps) of the weights it holds; -1: none yet
-    overlaps: str  # how it generates while the trainer trains: "process", "thread" or "" (not)
-    share: bool = False  # it generates with the trainer's own tensors: update_weights copies none
+    overlaps: (
+        str  # how it generates while the trainer trains: "process", "thread" or "" (not)
+    )
+    # it generates with the trainer's own tensors: update_weights copies none
+    share: bool = False
     held: tuple[int, int] | None = None  # bytes of the trainer's GPU it keeps: (generating,
+
     # released); None: none of its own there (a remote server; the hf engine's copy is counted)
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seeds: list[int],
-                 groups: list | None = None, max_new_tokens: list[int] | None = None
-                 ) -> list[Completion]: ...
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingParams,
+        seeds: list[int],
+        groups: list | None = None,
+        max_new_tokens: list[int] | None = None,
+    ) -> list[Completion]: ...
     def update_weights(self, model: nn.Module, version: int) -> None: ...
     def release_memory(self) -> None: ...
     def resume_memory(self) -> None: ...
     def shutdown(self) -> None: ...
 
 
-def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_tensors(
+    model: nn.Module, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) of each parameter and buffer: FSDP2 all-gathers, every rank iterates;
     floats cast to `dtype` before the gather (a bf16 engine's cost half an fp32 gather). A LoRA
     model's adapted layers come merged (in fp64, from full precision), the plain model's names."""
@@ -140,19 +165,28 @@ def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None
             layer = name.rpartition(".")[0].removesuffix(".base")
             if dtype is not None and t.is_floating_point() and layer not in adapted:
                 t = t.to(dtype)  # a DTensor casts its local shard; adapted layers merge first
-            if hasattr(t, "full_tensor"):  # a DTensor; a mesh of one holds it whole (no gather)
+            # a DTensor; a mesh of one holds it whole (no gather)
+            if hasattr(t, "full_tensor"):
                 t = t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()
             yield name, t.detach()
+
     return lora.merged(gathered(), model)
 
 
 def shared_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of CPU tensors in one anonymous MAP_SHARED mapping: a process forked afterwards sees
     every later write. Not /dev/shm (torch's share_memory_), which containers cap at 64 MB."""
-    sizes = [-(-t.nbytes // 64) * 64 for t in tensors]  # 64-byte aligned, as a SIMD load wants
+    # 64-byte aligned, as a SIMD load wants
+    sizes = [-(-t.nbytes // 64) * 64 for t in tensors]
     buffer, offsets = mmap.mmap(-1, max(sum(sizes), 1)), itertools.accumulate([0, *sizes])
-    return [torch.frombuffer(buffer, dtype=t.dtype, count=t.numel(), offset=at).view(t.shape)
-            .copy_(t) if t.numel() else t.clone() for t, at in zip(tensors, offsets)]
+    return [
+        torch.frombuffer(buffer, dtype=t.dtype, count=t.numel(), offset=at)
+        .view(t.shape)
+        .copy_(t)
+        if t.numel()
+        else t.clone()
+        for t, at in zip(tensors, offsets)
+    ]
 
 
 # -----------------------------------------------------------------------------
@@ -176,27 +210,38 @@ def mix_seed(*parts: int) -> int:
     return h
 
 
-def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.Tensor,
-                  position: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(
+    logits: torch.Tensor, sampling: SamplingParams, seeds: torch.Tensor, position: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [B], log-probs [B] before truncation, as SGLang's) = argmax(logits + hashed Gumbel)."""
     logits = logits.float()
     pick = lambda x, tok: (tok, torch.log_softmax(x, -1).gather(-1, tok[:, None]).squeeze(-1))
     if sampling.temperature == 0:
         return pick(logits, logits.argmax(-1))
-    scaled = truncated = logits / sampling.temperature if sampling.temperature != 1 else logits
+    scaled = truncated = (
+        logits / sampling.temperature if sampling.temperature != 1 else logits
+    )
     if sampling.top_k > 0 or sampling.top_p < 1.0:  # SGLang's rule, both on the full softmax
         # ("joint"): token j of the sorted ones is kept iff j < k and p_0 + ... + p_{j-1} <= p
-        probs, order = torch.sort(torch.softmax(scaled, -1), dim=-1, descending=True, stable=True)
-        drop = (probs.cumsum(-1) - probs > sampling.top_p) if sampling.top_p < 1.0 else \
-            torch.zeros_like(probs, dtype=torch.bool)
-        drop[:, max(sampling.top_k, 0) or probs.shape[-1]:] = True
-        truncated = truncated.masked_fill(drop.scatter(-1, order, drop), float("-inf"))  # unsorted
+        probs, order = torch.sort(
+            torch.softmax(scaled, -1), dim=-1, descending=True, stable=True
+        )
+        drop = (
+            (probs.cumsum(-1) - probs > sampling.top_p)
+            if sampling.top_p < 1.0
+            else torch.zeros_like(probs, dtype=torch.bool)
+        )
+        drop[:, max(sampling.top_k, 0) or probs.shape[-1] :] = True
+        # unsorted
+        truncated = truncated.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     seeds = seeds.to(device=logits.device, dtype=torch.int64)
     key = _fmix32(seeds ^ ((position * 0x9E3779B1 + 0x7F4A7C15) & _MASK32))
     token = torch.arange(logits.shape[-1], device=seeds.device) * 0x632BE5AB & _MASK32  # [V]
-    as32 = lambda x: (x - (x >> 31 << 32)).int()  # the same 32 bits (sign flip: back to unsigned)
+    as32 = lambda x: (
+        x - (x >> 31 << 32)
+    ).int()  # the same 32 bits (sign flip: back to unsigned)
     h = _fmix32(_fmix32(as32(key)[:, None] ^ as32(token)[None, :]).bitwise_xor_(0x5BD1E995))
-    u = h.bitwise_xor_(-2**31).double().add_(2**31 + 0.5).div_(2**32)  # uniform in (0, 1)
+    u = h.bitwise_xor_(-(2**31)).double().add_(2**31 + 0.5).div_(2**32)  # uniform in (0, 1)
     return pick(scaled, u.log_().neg_().log_().neg_().add_(truncated).argmax(-1))  # + Gumbel
 
 
@@ -209,30 +254,52 @@ class HFEngine(Engine):
     a fork). `share` (one rank, nothing generated ahead): the trainer's tensors where they match.
     `dtype` its weights' and compute's; `int4`: its linear weights rounded to 4 bits per output
     channel at every update (a weight-quantized engine: a train-inference mismatch on purpose)."""
-    def __init__(self, model_path: str, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None, batch_size: int = 512, share: bool = False,
-                 int4: bool = False):
+
+    def __init__(
+        self,
+        model_path: str,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        batch_size: int = 512,
+        share: bool = False,
+        int4: bool = False,
+    ):
         from transformers import AutoModelForCausalLM
+
         self.device, self.batch_size, self.share = torch.device(device), batch_size, share
         self.int4 = int4
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32)
-        self.model = self.model.to(self.device).eval().requires_grad_(False)  # no autograd graph
-        self.packed, self.weights = {}, []  # the linears' weights; a generate call's packed copies
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype or torch.float32
+        )
+        # no autograd graph
+        self.model = self.model.to(self.device).eval().requires_grad_(False)
+        # the linears' weights; a generate call's packed copies
+        self.packed, self.weights = (
+            {},
+            [],
+        )
         for m in self.model.modules() if self.device.type == "cpu" else ():
             if isinstance(m, nn.Linear):  # the head too: read as its weight
                 m.forward = lambda x, m=m: modeling.linear(x, m.weight, m.bias, self.packed)
                 self.weights.append(m.weight)  # a Parameter: update_weights keeps it
         self.overlaps, self._version = "thread", torch.zeros((), dtype=torch.int64)
-        if not share and self.device.type == "cpu" and "fork" in \
-                multiprocessing.get_all_start_methods():
+        if (
+            not share
+            and self.device.type == "cpu"
+            and "fork" in multiprocessing.get_all_start_methods()
+        ):
             self.overlaps = "process"
             old = {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}
             *copies, self._version = shared_copies([*old.values(), self._version])
             new = dict(zip(old, copies))
-            for p in self.model.parameters():  # .data keeps the Parameter: tied weights stay tied
+            for (
+                p
+            ) in self.model.parameters():  # .data keeps the Parameter: tied weights stay tied
                 p.data = new[id(p)]
             for m in self.model.modules():
-                m._buffers.update({k: new[id(b)] for k, b in m._buffers.items() if b is not None})
+                m._buffers.update(
+                    {k: new[id(b)] for k, b in m._buffers.items() if b is not None}
+                )
         self._quantize()
 
     def _quantize(self) -> None:
@@ -249,10 +316,17 @@ class HFEngine(Engine):
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
         mine = dict(self.model.named_parameters()) if self.share else {}  # none else: copies
-        theirs = {n: p.to_local() if hasattr(p, "to_local") else p  # (a mesh of one: whole)
-                  for n, p in model.named_parameters() if n in mine}
+        theirs = {
+            n: p.to_local() if hasattr(p, "to_local") else p  # (a mesh of one: whole)
+            for n, p in model.named_parameters()
+            if n in mine
+        }
         same = lambda t, m: (t.shape, t.dtype, t.device) == (m.shape, m.dtype, m.device)
-        if mine and len(theirs) == len(mine) and all(same(t, mine[n]) for n, t in theirs.items()):
+        if (
+            mine
+            and len(theirs) == len(mine)
+            and all(same(t, mine[n]) for n, t in theirs.items())
+        ):
             for n, t in theirs.items():
                 mine[n].data = t.detach()  # the in-place optimizer steps are the sync
         else:
@@ -265,50 +339,85 @@ class HFEngine(Engine):
     def shutdown(self) -> None:
         self.model = None
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seeds: list[int],
-                 groups: list | None = None, max_new_tokens: list[int] | None = None
-                 ) -> list[Completion]:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingParams,
+        seeds: list[int],
+        groups: list | None = None,
+        max_new_tokens: list[int] | None = None,
+    ) -> list[Completion]:
         """A batch runs to its rows' longest limit, each row cut at its own ("length"): the noise
         is keyed by (seed, position), so a row's tokens are those it samples alone."""
         assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
         limits = _limits(sampling, len(prompt_ids), max_new_tokens)
-        order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))  # less padding
+        # less padding
+        order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
         out, n = {}, self.batch_size
         try:  # this call's weights, packed once for its batches' rows; freed when it returns
             self.packed = modeling.pack_weights(self.weights, min(len(order), n))
             for idx in (order[i : i + n] for i in range(0, len(order), n)):
-                longest = dataclasses.replace(sampling, max_new_tokens=max(limits[i] for i in idx))
-                out |= zip(idx, self._generate_batch([prompt_ids[i] for i in idx], longest,
-                                                     [seeds[i] for i in idx]))
+                longest = dataclasses.replace(
+                    sampling, max_new_tokens=max(limits[i] for i in idx)
+                )
+                out |= zip(
+                    idx,
+                    self._generate_batch(
+                        [prompt_ids[i] for i in idx], longest, [seeds[i] for i in idx]
+                    ),
+                )
         finally:
             self.packed = {}
         return [_cut(out[i], limits[i]) for i in range(len(prompt_ids))]
 
     @torch.inference_mode()  # no autograd bookkeeping (version counters) on the decode's tensors
-    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int]):
-        unique: dict[tuple[int, ...], int] = {}  # a distinct prompt (a group's) is prefilled once
+    def _generate_batch(
+        self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int]
+    ):
+        unique: dict[
+            tuple[int, ...], int
+        ] = {}  # a distinct prompt (a group's) is prefilled once
         rows = torch.tensor([unique.setdefault(tuple(p), len(unique)) for p in prompts])
         B, L, T = len(prompts), max(len(p) for p in prompts), sampling.max_new_tokens
-        pad = lambda p: [0] * (L - len(p)) + list(p)  # left: every row's next token in one column
+        # left: every row's next token in one column
+        pad = lambda p: [0] * (L - len(p)) + list(p)
         input_ids = torch.tensor([pad(p) for p in unique], device=self.device)
-        attention = torch.tensor([pad([1] * len(p)) + [1] * T for p in unique], device=self.device)
-        position_ids = (attention[:, :L].cumsum(-1) - 1).clamp(min=0)  # attention: L + T columns
-        seed_t, cache, live = torch.tensor(seeds), kv_cache(L + T), torch.arange(B)  # int64 seeds
+        attention = torch.tensor(
+            [pad([1] * len(p)) + [1] * T for p in unique], device=self.device
+        )
+        # attention: L + T columns
+        position_ids = (attention[:, :L].cumsum(-1) - 1).clamp(min=0)
+        # int64 seeds
+        seed_t, cache, live = (
+            torch.tensor(seeds),
+            kv_cache(L + T),
+            torch.arange(B),
+        )
         stop = torch.tensor(sampling.stop_token_ids or [-1], device=self.device)
         body, head = self.model.base_model, self.model.get_output_embeddings()
         params = inspect.signature(body.forward).parameters  # 5.2x: past_key_values -> cache
         kw = {"use_cache": True, ("cache" if "cache" in params else "past_key_values"): cache}
         scale, softcap = modeling.head_transform(self.model.config)
+
         def forward(ids, mask, pos):  # the last position's fp32 logits, as the trainer's head
-            hidden = body(input_ids=ids, attention_mask=mask, position_ids=pos,
-                          **kw).last_hidden_state[:, -1]
-            logits = modeling.head_logits(hidden, head.weight, getattr(head, "bias", None),
-                                          self.packed) * scale
+            hidden = body(
+                input_ids=ids, attention_mask=mask, position_ids=pos, **kw
+            ).last_hidden_state[:, -1]
+            logits = (
+                modeling.head_logits(
+                    hidden, head.weight, getattr(head, "bias", None), self.packed
+                )
+                * scale
+            )
             return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
         logits = forward(input_ids, attention[:, :L], position_ids)
         cache.reorder_cache(rows)  # [unique prompts] -> [rows]
         logits, attention, step_pos = logits[rows], attention[rows], position_ids[rows, -1:]
-        tokens, logps = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.float32)
+        tokens, logps = (
+            torch.zeros(B, T, dtype=torch.long),
+            torch.zeros(B, T, dtype=torch.float32),
+        )
         for t in range(T):
             tok, lp = sample_tokens(logits, sampling, seed_t[live], t)
             tokens[live, t], logps[live, t] = tok.cpu(), lp.float().cpu()
@@ -320,11 +429,15 @@ class HFEngine(Engine):
                 cache.reorder_cache(keep := running.nonzero().flatten())
                 live, tok = live[keep.cpu()], tok[keep]
                 attention, step_pos = attention[keep], step_pos[keep]
-            logits = forward(tok[:, None], attention[:, : L + t + 1], step_pos := step_pos + 1)
+            logits = forward(
+                tok[:, None], attention[:, : L + t + 1], step_pos := step_pos + 1
+            )
         stops, rows = set(sampling.stop_token_ids), tokens.tolist()
         ends = [next((j + 1 for j, t in enumerate(r) if t in stops), len(r)) for r in rows]
-        return [Completion(r[:n], lps[:n], "stop" if set(r[n - 1 : n]) & stops else "length")
-                for r, lps, n in zip(rows, logps.tolist(), ends)]
+        return [
+            Completion(r[:n], lps[:n], "stop" if set(r[n - 1 : n]) & stops else "length")
+            for r, lps, n in zip(rows, logps.tolist(), ends)
+        ]
 
 
 def _limits(sampling: SamplingParams, n: int, max_new_tokens: list[int] | None) -> list[int]:
@@ -347,6 +460,7 @@ def kv_cache(capacity: int):
     """transformers' DynamicCache whose layers, from the first reorder_cache (prompts -> rows),
     write each token into storage of `capacity` positions and return views, not torch.cat's copy."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
+
     class Layer(DynamicLayer):  # 4.56-5.x: keys/values [B, H, L, D] are what mask code reads
         def update(self, key_states, value_states, *args, **kwargs):
             n, new, b = self.get_seq_length(), key_states.shape[-2], len(key_states)
@@ -357,14 +471,19 @@ def kv_cache(capacity: int):
                 key_states, value_states = (s[:b, :, : n + new] for s in self.store)
             self.keys, self.values = key_states, value_states
             return key_states, value_states
+
         def reorder_cache(self, beam_idx: torch.Tensor) -> None:
             n, b, old = self.get_seq_length(), len(beam_idx), (self.keys, self.values)
             self.store = getattr(self, "store", None) or tuple(
-                x.new_empty(b, x.shape[1], capacity, x.shape[-1]) for x in old)
-            for s, x in zip(self.store, old):  # rows leaving: gathered (a copy), then written over
+                x.new_empty(b, x.shape[1], capacity, x.shape[-1]) for x in old
+            )
+            # rows leaving: gathered (a copy), then written over
+            for s, x in zip(self.store, old):
                 s[:b, :, :n] = x[beam_idx.to(x.device)]
             self.keys, self.values = (s[:b, :, :n] for s in self.store)
-    cache = DynamicCache()  # 4.56-5.x: a layer_class_to_replicate() made per layer at its update
+
+    # 4.56-5.x: a layer_class_to_replicate() made per layer at its update
+    cache = DynamicCache()
     cache.layer_class_to_replicate = Layer
     return cache
 
@@ -375,6 +494,7 @@ def kv_cache(capacity: int):
 class Tools:
     """An --env bound to the tokenizer: make(row) is an episode's env, whose step(turn text)
     returns the text to append or None (the episode is over); stop_ids end a turn calling it."""
+
     make: Callable
     stop_ids: list[int]
     encode: Callable[[str], list[int]]  # a reply -> ids (a tool turn of the chat template)
@@ -382,42 +502,61 @@ class Tools:
     max_turns: int
 
 
-def run_episodes(engine: Engine, prompts: list[list[int]], sampling: SamplingParams,
-                 seeds: list[int], tools: Tools | None = None, rows: list[dict] | None = None
-                 ) -> list[Completion]:
+def run_episodes(
+    engine: Engine,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    seeds: list[int],
+    tools: Tools | None = None,
+    rows: list[dict] | None = None,
+) -> list[Completion]:
     """engine.generate, or with tools episodes: each round one generate call continues every live
     episode from exactly its ids so far; a turn ending in a tool stop goes to its env, whose reply's
     ids are appended (policy_mask 0). max_new_tokens bounds the whole episode: a turn or reply cut
     there, or a call past max_turns, ends it ("length"); a failing env, as it stands."""
     if tools is None:
         return engine.generate(prompts, sampling, seeds)
-    calls = dataclasses.replace(sampling, stop_token_ids=sorted({*sampling.stop_token_ids,
-                                                                 *tools.stop_ids}))
+    calls = dataclasses.replace(
+        sampling, stop_token_ids=sorted({*sampling.stop_token_ids, *tools.stop_ids})
+    )
     counters = ("env/turns", "env/tool_calls", "env/errors", "env/seconds")
     eps = [Completion([], [], "stop", [], dict.fromkeys(counters, 0)) for _ in prompts]
     envs, live = [None] * len(prompts), list(range(len(prompts)))
     for turn in range(tools.max_turns):
         # each episode its own room: one request past the context fails SGLang's whole batch
         room = [sampling.max_new_tokens - len(eps[i].output_ids) for i in live]
-        outs = engine.generate([prompts[i] + eps[i].output_ids for i in live],
-                               dataclasses.replace(calls, max_new_tokens=max(room)),
-                               [mix_seed(seeds[i], turn) >> 1 if turn else seeds[i]  # 31 bits:
-                                for i in live],  # SGLang's sampling_seed
-                               [tuple(prompts[i]) for i in live],  # a group on one server
-                               max_new_tokens=room)
+        outs = engine.generate(
+            [prompts[i] + eps[i].output_ids for i in live],
+            dataclasses.replace(calls, max_new_tokens=max(room)),
+            [
+                mix_seed(seeds[i], turn) >> 1 if turn else seeds[i]  # 31 bits:
+                for i in live
+            ],  # SGLang's sampling_seed
+            [tuple(prompts[i]) for i in live],  # a group on one server
+            max_new_tokens=room,
+        )
         going, live = live, []
         for i, n, out in zip(going, room, outs):
             e, ids = eps[i], out.output_ids[:n]
             _append(e, ids, out.logprobs[:n], 1)
             e.episode["env/turns"] += 1
-            calls_tool = len(out.output_ids) <= n and out.finish_reason == "stop" and \
-                ids[-1] in tools.stop_ids
-            e.finish_reason = "length" if len(out.output_ids) > n or (
-                calls_tool and turn + 1 == tools.max_turns) else out.finish_reason
+            calls_tool = (
+                len(out.output_ids) <= n
+                and out.finish_reason == "stop"
+                and ids[-1] in tools.stop_ids
+            )
+            e.finish_reason = (
+                "length"
+                if len(out.output_ids) > n or (calls_tool and turn + 1 == tools.max_turns)
+                else out.finish_reason
+            )
             if not calls_tool or e.finish_reason == "length":
                 continue  # over: an end of sequence, the length, an abort
             envs[i], reply = env_step(tools, envs[i], rows[i], tools.decode(ids), e.episode)
-            if reply is not None and len(e.output_ids) + len(reply) >= sampling.max_new_tokens:
+            if (
+                reply is not None
+                and len(e.output_ids) + len(reply) >= sampling.max_new_tokens
+            ):
                 e.finish_reason = "length"  # no room left for the policy's next turn
             elif reply is not None:
                 _append(e, reply, [0.0] * len(reply), 0)
@@ -432,10 +571,13 @@ def _append(e: Completion, ids: list[int], logprobs: list[float], policy: int) -
     e.policy_mask = e.policy_mask + [policy] * len(ids)
 
 
-def env_step(tools: Tools, env, row: dict, text: str, counts: dict) -> tuple[object, list | None]:
+def env_step(
+    tools: Tools, env, row: dict, text: str, counts: dict
+) -> tuple[object, list | None]:
     """(env, the reply's ids or None: the episode is over) of env.step(text) on a daemon thread (a
     hung call keeps it), the env made by tools.make(row) first; a failure is counted, said once."""
     out, start = [], time.perf_counter()
+
     def call() -> None:
         try:
             made = tools.make(row) if env is None else env
@@ -445,6 +587,7 @@ def env_step(tools: Tools, env, row: dict, text: str, counts: dict) -> tuple[obj
             out.append((made, None if reply is None else tools.encode(reply), None))
         except Exception as e:
             out.append((env, None, f"{type(e).__name__}: {e}"))
+
     (worker := threading.Thread(target=call, daemon=True)).start()
     worker.join(ENV_TIMEOUT_S)
     env, reply, error = out[0] if out else (env, None, f"a call took over {ENV_TIMEOUT_S:g}s")
@@ -453,8 +596,11 @@ def env_step(tools: Tools, env, row: dict, text: str, counts: dict) -> tuple[obj
     counts["env/errors"] += error is not None
     if error is not None and "env" not in _SAID:
         _SAID.add("env")
-        print(f"warning: an --env step failed ({error}); its episode ends there, scored as it "
-              "stands (counted in env/errors; said once)", flush=True)
+        print(
+            f"warning: an --env step failed ({error}); its episode ends there, scored as it "
+            "stands (counted in env/errors; said once)",
+            flush=True,
+        )
     return env, reply
 
 
@@ -465,43 +611,58 @@ def completion_from_sglang(out: dict, stop_ids: list[int]) -> Completion:
     the last allowed token is "length" in SGLang <= 0.5.17, "stop" from 0.5.18: tokens decide."""
     pairs = out["meta_info"].get("output_token_logprobs") or []
     if not pairs and out.get("output_ids"):
-        raise RuntimeError("SGLang returned output_ids without output_token_logprobs: send "
-                           "return_logprob=True")
+        raise RuntimeError(
+            "SGLang returned output_ids without output_token_logprobs: send "
+            "return_logprob=True"
+        )
     ids, reason = [int(p[1]) for p in pairs], out["meta_info"].get("finish_reason")
     reason = reason.get("type", "abort") if isinstance(reason, dict) else reason or "abort"
-    return Completion(ids, [float(p[0]) for p in pairs],
-                      "stop" if ids and ids[-1] in stop_ids else reason)
+    return Completion(
+        ids, [float(p[0]) for p in pairs], "stop" if ids and ids[-1] in stop_ids else reason
+    )
 
 
 def _sampling_dict(sampling: SamplingParams, max_new_tokens: int, seed: int | None) -> dict:
-    d = dataclasses.asdict(sampling) | {"max_new_tokens": max_new_tokens,
-                                        "skip_special_tokens": False, "no_stop_trim": True}
+    d = dataclasses.asdict(sampling) | {
+        "max_new_tokens": max_new_tokens,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
     return d if seed is None else d | {"sampling_seed": int(seed) & 0x7FFFFFFF}
 
 
 def _check_logprob_env() -> None:
     if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
-        raise RuntimeError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return T=1 "
-                           "log-probs, the trainer's are log_softmax(logits / T). Unset it.")
+        raise RuntimeError(
+            "SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return T=1 "
+            "log-probs, the trainer's are log_softmax(logits / T). Unset it."
+        )
 
 
-def engine_dtype(model_path: str, requested: str | None = "auto",
-                 fp32_as: torch.dtype | None = None) -> torch.dtype:
+def engine_dtype(
+    model_path: str, requested: str | None = "auto", fp32_as: torch.dtype | None = None
+) -> torch.dtype:
     """SGLang's dtype for the weights (a sync rounds them once): `requested` (its --dtype), else the
     config's; an fp32 config runs in `fp32_as`, or SGLang's float16 (Gemma: bfloat16)."""
     if requested in _DTYPES:
         return _DTYPES[requested]
     from transformers import AutoConfig
+
     cfg = AutoConfig.from_pretrained(model_path)
     d = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
     if (d := (_DTYPES.get(d) if isinstance(d, str) else d) or torch.float32) != torch.float32:
         return d
-    return fp32_as or (torch.bfloat16 if cfg.model_type.startswith("gemma") else torch.float16)
+    return fp32_as or (
+        torch.bfloat16 if cfg.model_type.startswith("gemma") else torch.float16
+    )
 
 
-def iter_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None
-                 ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+def iter_buckets(
+    named: Iterator[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
     """(name, tensor) -> (~`bucket_bytes` bucket, is_last), floats in `dtype`; a big one alone."""
     bucket, size = [], 0
     for name, t in named:
@@ -521,8 +682,12 @@ def _succeeded(result, what: str, step: int | None = None, where: str = "") -> N
         result = {"success": result[0], "message": result[1]}
     get = result.get if isinstance(result, dict) else lambda k, d: getattr(result, k, d)
     if not get("success", True):
-        at = (f" at step {step}" if step is not None else "") + (f" on {where}" if where else "")
-        raise RuntimeError(f"SGLang {what} failed{at}: {get('message', '') or '(no message)'}")
+        at = (f" at step {step}" if step is not None else "") + (
+            f" on {where}" if where else ""
+        )
+        raise RuntimeError(
+            f"SGLang {what} failed{at}: {get('message', '') or '(no message)'}"
+        )
 
 
 def weight_session(engine) -> tuple[Callable, Callable] | None:
@@ -535,24 +700,40 @@ def weight_session(engine) -> tuple[Callable, Callable] | None:
     if not hasattr(manager, "begin_weight_update"):
         return None
     try:
-        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
+        from sglang.srt.managers.io_struct import (
+            BeginWeightUpdateReqInput,
+            EndWeightUpdateReqInput,
+        )
     except ImportError:
         return None
     run = engine.loop.run_until_complete  # as the Engine's own wrappers run them
-    return (lambda: run(manager.begin_weight_update(BeginWeightUpdateReqInput(selector="all"),
-                                                    None)),
-            lambda: run(manager.end_weight_update(EndWeightUpdateReqInput(), None)))
+    return (
+        lambda: run(
+            manager.begin_weight_update(BeginWeightUpdateReqInput(selector="all"), None)
+        ),
+        lambda: run(manager.end_weight_update(EndWeightUpdateReqInput(), None)),
+    )
 
 
 class SGLangEngine(Engine):
     """One in-process `sglang.Engine` (tp=1) on this rank's GPU, shared with the trainer. Make it
     before the trainer allocates: SGLang sizes its KV cache from the GPU memory free at start. It
     is left released, holding no weights (version -1): push them before the first generate."""
+
     overlaps = ""  # it must free the GPU memory the trainer trains in
-    def __init__(self, model_path: str, gpu_id: int = 0, seed: int = 0,
-                 device: torch.device | str = "cuda", deterministic: bool = False, **engine_kwargs):
+
+    def __init__(
+        self,
+        model_path: str,
+        gpu_id: int = 0,
+        seed: int = 0,
+        device: torch.device | str = "cuda",
+        deterministic: bool = False,
+        **engine_kwargs,
+    ):
         import sglang  # lazy: an optional extra
         from sglang.srt.constants import GPU_MEMORY_TYPE_CUDA_GRAPH
+
         _check_logprob_env()
         self.dtype = engine_dtype(model_path, fp32_as=torch.bfloat16)  # passed to SGLang too
         self.device, self.version, self.released = torch.device(device), -1, set()
@@ -560,15 +741,27 @@ class SGLangEngine(Engine):
         # SGLang probes for free ports, binding them later: engines started together (torchrun's
         # ranks, two jobs on one host) may pick the same. In-process it binds nccl_port (its
         # scheduler's store) and port (DP attention's TCP ZMQ): two free ones, picked by the OS.
-        with socket.socket() as a, socket.socket() as b:  # both held while the OS picks: distinct
+        # both held while the OS picks: distinct
+        with (
+            socket.socket() as a,
+            socket.socket() as b,
+        ):
             a.bind(("", 0)), b.bind(("", 0))
             port, nccl_port = a.getsockname()[1], b.getsockname()[1]
-        kw = {"model_path": model_path, "mem_fraction_static": SGLANG_MEM_FRACTION,
-              "enable_memory_saver": True, "skip_tokenizer_init": True, "base_gpu_id": gpu_id,
-              "tp_size": 1, "random_seed": seed, "dtype": str(self.dtype).removeprefix("torch."),
-              "port": port, "nccl_port": nccl_port,
-              # an fp32 lm_head: bf16 logits would make pi/pi_behave != 1 at equal weights
-              "enable_fp32_lm_head": True}
+        kw = {
+            "model_path": model_path,
+            "mem_fraction_static": SGLANG_MEM_FRACTION,
+            "enable_memory_saver": True,
+            "skip_tokenizer_init": True,
+            "base_gpu_id": gpu_id,
+            "tp_size": 1,
+            "random_seed": seed,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "port": port,
+            "nccl_port": nccl_port,
+            # an fp32 lm_head: bf16 logits would make pi/pi_behave != 1 at equal weights
+            "enable_fp32_lm_head": True,
+        }
         if deterministic:  # the only mode in which SGLang honours a request's sampling_seed
             kw["enable_deterministic_inference"] = True
         # Its scheduler and detokenizer (spawn: fork + exec) share our process group: a terminal's
@@ -576,8 +769,11 @@ class SGLangEngine(Engine):
         # (SIG_IGN survives exec, Python keeps it, they set no handler: 0.5.10-0.5.23).
         main = threading.current_thread() is threading.main_thread()
         old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-        hidden = {k: os.environ.pop(k) for k in list(os.environ)  # inherited by its processes
-                  if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_")}
+        hidden = {
+            k: os.environ.pop(k)
+            for k in list(os.environ)  # inherited by its processes
+            if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_")
+        }
         # release_memory_occupation frees CUDA graphs only if this is set when its scheduler
         # starts (inherited; a bool env, default off, 0.5.10-0.5.23); left set: later engines too
         os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
@@ -598,27 +794,44 @@ class SGLangEngine(Engine):
         # even released, its scheduler keeps a CUDA context and untagged buffers
         self.held = (before - running, before - released) if measure else None
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seeds: list[int],
-                 groups: list | None = None, max_new_tokens: list[int] | None = None
-                 ) -> list[Completion]:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingParams,
+        seeds: list[int],
+        groups: list | None = None,
+        max_new_tokens: list[int] | None = None,
+    ) -> list[Completion]:
         assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
         if self.version < 0:
-            raise RuntimeError("SGLangEngine.generate before update_weights: the engine starts "
-                               "released, and released weights come back uninitialised")
+            raise RuntimeError(
+                "SGLangEngine.generate before update_weights: the engine starts "
+                "released, and released weights come back uninitialised"
+            )
         if not prompt_ids:
             return []
         self._resume(*self.tags)  # never without a KV cache
-        params = [_sampling_dict(sampling, n, s) for n, s in
-                  zip(_limits(sampling, len(prompt_ids), max_new_tokens), seeds)]
-        return [completion_from_sglang(o, sampling.stop_token_ids) for o in self.engine.generate(
-            input_ids=[list(p) for p in prompt_ids], sampling_params=params, return_logprob=True)]
+        params = [
+            _sampling_dict(sampling, n, s)
+            for n, s in zip(_limits(sampling, len(prompt_ids), max_new_tokens), seeds)
+        ]
+        return [
+            completion_from_sglang(o, sampling.stop_token_ids)
+            for o in self.engine.generate(
+                input_ids=[list(p) for p in prompt_ids],
+                sampling_params=params,
+                return_logprob=True,
+            )
+        ]
 
     def release_memory(self) -> None:
         """An idle engine (generate has returned) releases memory (enable_memory_saver); resuming an
         unreleased tag raises. The KV cache returns after the push: the buckets are freed first."""
         if tags := [t for t in self.tags if t not in self.released]:
-            _succeeded(self.engine.release_memory_occupation(tags=tags),
-                       f"release_memory_occupation({tags})")
+            _succeeded(
+                self.engine.release_memory_occupation(tags=tags),
+                f"release_memory_occupation({tags})",
+            )
             self.released.update(tags)
 
     def resume_memory(self) -> None:
@@ -627,8 +840,11 @@ class SGLangEngine(Engine):
     def _resume(self, *wanted: str) -> None:
         if tags := [t for t in wanted if t in self.released]:
             torch.cuda.empty_cache()  # else SGLang may fail to map its memory back (sglang #14092)
-            _succeeded(self.engine.resume_memory_occupation(tags=tags),
-                       f"resume_memory_occupation({tags})", self.version)
+            _succeeded(
+                self.engine.resume_memory_occupation(tags=tags),
+                f"resume_memory_occupation({tags})",
+                self.version,
+            )
             self.released.difference_update(tags)
 
     @torch.no_grad()
@@ -639,15 +855,24 @@ class SGLangEngine(Engine):
         if self.session is not None:
             ok(self.session[0](), "begin_weight_update")
         try:
-            for bucket, last in iter_buckets(iter_full_tensors(model, self.dtype),
-                                             SYNC_BUCKET_MB * 2**20, self.dtype, self.device):
-                ok(self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=last),
-                   "update_weights_from_tensor")
+            for bucket, last in iter_buckets(
+                iter_full_tensors(model, self.dtype),
+                SYNC_BUCKET_MB * 2**20,
+                self.dtype,
+                self.device,
+            ):
+                ok(
+                    self.engine.update_weights_from_tensor(
+                        named_tensors=bucket, flush_cache=last
+                    ),
+                    "update_weights_from_tensor",
+                )
         finally:
             if self.session is not None:
                 ok(self.session[1](), "end_weight_update")
         self._resume(*self.tags)
-        ok(self.engine.flush_cache(), "flush_cache")  # its prefix cache holds the old weights' KV
+        # its prefix cache holds the old weights' KV
+        ok(self.engine.flush_cache(), "flush_cache")
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -655,8 +880,13 @@ class SGLangEngine(Engine):
             self.engine = None
 
 
-def http_request(url: str, path: str, payload: dict | None = None, retries: int | None = None,
-                 timeout: float | None = None):
+def http_request(
+    url: str,
+    path: str,
+    payload: dict | None = None,
+    retries: int | None = None,
+    timeout: float | None = None,
+):
     """POST `payload` (None: GET) to url + path; the JSON (or text) reply. A timeout, connection
     error or 5xx is retried with back-off; another refusal raises HTTPError."""
     last, retries = None, HTTP_RETRIES if retries is None else retries
@@ -680,8 +910,9 @@ def http_request(url: str, path: str, payload: dict | None = None, retries: int 
         if code < 500:
             raise HTTPError(url + path, code, body)
         last = f"HTTP {code}: {body}"
-    raise RuntimeError(f"SGLang server {url}{path} failed {retries + 1} times; last error: "
-                       f"{last}")
+    raise RuntimeError(
+        f"SGLang server {url}{path} failed {retries + 1} times; last error: {last}"
+    )
 
 
 class HTTPError(RuntimeError):
@@ -700,17 +931,20 @@ def groupable(info: dict) -> bool:
 def weight_group_ranks(url: str, info: dict) -> int:
     tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
     if not groupable(info):
-        raise UserError(f"--weight-sync nccl: the SGLang server {url} runs pp_size={pp}, "
-                        f"dp_size={dp}; SGLang's update_weights_from_distributed joins only its "
-                        "TP ranks (use --weight-sync disk, or a server per replica)")
+        raise UserError(
+            f"--weight-sync nccl: the SGLang server {url} runs pp_size={pp}, "
+            f"dp_size={dp}; SGLang's update_weights_from_distributed joins only its "
+            "TP ranks (use --weight-sync disk, or a server per replica)"
+        )
     return tp
 
 
 def route_address(url: str) -> str:
     """This host's address on the route to `url` (a UDP connect sends nothing), not 127.0.1.1."""
     parts = urllib.parse.urlsplit(url)
-    family, kind, _, _, addr = socket.getaddrinfo(parts.hostname, parts.port or 80,
-                                                  type=socket.SOCK_DGRAM)[0]
+    family, kind, _, _, addr = socket.getaddrinfo(
+        parts.hostname, parts.port or 80, type=socket.SOCK_DGRAM
+    )[0]
     with socket.socket(family, kind) as s:
         s.connect(addr)
         return s.getsockname()[0]
@@ -724,8 +958,10 @@ def on_this_host(url: str) -> bool:
         theirs = {a[4][0].partition("%")[0] for a in socket.getaddrinfo(host, None)}
     except OSError:  # unresolvable: not reachable from here either
         return False
-    if any(ipaddress.ip_address(a).is_loopback or ipaddress.ip_address(a).is_unspecified
-           for a in theirs):
+    if any(
+        ipaddress.ip_address(a).is_loopback or ipaddress.ip_address(a).is_unspecified
+        for a in theirs
+    ):
         return True
     mine = set()
     with suppress(OSError):
@@ -743,10 +979,20 @@ def gpu_neighbours(device: torch.device | str | int | None = None) -> list[int] 
     try:
         index = torch.device("cuda" if device is None else device).index
         index = torch.cuda.current_device() if index is None else index
-        gpu = str(torch.cuda.get_device_properties(index).uuid)  # torch's has no "GPU-" prefix
+        # torch's has no "GPU-" prefix
+        gpu = str(torch.cuda.get_device_properties(index).uuid)
         gpu = gpu if gpu.startswith("GPU-") else f"GPU-{gpu}"
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader",
-                              f"--id={gpu}"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-compute-apps=pid",
+                "--format=csv,noheader",
+                f"--id={gpu}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except Exception:  # no CUDA, no driver tools, an old torch: unknown
         return None
     if out.returncode != 0:
@@ -758,8 +1004,9 @@ def gpu_neighbours(device: torch.device | str | int | None = None) -> list[int] 
     return None
 
 
-def auto_weight_sync(urls: list[str], infos: dict, group_backend: str,
-                     device: torch.device | str | None = None) -> tuple[str, str]:
+def auto_weight_sync(
+    urls: list[str], infos: dict, group_backend: str, device: torch.device | str | None = None
+) -> tuple[str, str]:
     """--weight-sync auto: (nccl or disk, why). nccl wherever a group can form (disk writes the
     whole model and every server reloads it, every step), except with a server that may share
     rank 0's GPU: NCCL between two processes on one GPU fails ("Duplicate GPU detected"), and
@@ -773,12 +1020,16 @@ def auto_weight_sync(urls: list[str], infos: dict, group_backend: str,
     local = [u for u in urls if on_this_host(u)] if group_backend == "nccl" else []
     others = gpu_neighbours(device) if local else []
     if others is None:
-        return "disk", (f"the SGLang server {local[0]} runs on this host and whether it shares "
-                        "rank 0's GPU cannot be told (NCCL fails on a shared GPU)")
+        return "disk", (
+            f"the SGLang server {local[0]} runs on this host and whether it shares "
+            "rank 0's GPU cannot be told (NCCL fails on a shared GPU)"
+        )
     if others:
-        return "disk", (f"the SGLang server {local[0]} runs on this host and process(es) "
-                        f"{', '.join(map(str, others[:4]))} share rank 0's GPU (NCCL fails on a "
-                        "shared GPU)")
+        return "disk", (
+            f"the SGLang server {local[0]} runs on this host and process(es) "
+            f"{', '.join(map(str, others[:4]))} share rank 0's GPU (NCCL fails on a "
+            "shared GPU)"
+        )
     why = "a weight group can form with every server"
     if local:
         why += f" ({local[0]} is on this host, but no other process is on rank 0's GPU)"
@@ -787,17 +1038,39 @@ def auto_weight_sync(urls: list[str], infos: dict, group_backend: str,
 
 class RemoteSGLangEngine(Engine):
     """SGLang servers over HTTP: every rank generates; rank 0 alone pushes weights, others wait."""
+
     overlaps = "thread"  # the servers generate while the trainer trains
-    def __init__(self, urls: list[str], model_path: str, run_dir: str = "runs/remote",
-                 weight_sync: str = "auto", deterministic: bool = False, nccl_addr: str = "",
-                 group_backend: str = "nccl", device: torch.device | str | None = None):
-        assert urls and weight_sync in ("auto", "disk", "nccl"), "servers, synced by disk or nccl"
+
+    def __init__(
+        self,
+        urls: list[str],
+        model_path: str,
+        run_dir: str = "runs/remote",
+        weight_sync: str = "auto",
+        deterministic: bool = False,
+        nccl_addr: str = "",
+        group_backend: str = "nccl",
+        device: torch.device | str | None = None,
+    ):
+        assert urls and weight_sync in ("auto", "disk", "nccl"), (
+            "servers, synced by disk or nccl"
+        )
         _check_logprob_env()
         self.urls, self.run_dir, self.group = [u.rstrip("/") for u in urls], run_dir, None
-        self.model_path, self.nccl_addr, self.group_backend = model_path, nccl_addr, group_backend
-        self.pool = ThreadPoolExecutor(max_workers=HTTP_THREADS, thread_name_prefix="sglang-http")
+        self.model_path, self.nccl_addr, self.group_backend = (
+            model_path,
+            nccl_addr,
+            group_backend,
+        )
+        self.pool = ThreadPoolExecutor(
+            max_workers=HTTP_THREADS, thread_name_prefix="sglang-http"
+        )
         self.waited: set[str] = set()
-        self.version, self.sessionless = 0, set()  # servers without sessions (SGLang < 0.5.21)
+        # servers without sessions (SGLang < 0.5.21)
+        self.version, self.sessionless = (
+            0,
+            set(),
+        )
         self.wait_healthy(HEALTH_TIMEOUT_S)
         self.infos = {u: self._request(u, "/server_info") for u in self.urls}
         info = self.infos[self.urls[0]]  # the first server's
@@ -806,20 +1079,41 @@ class RemoteSGLangEngine(Engine):
             if rank() == 0:
                 print(f"--weight-sync auto: {weight_sync} ({why})", flush=True)
         self.weight_sync, nccl = weight_sync, weight_sync == "nccl"
-        self.group_sizes = [weight_group_ranks(u, self.infos[u]) for u in self.urls if nccl]  # now
+        # now
+        self.group_sizes = [weight_group_ranks(u, self.infos[u]) for u in self.urls if nccl]
         self.sync_dtype = engine_dtype(model_path, info.get("dtype"))
-        if deterministic and (bad := [u for u, i in self.infos.items()
-                                      if not i.get("enable_deterministic_inference")]):
-            raise UserError(f"--rollout-backend sglang_deterministic: the SGLang server {bad[0]} "
-                            "runs without deterministic inference; launch it with "
-                            "--enable-deterministic-inference")
-        if self.sync_dtype != torch.float32 and not info.get("enable_fp32_lm_head") and not rank():
-            print(f"warning: the SGLang server {self.urls[0]} computes its lm_head in "
-                  f"{self.sync_dtype}: pi/pi_behave != 1 at equal weights (launch it with "
-                  "--enable-fp32-lm-head)", flush=True)
+        if deterministic and (
+            bad := [
+                u
+                for u, i in self.infos.items()
+                if not i.get("enable_deterministic_inference")
+            ]
+        ):
+            raise UserError(
+                f"--rollout-backend sglang_deterministic: the SGLang server {bad[0]} "
+                "runs without deterministic inference; launch it with "
+                "--enable-deterministic-inference"
+            )
+        if (
+            self.sync_dtype != torch.float32
+            and not info.get("enable_fp32_lm_head")
+            and not rank()
+        ):
+            print(
+                f"warning: the SGLang server {self.urls[0]} computes its lm_head in "
+                f"{self.sync_dtype}: pi/pi_behave != 1 at equal weights (launch it with "
+                "--enable-fp32-lm-head)",
+                flush=True,
+            )
 
-    def _request(self, url: str, path: str, payload: dict | None = None,
-                 retries: int | None = None, timeout: float | None = None):
+    def _request(
+        self,
+        url: str,
+        path: str,
+        payload: dict | None = None,
+        retries: int | None = None,
+        timeout: float | None = None,
+    ):
         return http_request(url, path, payload, retries, timeout)
 
     def _call(self, url: str, route: str, payload: dict, retries: int | None = None) -> None:
@@ -829,8 +1123,11 @@ class RemoteSGLangEngine(Engine):
         except HTTPError as e:
             if e.status == 404:
                 raise
-            out = e.body if isinstance(e.body, dict) and "success" in e.body else \
-                {"success": False, "message": e.body}
+            out = (
+                e.body
+                if isinstance(e.body, dict) and "success" in e.body
+                else {"success": False, "message": e.body}
+            )
         _succeeded(out, route, self.version, url)
 
     def _all(self, fn, *args) -> list:
@@ -847,29 +1144,46 @@ class RemoteSGLangEngine(Engine):
                 except RuntimeError as e:  # HTTPError included
                     last = str(e).rpartition("last error: ")[2]
                 if time.monotonic() - start >= timeout:
-                    raise UserError(f"--rollout-url {url}: no healthy SGLang server after "
-                                    f"{timeout:g}s (GET /health_generate: {last}); is it running "
-                                    "and reachable from here?")
+                    raise UserError(
+                        f"--rollout-url {url}: no healthy SGLang server after "
+                        f"{timeout:g}s (GET /health_generate: {last}); is it running "
+                        "and reachable from here?"
+                    )
                 if url not in self.waited and rank() == 0:
-                    print(f"waiting for the SGLang server {url} (/health_generate: {last})",
-                          flush=True)
+                    print(
+                        f"waiting for the SGLang server {url} (/health_generate: {last})",
+                        flush=True,
+                    )
                 self.waited.add(url)
                 time.sleep(min(1.0, timeout / 50))
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seeds: list[int],
-                 groups: list | None = None, max_new_tokens: list[int] | None = None
-                 ) -> list[Completion]:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingParams,
+        seeds: list[int],
+        groups: list | None = None,
+        max_new_tokens: list[int] | None = None,
+    ) -> list[Completion]:
         assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
         limits = _limits(sampling, len(prompt_ids), max_new_tokens)
-        group, shift = {}, rank()  # group key -> its index: groups round robin, offset by rank
+        # group key -> its index: groups round robin, offset by rank
+        group, shift = (
+            {},
+            rank(),
+        )
         url = lambda k: self.urls[(group.setdefault(k, len(group)) + shift) % len(self.urls)]
-        jobs = [self.pool.submit(self._generate_one, url(k), list(p), sampling, s, n)
-                for p, s, k, n in zip(prompt_ids, seeds, groups or [tuple(p) for p in prompt_ids],
-                                      limits)]
+        jobs = [
+            self.pool.submit(self._generate_one, url(k), list(p), sampling, s, n)
+            for p, s, k, n in zip(
+                prompt_ids, seeds, groups or [tuple(p) for p in prompt_ids], limits
+            )
+        ]
         return [j.result() for j in jobs]
 
-    def _generate_one(self, url: str, prompt: list[int], sampling: SamplingParams, seed: int,
-                      budget: int) -> Completion:
+    def _generate_one(
+        self, url: str, prompt: list[int], sampling: SamplingParams, seed: int, budget: int
+    ) -> Completion:
         """A /generate whose deadline grows with its budget (HTTP_TIMEOUT_S + its tokens at
         MIN_TOKENS_PER_S). Past it the request is aborted there and SGLang answers with the
         tokens so far; an aborted request (by us or by the server) is resubmitted as prompt +
@@ -878,22 +1192,31 @@ class RemoteSGLangEngine(Engine):
         ids, logprobs, failures, aborts = [], [], 0, 0
         while len(ids) < budget:
             left, rid = budget - len(ids), uuid.uuid4().hex
-            payload = {"input_ids": prompt + ids, "sampling_params": _sampling_dict(
-                sampling, left, seed), "return_logprob": True, "rid": rid}
+            payload = {
+                "input_ids": prompt + ids,
+                "sampling_params": _sampling_dict(sampling, left, seed),
+                "return_logprob": True,
+                "rid": rid,
+            }
             deadline = HTTP_TIMEOUT_S + left / MIN_TOKENS_PER_S
             watchdog = threading.Timer(deadline, self._abort, (url, rid))
             watchdog.start()
             try:
-                out = self._request(url, "/generate", payload, retries=0,
-                                    timeout=deadline + ABORT_TIMEOUT_S)
+                out = self._request(
+                    url, "/generate", payload, retries=0, timeout=deadline + ABORT_TIMEOUT_S
+                )
             except HTTPError:  # a refusal: trying again would be refused again
                 raise
-            except RuntimeError as e:  # it may still run there: abort it, back off, post again
+            except (
+                RuntimeError
+            ) as e:  # it may still run there: abort it, back off, post again
                 failures += 1
                 if failures > HTTP_RETRIES:
                     last = str(e).rpartition("last error: ")[2]
-                    raise RuntimeError(f"SGLang server {url}/generate failed {failures} times; "
-                                       f"last error: {last}") from None
+                    raise RuntimeError(
+                        f"SGLang server {url}/generate failed {failures} times; "
+                        f"last error: {last}"
+                    ) from None
                 self._abort(url, rid)
                 time.sleep(HTTP_BACKOFF_S * 2 ** (failures - 1))
                 continue
@@ -909,7 +1232,9 @@ class RemoteSGLangEngine(Engine):
     def _abort(self, url: str, rid: str) -> None:
         """Best effort: a dead server has nothing left to abort; an unknown rid is a no-op."""
         with suppress(RuntimeError):
-            self._request(url, "/abort_request", {"rid": rid}, retries=0, timeout=ABORT_TIMEOUT_S)
+            self._request(
+                url, "/abort_request", {"rid": rid}, retries=0, timeout=ABORT_TIMEOUT_S
+            )
 
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
@@ -926,20 +1251,33 @@ class RemoteSGLangEngine(Engine):
         """The servers load weights_sync/step_<version>. Never in a begin/end session: the load
         post-processes the weights and leaves it unmarked, so end would post-process again."""
         from safetensors.torch import save_file
-        tensors = {n: t.to("cpu", self.sync_dtype if t.is_floating_point() else None, copy=True)
-                   .contiguous() for n, t in named}  # copies: tied weights share no storage
+
+        # copies: tied weights share no storage
+        tensors = {
+            n: t.to(
+                "cpu", self.sync_dtype if t.is_floating_point() else None, copy=True
+            ).contiguous()
+            for n, t in named
+        }
         root = os.path.abspath(os.path.join(self.run_dir, "weights_sync"))
         os.makedirs(root, exist_ok=True)
-        final, tmp = os.path.join(root, f"step_{self.version:06d}"), tempfile.mkdtemp(dir=root)
+        final, tmp = (
+            os.path.join(root, f"step_{self.version:06d}"),
+            tempfile.mkdtemp(dir=root),
+        )
         for f in os.listdir(self.model_path) if os.path.isdir(self.model_path) else []:
-            if os.path.isfile(src := os.path.join(self.model_path, f)) and not f.endswith((
-                    ".safetensors", ".bin", ".pt", ".pth", ".index.json")):  # config, tokenizer
+            # config, tokenizer
+            if os.path.isfile(src := os.path.join(self.model_path, f)) and not f.endswith(
+                (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+            ):
                 shutil.copy2(src, os.path.join(tmp, f))
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         self._all(self._call, "update_weights_from_disk", {"model_path": final})
-        for d in {d for d in os.listdir(root) if d.startswith("step_")} - {os.path.basename(final)}:
+        for d in {d for d in os.listdir(root) if d.startswith("step_")} - {
+            os.path.basename(final)
+        }:
             shutil.rmtree(os.path.join(root, d), ignore_errors=True)  # older syncs
 
     def _session(self, url: str, which: str) -> None:
@@ -955,13 +1293,26 @@ class RemoteSGLangEngine(Engine):
         try:
             if self.group is None:
                 self._init_weight_group()
-            for bucket, last in iter_buckets(named, SYNC_BUCKET_MB * 2**20, self.sync_dtype,
-                                             "cuda" if self.group_backend == "nccl" else "cpu"):
-                meta = {"names": [n for n, _ in bucket], "group_name": self.group_name,
-                        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                        "shapes": [list(t.shape) for _, t in bucket], "flush_cache": last}
-                posts = [self.pool.submit(self._call, u, "update_weights_from_distributed", meta, 0)
-                         for u in self.urls]  # no retry: a receive re-posted pairs with nothing
+            for bucket, last in iter_buckets(
+                named,
+                SYNC_BUCKET_MB * 2**20,
+                self.sync_dtype,
+                "cuda" if self.group_backend == "nccl" else "cpu",
+            ):
+                meta = {
+                    "names": [n for n, _ in bucket],
+                    "group_name": self.group_name,
+                    "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                    "shapes": [list(t.shape) for _, t in bucket],
+                    "flush_cache": last,
+                }
+                # no retry: a receive re-posted pairs with nothing
+                posts = [
+                    self.pool.submit(
+                        self._call, u, "update_weights_from_distributed", meta, 0
+                    )
+                    for u in self.urls
+                ]
                 for _, t in bucket:  # the servers' receives, posted above, wait for these
                     dist.broadcast(t, src=0, group=self.group)
                 [p.result() for p in posts]
@@ -972,20 +1323,42 @@ class RemoteSGLangEngine(Engine):
         """Rank 0 and the servers' GPUs (from their rank_offset), outside the torchrun world, built
         as SGLang's init_custom_process_group builds its side so that both derive the same keys."""
         from torch.distributed import distributed_c10d as c10d
+
         sizes, backend = self.group_sizes, self.group_backend
         host, _, port = (self.nccl_addr or f"{route_address(self.urls[0])}:0").rpartition(":")
         self.group_name, world = f"nanoareal_weights_{uuid.uuid4().hex[:8]}", 1 + sum(sizes)
         timeout = timedelta(seconds=WEIGHT_GROUP_TIMEOUT_S)
         # the store hosted here (port 0: a free one, bound at once), not by rendezvous(): under
         # torchrun (TORCHELASTIC_USE_AGENT_STORE) that makes every rank a client and none a host
-        store = dist.TCPStore(host, int(port), world, is_master=True, timeout=timeout,
-                              wait_for_workers=False)
-        posts = [self.pool.submit(self._call, u, "init_weights_update_group", {
-            "master_address": host, "master_port": store.port, "rank_offset": 1 + sum(sizes[:i]),
-            "world_size": world, "group_name": self.group_name, "backend": backend}, 0)
-            for i, u in enumerate(self.urls)]
-        self.group, _ = c10d._new_process_group_helper(world, 0, [], c10d.Backend(backend),
-            c10d.PrefixStore(self.group_name, store), group_name=self.group_name, timeout=timeout)
+        store = dist.TCPStore(
+            host, int(port), world, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        posts = [
+            self.pool.submit(
+                self._call,
+                u,
+                "init_weights_update_group",
+                {
+                    "master_address": host,
+                    "master_port": store.port,
+                    "rank_offset": 1 + sum(sizes[:i]),
+                    "world_size": world,
+                    "group_name": self.group_name,
+                    "backend": backend,
+                },
+                0,
+            )
+            for i, u in enumerate(self.urls)
+        ]
+        self.group, _ = c10d._new_process_group_helper(
+            world,
+            0,
+            [],
+            c10d.Backend(backend),
+            c10d.PrefixStore(self.group_name, store),
+            group_name=self.group_name,
+            timeout=timeout,
+        )
         c10d._world.pg_group_ranks[self.group] = {i: i for i in range(world)}
         [p.result() for p in posts]
 
@@ -993,22 +1366,40 @@ class RemoteSGLangEngine(Engine):
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-BACKENDS = {"hf": None, "hf_bf16": torch.bfloat16, "hf_int4": None,  # the weights' dtype
-            "sglang": None, "sglang_deterministic": None}
+BACKENDS = {
+    "hf": None,
+    "hf_bf16": torch.bfloat16,
+    "hf_int4": None,  # the weights' dtype
+    "sglang": None,
+    "sglang_deterministic": None,
+}
 
 
 def check_rollout_config(backend: str, urls: list[str], weight_sync: str, cuda: bool) -> None:
     """Every combination of rollout flags and the GPU-only settings, before anything loads."""
     hf, local = backend.startswith("hf"), backend.startswith("sglang") and not urls
-    for bad, why in [(hf and urls, "--rollout-url needs --rollout-backend sglang"),
-        (urls and weight_sync == "tensor", "--weight-sync tensor needs an in-process engine (drop "
-         "--rollout-url)"),
-        (local and weight_sync not in ("auto", "tensor"), "the in-process SGLang engine syncs "
-         f"weights by tensor, not {weight_sync!r} (use --rollout-url for disk/nccl)"),
-        (local and not cuda, "--rollout-backend sglang without --rollout-url runs SGLang "
-         "in-process and needs a GPU; there is none (pass --rollout-url, or --rollout-backend hf)"),
-        (local and importlib.util.find_spec("sglang") is None, "--rollout-backend sglang runs "
-         "SGLang in-process, but sglang is not installed (pip install -e '.[gpu]'; see README)")]:
+    for bad, why in [
+        (hf and urls, "--rollout-url needs --rollout-backend sglang"),
+        (
+            urls and weight_sync == "tensor",
+            "--weight-sync tensor needs an in-process engine (drop --rollout-url)",
+        ),
+        (
+            local and weight_sync not in ("auto", "tensor"),
+            "the in-process SGLang engine syncs "
+            f"weights by tensor, not {weight_sync!r} (use --rollout-url for disk/nccl)",
+        ),
+        (
+            local and not cuda,
+            "--rollout-backend sglang without --rollout-url runs SGLang in-process and "
+            "needs a GPU; there is none (pass --rollout-url, or --rollout-backend hf)",
+        ),
+        (
+            local and importlib.util.find_spec("sglang") is None,
+            "--rollout-backend sglang runs "
+            "SGLang in-process, but sglang is not installed (pip install -e '.[gpu]'; see README)",
+        ),
+    ]:
         if bad:
             raise UserError(f"config error: {why}")
 
@@ -1018,13 +1409,22 @@ def make_engine(cfg, device: torch.device, share: bool = False) -> Engine:
     backend = cfg.rollout_backend
     deterministic = backend == "sglang_deterministic"
     if backend.startswith("sglang") and cfg.rollout_url:
-        return RemoteSGLangEngine(cfg.rollout_url, cfg.model, cfg.run_dir, cfg.weight_sync,
-                                  deterministic, device=device)
+        return RemoteSGLangEngine(
+            cfg.rollout_url,
+            cfg.model,
+            cfg.run_dir,
+            cfg.weight_sync,
+            deterministic,
+            device=device,
+        )
     if backend.startswith("sglang"):
         return SGLangEngine(cfg.model, device.index or 0, cfg.seed, device, deterministic)
     dtype = BACKENDS[backend] or (torch.bfloat16 if device.type == "cuda" else None)
-    exact = backend == "hf"  # the trainer's own tensors can serve only the trainer's precision
-    return HFEngine(cfg.model, device, dtype, share=share and exact, int4=backend == "hf_int4")
+    # the trainer's own tensors can serve only the trainer's precision
+    exact = backend == "hf"
+    return HFEngine(
+        cfg.model, device, dtype, share=share and exact, int4=backend == "hf_int4"
+    )
 
 
 def is_url(name: str) -> bool:
@@ -1036,24 +1436,32 @@ class Scorer:
     /generate (input_ids prompt + completion, max_new_tokens 0, logprob_start_len at the prompt's
     last token: input_token_logprobs' first entry is None, the rest score the completion).
     SGLang computes input log-probs at temperature 1 (0.5.13+): the trainer refuses another."""
+
     def __init__(self, url: str):
         self.url = url.rstrip("/")
         self.pool = ThreadPoolExecutor(max_workers=HTTP_THREADS, thread_name_prefix="teacher")
 
     def score(self, samples: list, temperature: float = 1.0) -> list[torch.Tensor]:
-        jobs = [self.pool.submit(self._score, s.prompt_ids, s.completion.output_ids)
-                for s in samples]
+        jobs = [
+            self.pool.submit(self._score, s.prompt_ids, s.completion.output_ids)
+            for s in samples
+        ]
         return [j.result() for j in jobs]
 
     def _score(self, prompt: list[int], output: list[int]) -> torch.Tensor:
-        payload = {"input_ids": prompt + output, "return_logprob": True,
-                   "logprob_start_len": len(prompt) - 1,
-                   "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}}
+        payload = {
+            "input_ids": prompt + output,
+            "return_logprob": True,
+            "logprob_start_len": len(prompt) - 1,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+        }
         out = http_request(self.url, "/generate", payload)
         pairs = out["meta_info"]["input_token_logprobs"][1:]
         if [int(p[1]) for p in pairs] != output:
-            raise RuntimeError(f"teacher {self.url}: input_token_logprobs do not score the "
-                               "completion's tokens")
+            raise RuntimeError(
+                f"teacher {self.url}: input_token_logprobs do not score the "
+                "completion's tokens"
+            )
         return torch.tensor([float(p[0]) for p in pairs], dtype=torch.float32)
 
 
@@ -1065,26 +1473,43 @@ class Rollouts:
     finish: weights change only between batches. `overlap`: "process", a forked child (one torch
     thread) inheriting the engine (weights in shared memory), data and reward; "thread"; "" inline.
     If the child dies (a signal to the job), the trainer makes its batches by the same weights."""
-    def __init__(self, make_batch, staleness: int, overlap: str, pending: dict[int, list],
-                 steps: int | None = None, share=lambda batch: batch):
+
+    def __init__(
+        self,
+        make_batch,
+        staleness: int,
+        overlap: str,
+        pending: dict[int, list],
+        steps: int | None = None,
+        share=lambda batch: batch,
+    ):
         self.make_batch, self.staleness, self.steps = make_batch, staleness, steps
         self.share, self.batches = share, dict(pending)
         self.overlap, self.pool, self.conn = overlap if staleness > 0 else "", None, None
         if self.overlap == "thread":
-            self.pool = ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(
-                torch.get_num_threads(),))
+            self.pool = ThreadPoolExecutor(
+                1, initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)
+            )
         elif self.overlap == "process":
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # else a warning per fork
+            # else a warning per fork
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             self.conn, child = (fork := multiprocessing.get_context("fork")).Pipe()
-            fork.Process(target=_serve_batches, args=(make_batch, child, self.conn),
-                         daemon=True).start()
+            fork.Process(
+                target=_serve_batches, args=(make_batch, child, self.conn), daemon=True
+            ).start()
             child.close()
 
     def describe(self) -> str:
-        how = {"process": "overlapped with training (a rollout process)", "thread": "overlapped "
-               "with training (a rollout thread)", "": "not overlapped (colocated engine)"}
-        return f"rollouts {self.staleness} step(s) ahead, {how[self.overlap]}" \
-            if self.staleness else "synchronous rollouts"
+        how = {
+            "process": "overlapped with training (a rollout process)",
+            "thread": "overlapped with training (a rollout thread)",
+            "": "not overlapped (colocated engine)",
+        }
+        return (
+            f"rollouts {self.staleness} step(s) ahead, {how[self.overlap]}"
+            if self.staleness
+            else "synchronous rollouts"
+        )
 
     def take(self, step: int) -> list:
         for s in range(step, step + self.staleness + 1):
@@ -1129,9 +1554,12 @@ class Rollouts:
 def _serve_batches(make_batch, conn, trainer_end) -> None:
     """The rollout process: make_batch(step) for each step asked, until the trainer hangs up."""
     trainer_end.close()  # so that recv() ends if the trainer dies, too
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: it saves, then closes
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a job's end: the trainer makes what it needs
-    torch.set_num_threads(1)  # GNU OpenMP hangs a fork whose parent ran threads if it runs more
+    # Ctrl-C is the trainer's: it saves, then closes
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a job's end: the trainer makes what it needs
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # GNU OpenMP hangs a fork whose parent ran threads if it runs more
+    torch.set_num_threads(1)
     while True:
         try:
             step = conn.recv()

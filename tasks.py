@@ -30,15 +30,18 @@ from cli import UserError, why
 from logs import print0, quiet_libraries, reduce_metrics
 from rollout import SamplingParams, Tools, mix_seed, run_episodes
 
-EVAL_SEED = 0xE7A1  # eval samples' seeds: the same noise at every eval, so only the policy moves
+# eval samples' seeds: the same noise at every eval, so only the policy moves
+EVAL_SEED = 0xE7A1
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+(?:/\d+)?")  # 1,234 | -3.5 | .5 | 3/4
 _INTEGER = re.compile(r"-?\d+")
-OVERLONG_FACTOR = 1.0  # DAPO's (and verl's default) penalty at --max-new-tokens, in reward units
+# DAPO's (and verl's default) penalty at --max-new-tokens, in reward units
+OVERLONG_FACTOR = 1.0
 # SGLang 0.5.10-0.5.23 serves prompt + max_new_tokens <= context - 2 whole (beyond, it refuses the
 # batch or caps the request) and prompts <= context - 7 (its scheduler aborts longer ones)
 SGLANG_CONTEXT_MARGIN, SGLANG_PROMPT_MARGIN = 2, 7
 PROBE_CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "XQZ7"}]
 MAX_TURNS = 4  # an --env's policy turns per episode, unless its class says (max_turns)
+
 
 # -----------------------------------------------------------------------------
 # built-in rewards
@@ -52,7 +55,7 @@ def answer_span(text: str) -> str | None:
     \\boxed{...} (nested braces kept) or the first line after its last '####'; else None."""
     box, mark = text.rfind("\\boxed{"), text.rfind("####")
     if box < mark or box < 0:  # the '####' comes last, or there is neither mark
-        return (text[mark + 4:].strip().splitlines() or [""])[0] if mark >= 0 else None
+        return (text[mark + 4 :].strip().splitlines() or [""])[0] if mark >= 0 else None
     depth, start = 0, box + len("\\boxed{")
     for i, c in enumerate(text[start:], start):
         depth += (c == "{") - (c == "}")
@@ -64,15 +67,20 @@ def answer_span(text: str) -> str | None:
 def final_number(text: str) -> str | None:
     """The first number in answer_span(text), else the last; commas dropped, \\frac{a}{b} = a/b."""
     span = answer_span(text)
-    nums = _NUMBER.findall(re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"\1/\2",
-                                  text if span is None else span).replace("{,}", ","))
+    nums = _NUMBER.findall(
+        re.sub(
+            r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"\1/\2", text if span is None else span
+        ).replace("{,}", ",")
+    )
     return nums[-1 if span is None else 0].replace(",", "") if nums else None
 
 
 def gsm8k(completion: str, row: dict) -> tuple[float, dict]:
     """GSM8K: 1 (correct) if completion and answer have equal final_numbers (18.00 = 18 = 36/2)."""
     try:
-        got, want = (Fraction(final_number(t) or "nan") for t in (completion, str(row["answer"])))
+        got, want = (
+            Fraction(final_number(t) or "nan") for t in (completion, str(row["answer"]))
+        )
         ok = abs(got - want) < 1e-6
     except (ValueError, ZeroDivisionError):  # no number, or x/0
         ok = False
@@ -84,13 +92,19 @@ def math_reward(completion: str, row: dict) -> tuple[float, dict]:
     LaTeX or number it writes) equals the row's "answer" (a number, '... #### 72' or LaTeX, with or
     without $) as mathematics: \\frac{3}{4} = 0.75, 1,234 = 1234, \\$18.00 = 18, units dropped."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
     # math-verify's own timeouts use SIGALRM, main thread only: compute_rewards times the call
     read = lambda text: parse(text, config, parsing_timeout=None)
     want = str(row["answer"]).rsplit("####", 1)[-1].strip()
-    gold = read(want if re.search(r"\$|\\\(|\\\[|\\boxed", want) else f"${want}$") or read(want)
+    gold = read(want if re.search(r"\$|\\\(|\\\[|\\boxed", want) else f"${want}$") or read(
+        want
+    )
     # only the last mark: math-verify's own \boxed regex reads from the FIRST box outside $...$
-    span, boxed = answer_span(completion), completion.rfind("\\boxed{") > completion.rfind("####")
+    span, boxed = (
+        answer_span(completion),
+        completion.rfind("\\boxed{") > completion.rfind("####"),
+    )
     got = read(completion if span is None else f"\\boxed{{{span}}}" if boxed else span)
     ok = bool(gold and got) and verify(gold, got, timeout_seconds=None)
     return float(ok), {"correct": ok}
@@ -107,7 +121,9 @@ def last_number(completion: str, row: dict) -> tuple[float, dict]:
 def answer_format(completion: str, row: dict) -> float:
     """1 if an answer can be read off the completion: a '####' or \\boxed{} mark, or a number at
     its end; else 0 (a shaping term: weigh it next to an accuracy reward)."""
-    return float(answer_span(completion) is not None or bool(re.search(r"\d\s*$", completion)))
+    return float(
+        answer_span(completion) is not None or bool(re.search(r"\d\s*$", completion))
+    )
 
 
 def length(completion: str, row: dict) -> float:
@@ -122,14 +138,20 @@ def soft_overlong_penalty(n_tokens: int, max_tokens: int, buffer: int) -> float:
 
 
 REWARDS: dict[str, Callable] = {  # the first four read row["answer"]
-    "exact_match": exact_match, "gsm8k": gsm8k, "last_number": last_number, "math": math_reward,
-    "format": answer_format, "length": length}
+    "exact_match": exact_match,
+    "gsm8k": gsm8k,
+    "last_number": last_number,
+    "math": math_reward,
+    "format": answer_format,
+    "length": length,
+}
 
 
 # -----------------------------------------------------------------------------
 # built-in tasks: name -> (train rows, held-out rows, default reward)
-def make_arithmetic_task(seed: int = 0, max_operand: int = 50,
-                         heldout_size: int = 256) -> tuple[list, list]:
+def make_arithmetic_task(
+    seed: int = 0, max_operand: int = 50, heldout_size: int = 256
+) -> tuple[list, list]:
     """All sums a+b with 0 <= a, b < max_operand as {"prompt": "12+34=", "answer": "46"}, split by
     `seed` alone into (train, heldout): the SFT warm start, every run and test share a held-out."""
     pairs = [(a, b) for a in range(max_operand) for b in range(max_operand)]
@@ -159,14 +181,17 @@ def chain_scratchpad(prompt: str) -> str:
     return " ".join(map(str, chain_values(prompt)))
 
 
-def make_chain_task(seed: int = 0, heldout_size: int = 256,
-                    per_length: int = 2500) -> tuple[list, list]:
+def make_chain_task(
+    seed: int = 0, heldout_size: int = 256, per_length: int = 2500
+) -> tuple[list, list]:
     """Chains of k = 1..8 operations (+d or *d, mod 10) on a start digit, split by `seed` into
     (train, heldout), rows like {"prompt": "3+4*2            =", "answer": "4"} (bodies padded to
     CHAIN_WIDTH). Per k, min(per_length, 10 * 19^k) distinct bodies, heldout_size / 8 held out,
     interleaved k = 1..8, 1..8, ...; the rest, shuffled, is train (docs/studies.md: the task)."""
     if heldout_size % CHAIN_MAX_OPS:
-        raise ValueError(f"heldout_size must be a multiple of {CHAIN_MAX_OPS} (one share per k)")
+        raise ValueError(
+            f"heldout_size must be a multiple of {CHAIN_MAX_OPS} (one share per k)"
+        )
     per_k, rng, train, held_by_k = heldout_size // CHAIN_MAX_OPS, random.Random(seed), [], []
     for k in range(1, CHAIN_MAX_OPS + 1):
         want = min(per_length, space := 10 * len(CHAIN_OPS) ** k)
@@ -180,8 +205,11 @@ def make_chain_task(seed: int = 0, heldout_size: int = 256,
             while len(bodies) < want:
                 digit = str(rng.randrange(10))  # then the ops: the draws of the shipped split
                 bodies[digit + "".join(rng.choice(CHAIN_OPS) for _ in range(k))] = None
-        rows = [{"prompt": b.ljust(CHAIN_WIDTH) + "=", "answer": str(chain_values(b)[-1])}
-                for b in list(bodies)[:want]]  # the first `want` (the dict holds exactly that many)
+        # the first `want` (the dict holds exactly that many)
+        rows = [
+            {"prompt": b.ljust(CHAIN_WIDTH) + "=", "answer": str(chain_values(b)[-1])}
+            for b in list(bodies)[:want]
+        ]
         held_by_k.append(rows[:per_k])
         train += rows[per_k:]
     random.Random(seed + 1).shuffle(train)
@@ -192,8 +220,12 @@ def make_calc_task(seed: int = 0, heldout_size: int = 256) -> tuple[list, list]:
     """Every a+b and a*b with 10 <= a, b < 100 as {"prompt": "37*48=", "answer": "1776"}, split by
     `seed` into (train, heldout). Products are beyond a 1M model's head; with --env
     assets/tiny-calc/calculator.py:Calculator it may write "[37*48]" and read the value."""
-    rows = [{"prompt": f"{a}{op}{b}=", "answer": str(a + b if op == "+" else a * b)}
-            for op in "+*" for a in range(10, 100) for b in range(10, 100)]
+    rows = [
+        {"prompt": f"{a}{op}{b}=", "answer": str(a + b if op == "+" else a * b)}
+        for op in "+*"
+        for a in range(10, 100)
+        for b in range(10, 100)
+    ]
     random.Random(seed).shuffle(rows)
     return rows[heldout_size:], rows[:heldout_size]
 
@@ -207,9 +239,15 @@ class Task:
 
 TASKS: dict[str, Task] = {
     "arithmetic": Task(make_arithmetic_task, "exact_match", dict(model="assets/tiny-arith")),
-    "chain": Task(make_chain_task, "last_number", dict(model="assets/tiny-chain",
-                                                      max_new_tokens=32, prompts_per_step=32)),
-    "calc": Task(make_calc_task, "last_number", dict(model="assets/tiny-calc", max_new_tokens=16))}
+    "chain": Task(
+        make_chain_task,
+        "last_number",
+        dict(model="assets/tiny-chain", max_new_tokens=32, prompts_per_step=32),
+    ),
+    "calc": Task(
+        make_calc_task, "last_number", dict(model="assets/tiny-calc", max_new_tokens=16)
+    ),
+}
 
 
 # -----------------------------------------------------------------------------
@@ -230,12 +268,17 @@ def load_jsonl(path: str, prompt_key: str = "prompt") -> list[dict]:
             raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
         if not isinstance(row, dict):
             raise UserError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-        if isinstance(row.get(prompt_key), str) == (chat := isinstance(row.get("messages"), list)):
-            raise UserError(f'{path}:{n}: needs exactly one of "{prompt_key}" (string; '
-                            '--prompt-key names the field) or "messages" (list); it has '
-                            + (", ".join(map(json.dumps, row)) or "no fields"))
-        if chat and not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
-                            for m in row["messages"]):
+        if isinstance(row.get(prompt_key), str) == (
+            chat := isinstance(row.get("messages"), list)
+        ):
+            raise UserError(
+                f'{path}:{n}: needs exactly one of "{prompt_key}" (string; '
+                '--prompt-key names the field) or "messages" (list); it has '
+                + (", ".join(map(json.dumps, row)) or "no fields")
+            )
+        if chat and not all(
+            isinstance(m, dict) and {"role", "content"} <= m.keys() for m in row["messages"]
+        ):
             raise UserError(f'{path}:{n}: every message needs "role" and "content"')
         if "answer" in row and not isinstance(row["answer"], (str, int, float)):
             raise UserError(f'{path}:{n}: "answer" must be a string or a number')
@@ -245,53 +288,78 @@ def load_jsonl(path: str, prompt_key: str = "prompt") -> list[dict]:
     return rows
 
 
-def load_dataset(dataset: str, eval_dataset: str | None, reward: str, prompt_key: str = "prompt"
-                 ) -> tuple[list[dict], list[dict]]:
+def load_dataset(
+    dataset: str, eval_dataset: str | None, reward: str, prompt_key: str = "prompt"
+) -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows) of a built-in task or of JSONL files."""
     if dataset in TASKS:
         if prompt_key != "prompt":
-            raise UserError(f"--prompt-key {prompt_key} is for a JSONL --dataset: the built-in "
-                            f'task {dataset!r} has "prompt" rows')
+            raise UserError(
+                f"--prompt-key {prompt_key} is for a JSONL --dataset: the built-in "
+                f'task {dataset!r} has "prompt" rows'
+            )
         return TASKS[dataset].make()
     train = load_jsonl(dataset, prompt_key)
     held = load_jsonl(eval_dataset, prompt_key) if eval_dataset else []
     for path, rows in ((dataset, train), (eval_dataset, held)):
         missing = [n for n, row in enumerate(rows, 1) if "answer" not in row]
         if missing and reward in REWARDS:
-            raise UserError(f'{path}: row {missing[0]} has no "answer", which --reward {reward} '
-                            'compares with')
+            raise UserError(
+                f'{path}: row {missing[0]} has no "answer", which --reward {reward} '
+                "compares with"
+            )
     return train, held
 
 
 def adds_bos(tokenizer) -> bool:
     """Whether the model wants a BOS first: its tokenizer adds one to plain text (Llama, Gemma)."""
     bos = tokenizer.bos_token_id
-    return bos is not None and tokenizer("a")["input_ids"][:1] == [bos] != \
-        tokenizer("a", add_special_tokens=False)["input_ids"][:1]
+    return (
+        bos is not None
+        and tokenizer("a")["input_ids"][:1]
+        == [bos]
+        != tokenizer("a", add_special_tokens=False)["input_ids"][:1]
+    )
 
 
-def encode_prompts(rows: list[dict], tokenizer, chat_template: bool, name: str,
-                   prompt_key: str = "prompt") -> list[list[int]]:
+def encode_prompts(
+    rows: list[dict], tokenizer, chat_template: bool, name: str, prompt_key: str = "prompt"
+) -> list[list[int]]:
     """Every row's prompt as token ids: its "messages", or its prompt field (a user turn with
     chat_template). A chat is exactly what the template writes (its BOS if any, as HF's
     apply_chat_template(tokenize=True)); plain text gets the BOS once, if the model expects one."""
     if (chat_template or any("messages" in r for r in rows)) and not tokenizer.chat_template:
         what = "--chat-template" if chat_template else 'rows with "messages"'
-        raise UserError(f"{name}: {what} need(s) a chat template, and the tokenizer has none; use "
-                        f'"{prompt_key}" rows without --chat-template, or a model with one')
+        raise UserError(
+            f"{name}: {what} need(s) a chat template, and the tokenizer has none; use "
+            f'"{prompt_key}" rows without --chat-template, or a model with one'
+        )
     bos, encoded = tokenizer.bos_token_id if adds_bos(tokenizer) else None, []
     for n, row in enumerate(rows, 1):
         if chat := "messages" in row or chat_template:
             msgs = row.get("messages") or [{"role": "user", "content": row[prompt_key]}]
-            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text if chat else row[prompt_key], add_special_tokens=False)["input_ids"]
+            text = tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=True, tokenize=False
+            )
+        ids = tokenizer(text if chat else row[prompt_key], add_special_tokens=False)[
+            "input_ids"
+        ]
         if (unk := tokenizer.unk_token_id) in ids:  # None (no unk token) is in no ids
-            missing = sorted({c for c in (row.get(prompt_key) or str(row.get("messages")))
-                              if unk in tokenizer(c, add_special_tokens=False)["input_ids"]})
-            raise UserError(f"{name}: row {n}'s prompt has characters the tokenizer cannot encode "
-                            f"({''.join(missing)!r} would become {tokenizer.unk_token}); the model "
-                            "was not trained on them")
-        encoded.append([bos] + ids if bos is not None and not chat and ids[:1] != [bos] else ids)
+            missing = sorted(
+                {
+                    c
+                    for c in (row.get(prompt_key) or str(row.get("messages")))
+                    if unk in tokenizer(c, add_special_tokens=False)["input_ids"]
+                }
+            )
+            raise UserError(
+                f"{name}: row {n}'s prompt has characters the tokenizer cannot encode "
+                f"({''.join(missing)!r} would become {tokenizer.unk_token}); the model "
+                "was not trained on them"
+            )
+        encoded.append(
+            [bos] + ids if bos is not None and not chat and ids[:1] != [bos] else ids
+        )
         if not encoded[-1]:  # nothing to condition on: no engine can start a completion
             raise UserError(f"{name}: row {n}'s prompt is empty (it encodes to no tokens)")
     return encoded
@@ -302,13 +370,21 @@ def stop_token_ids(tokenizer, model: str, chat: bool) -> list[int]:
     model's own eos ids (config.json and generation_config.json: SGLang stops on those too), and
     with a chat template the token that ends an assistant turn (a base model's eos is not it)."""
     from transformers import AutoConfig, GenerationConfig
-    ids = [tokenizer.eos_token_id, AutoConfig.from_pretrained(model).get_text_config().eos_token_id,
-           end_of_turn_id(tokenizer) if chat else None]
+
+    ids = [
+        tokenizer.eos_token_id,
+        AutoConfig.from_pretrained(model).get_text_config().eos_token_id,
+        end_of_turn_id(tokenizer) if chat else None,
+    ]
     with suppress(OSError):  # no generation_config.json
         ids.append(GenerationConfig.from_pretrained(model).eos_token_id)
-    if not (flat := [i for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None]):
-        raise UserError(f"--model {model}: its tokenizer and configs name no end-of-sequence "
-                        "token, so no response could ever stop; set eos_token in its tokenizer")
+    if not (
+        flat := [i for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None]
+    ):
+        raise UserError(
+            f"--model {model}: its tokenizer and configs name no end-of-sequence "
+            "token, so no response could ever stop; set eos_token in its tokenizer"
+        )
     return sorted(set(flat))
 
 
@@ -328,9 +404,12 @@ def end_of_turn_id(tokenizer) -> int | None:
 def context_length(model: str) -> int | None:
     """The model's trained context (max_position_embeddings or the like), from config.json."""
     from transformers import AutoConfig
+
     text = AutoConfig.from_pretrained(model).get_text_config()
     names = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-    return next((getattr(text, n) for n in names if isinstance(getattr(text, n, None), int)), None)
+    return next(
+        (getattr(text, n) for n in names if isinstance(getattr(text, n, None), int)), None
+    )
 
 
 @dataclass
@@ -351,30 +430,40 @@ def load_data(cfg) -> Data:
     chat_template, prompt_key = cfg.chat_template, cfg.prompt_key
     max_new_tokens, micro_batch_tokens = cfg.max_new_tokens, cfg.micro_batch_tokens
     from transformers import AutoTokenizer
+
     quiet_libraries()  # transformers' progress bars and info lines off (imported from here)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
     except Exception as e:  # a directory without tokenizer files ends in sentencepiece advice
         raise UserError(f"--model {model}: no usable tokenizer there ({why(e)})") from None
     rows, eval_rows = load_dataset(dataset, eval_dataset, cfg.reward, prompt_key)
-    prompts, eval_prompts = (encode_prompts(r, tokenizer, chat_template, name, prompt_key)
-                             for r, name in ((rows, dataset), (eval_rows, eval_dataset or "")))
-    stop_ids = stop_token_ids(tokenizer, model,
-                              chat_template or any("messages" in r for r in rows + eval_rows))
+    prompts, eval_prompts = (
+        encode_prompts(r, tokenizer, chat_template, name, prompt_key)
+        for r, name in ((rows, dataset), (eval_rows, eval_dataset or ""))
+    )
+    stop_ids = stop_token_ids(
+        tokenizer, model, chat_template or any("messages" in r for r in rows + eval_rows)
+    )
     # sequences are never cut: the longest possible one must fit the model and a micro-batch
     prompt = max(map(len, prompts + eval_prompts), default=0)
     longest, context = prompt + max_new_tokens, context_length(model)
     if context is not None and longest > context - SGLANG_CONTEXT_MARGIN:
-        raise UserError(f"config error: the longest prompt + --max-new-tokens is {longest} tokens, "
-                        f"over the model's context length ({context}) less "
-                        f"{SGLANG_CONTEXT_MARGIN}: SGLang refuses or cuts a longer request")
+        raise UserError(
+            f"config error: the longest prompt + --max-new-tokens is {longest} tokens, "
+            f"over the model's context length ({context}) less "
+            f"{SGLANG_CONTEXT_MARGIN}: SGLang refuses or cuts a longer request"
+        )
     if context is not None and prompt > context - SGLANG_PROMPT_MARGIN:
-        raise UserError(f"config error: the longest prompt is {prompt} tokens, over the model's "
-                        f"context length ({context}) less {SGLANG_PROMPT_MARGIN}: SGLang aborts "
-                        "a longer prompt")
+        raise UserError(
+            f"config error: the longest prompt is {prompt} tokens, over the model's "
+            f"context length ({context}) less {SGLANG_PROMPT_MARGIN}: SGLang aborts "
+            "a longer prompt"
+        )
     if micro_batch_tokens is not None and longest > micro_batch_tokens:
-        raise UserError(f"config error: the longest prompt + --max-new-tokens is {longest} "
-                        f"tokens, over --micro-batch-tokens ({micro_batch_tokens})")
+        raise UserError(
+            f"config error: the longest prompt + --max-new-tokens is {longest} "
+            f"tokens, over --micro-batch-tokens ({micro_batch_tokens})"
+        )
     tools = load_env(cfg.env, tokenizer, chat_template)
     return Data(tokenizer, rows, prompts, list(zip(eval_rows, eval_prompts)), stop_ids, tools)
 
@@ -383,18 +472,25 @@ def check_teacher(teacher: str, model: str, tokenizer, temperature: float) -> No
     """--teacher scores the policy's token ids: it must read them as the policy does (the same
     vocabulary and chat template), and an SGLang server scores at temperature 1 alone."""
     from transformers import AutoTokenizer
+
     if teacher.startswith(("http://", "https://")):
         if temperature != 1.0:
-            raise UserError(f"--teacher {teacher}: an SGLang server's prompt log-probs are at "
-                            f"temperature 1, not --temperature {temperature}")
+            raise UserError(
+                f"--teacher {teacher}: an SGLang server's prompt log-probs are at "
+                f"temperature 1, not --temperature {temperature}"
+            )
         return
     try:
         theirs = AutoTokenizer.from_pretrained(teacher)
     except Exception as e:
-        raise UserError(f"--teacher {teacher}: no usable tokenizer there ({why(e)})") from None
+        raise UserError(
+            f"--teacher {teacher}: no usable tokenizer there ({why(e)})"
+        ) from None
     if theirs.get_vocab() != tokenizer.get_vocab():
-        raise UserError(f"--teacher {teacher}: its tokenizer is not --model {model}'s (another "
-                        "vocabulary: it cannot score the policy's token ids)")
+        raise UserError(
+            f"--teacher {teacher}: its tokenizer is not --model {model}'s (another "
+            "vocabulary: it cannot score the policy's token ids)"
+        )
     if theirs.chat_template != tokenizer.chat_template:
         raise UserError(f"--teacher {teacher}: its chat template is not --model {model}'s")
 
@@ -407,23 +503,33 @@ def load_reward(spec: str) -> Callable:
         try:
             import math_verify  # noqa: F401
         except ImportError:
-            raise UserError("--reward math needs math-verify: pip install -e '.[math]'") from None
+            raise UserError(
+                "--reward math needs math-verify: pip install -e '.[math]'"
+            ) from None
         logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" etc.
     if spec in REWARDS:
         return REWARDS[spec]
-    if "," in spec or "*" in spec:  # weighted terms: "exact_match, 0.1 * format, -0.01*length"
+    # weighted terms: "exact_match, 0.1 * format, -0.01*length"
+    if "," in spec or "*" in spec:
         terms = [t.rpartition("*") for t in spec.split(",")]
         names = [name.strip() for _, _, name in terms]  # spaces around "," and "*" are layout
         try:
-            weights = [float(w) if star else 1.0 for w, star, _ in terms]  # float() strips too
+            # float() strips too
+            weights = [float(w) if star else 1.0 for w, star, _ in terms]
         except ValueError:
             raise UserError(f"--reward {spec}: weights are numbers (0.1*format)") from None
         if not all(map(math.isfinite, weights)):  # nan or inf would poison every advantage
             raise UserError(f"--reward {spec}: weights are finite numbers (0.1*format)")
         if not all(names):
-            raise UserError(f"--reward {spec}: a term names no reward (exact_match,0.1*format)")
-        return weighted_reward([(w, name.rpartition(":")[2], load_reward(name))
-                                for w, name in zip(weights, names)])
+            raise UserError(
+                f"--reward {spec}: a term names no reward (exact_match,0.1*format)"
+            )
+        return weighted_reward(
+            [
+                (w, name.rpartition(":")[2], load_reward(name))
+                for w, name in zip(weights, names)
+            ]
+        )
     return load_plugin("--reward", spec, f"not a built-in reward ({', '.join(REWARDS)}) nor ")
 
 
@@ -436,7 +542,8 @@ def load_plugin(flag: str, spec: str, builtins: str = "") -> Callable:
         raise UserError(f"{flag} {spec}: no such file {path}")
     module_name = f"nanoareal_plugin_{abs(hash(str(Path(path).resolve())))}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = sys.modules[module_name] = importlib.util.module_from_spec(module_spec)  # picklable
+    # picklable
+    module = sys.modules[module_name] = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:
@@ -455,26 +562,46 @@ def load_env(spec: str | None, tokenizer, chat: bool) -> Tools | None:
     if not spec:
         return None
     make = load_plugin("--env", spec)
-    ids = [s if isinstance(s, int) else tokenizer.convert_tokens_to_ids(s)
-           for s in getattr(make, "stop", None) or []]
+    ids = [
+        s if isinstance(s, int) else tokenizer.convert_tokens_to_ids(s)
+        for s in getattr(make, "stop", None) or []
+    ]
     if not ids or {None, tokenizer.unk_token_id} & set(ids):
-        raise UserError(f"--env {spec}: its .stop must list the tool-call stops (token ids or "
-                        "strings of one token each)")
+        raise UserError(
+            f"--env {spec}: its .stop must list the tool-call stops (token ids or "
+            "strings of one token each)"
+        )
     outside = [i for i in ids if not 0 <= i < len(tokenizer)]  # never sampled: no call, ever
     if outside:
-        raise UserError(f"--env {spec}: stop token id {outside[0]} is outside the tokenizer's "
-                        f"vocabulary of {len(tokenizer)} ids")
+        raise UserError(
+            f"--env {spec}: stop token id {outside[0]} is outside the tokenizer's "
+            f"vocabulary of {len(tokenizer)} ids"
+        )
     misfit = env_misfit(make, spec.rpartition(":")[2])
     if misfit:  # said now, not as an env/errors count in every episode
         raise UserError(f"--env {spec}: {misfit}")
     max_turns = getattr(make, "max_turns", MAX_TURNS)
     if not isinstance(max_turns, int) or max_turns < 1:
-        raise UserError(f"--env {spec}: its .max_turns must be an int >= 1, got {max_turns!r}")
+        raise UserError(
+            f"--env {spec}: its .max_turns must be an int >= 1, got {max_turns!r}"
+        )
     pre, post = wrap = (tool_turn(tokenizer) if chat else None) or ("", "")
-    print0(f"--env {spec}: replies as " + ("the chat template's tool turn" if any(wrap) else
-           "raw text" + " (the template has no tool turn extending the turns before)" * chat))
-    return Tools(make, ids, lambda text: tokenizer(pre + text + post, add_special_tokens=False)[
-        "input_ids"], tokenizer.decode, max_turns)
+    print0(
+        f"--env {spec}: replies as "
+        + (
+            "the chat template's tool turn"
+            if any(wrap)
+            else "raw text"
+            + " (the template has no tool turn extending the turns before)" * chat
+        )
+    )
+    return Tools(
+        make,
+        ids,
+        lambda text: tokenizer(pre + text + post, add_special_tokens=False)["input_ids"],
+        tokenizer.decode,
+        max_turns,
+    )
 
 
 def env_misfit(make: Callable, name: str) -> str | None:
@@ -483,7 +610,9 @@ def env_misfit(make: Callable, name: str) -> str | None:
     is checked itself; the step of what it returns cannot be seen before an episode makes one."""
     sig = refusing_signature(make, {})
     if sig is not None and getattr(make, "__init__", None) is object.__init__:
-        return f"{name}(row) must take the dataset row as its one argument: it has no __init__"
+        return (
+            f"{name}(row) must take the dataset row as its one argument: it has no __init__"
+        )
     if sig is not None:
         return f"{name}(row) must take the dataset row as its one argument, not {sig}"
     raw = inspect.getattr_static(make, "step", None)
@@ -491,11 +620,16 @@ def env_misfit(make: Callable, name: str) -> str | None:
         return None
     step = getattr(make, "step", None)
     if not callable(step):
-        return f"{name} has no method step(text) (the text to append, or None: the episode ends)"
-    args = (None, "") if inspect.isfunction(raw) else ("",)  # a method binds the instance first
+        return (
+            f"{name} has no method step(text) (the text to append, or None: the episode ends)"
+        )
+    # a method binds the instance first
+    args = (None, "") if inspect.isfunction(raw) else ("",)
     sig = refusing_signature(step, *args)
     if sig is not None:
-        return f"{name}(row).step(text) must take the turn's text as its one argument, not {sig}"
+        return (
+            f"{name}(row).step(text) must take the turn's text as its one argument, not {sig}"
+        )
     return None
 
 
@@ -517,63 +651,106 @@ def tool_turn(tokenizer) -> tuple[str, str] | None:
     to the next assistant turn, if it renders one that leaves the turns before unchanged."""
     try:
         before = tokenizer.apply_chat_template(PROBE_CHAT, tokenize=False)
-        after = tokenizer.apply_chat_template(PROBE_CHAT + [{"role": "tool", "content": "ZQX9"}],
-                                              add_generation_prompt=True, tokenize=False)
+        after = tokenizer.apply_chat_template(
+            PROBE_CHAT + [{"role": "tool", "content": "ZQX9"}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
     except Exception:  # a template without a tool role may refuse one
         return None
     head = before[: before.find("XQZ7") + 4]
-    pre, found, post = after[len(head):].partition("ZQX9")
+    pre, found, post = after[len(head) :].partition("ZQX9")
     return (pre, post) if "XQZ7" in head and after.startswith(head) and found else None
 
 
 def weighted_reward(terms: list[tuple[float, str, Callable]]) -> Callable:
     """sum_k w_k r_k of (w_k, name, reward) terms, each term's value (unweighted) and metrics
     logged, reward/<name>; "correct" is the first term's (as if it were the reward alone)."""
+
     def reward(completion: str, row: dict) -> tuple[float, dict]:
         scores = [score_one(fn, completion, row) for _, _, fn in terms]
         metrics = {k: v for sc in scores for k, v in sc.metrics.items()}
         metrics |= {name: sc.reward for (_, name, _), sc in zip(terms, scores)}
         return sum(w * sc.reward for (w, _, _), sc in zip(terms, scores)), metrics | (
-            {"correct": scores[0].correct} if scores[0].correct is not None else {})
+            {"correct": scores[0].correct} if scores[0].correct is not None else {}
+        )
+
     return reward
 
 
-def evaluate(engine, data: Data, reward_fn: Callable, cfg, rank: int = 0, world: int = 1,
-             timeout: float = 30.0) -> dict:
+def evaluate(
+    engine,
+    data: Data,
+    reward_fn: Callable,
+    cfg,
+    rank: int = 0,
+    world: int = 1,
+    timeout: float = 30.0,
+) -> dict:
     """Held-out metrics (rows split across ranks, one collective): eval/accuracy of greedy answers;
     with cfg.eval_k = k > 0, k samples per prompt at cfg.temperature give eval/mean@k and
     eval/pass@j, j = 2, 4, ..., k: 1 - C(k-c, j)/C(k, j) for c of k correct (Chen et al. 2021),
     over prompts with all k judged."""
     max_new_tokens, k, seed = cfg.max_new_tokens, cfg.eval_k, cfg.seed
 
-    def judge(todo: list, temperature: float, seeds: list[int]) -> list:  # (row, prompt) pairs
+    def judge(
+        todo: list, temperature: float, seeds: list[int]
+    ) -> list:  # (row, prompt) pairs
         sampling = SamplingParams(max_new_tokens, temperature, stop_token_ids=data.stop_ids)
-        outs = run_episodes(engine, [p for _, p in todo], sampling, seeds, data.tools,
-                            [r for r, _ in todo]) if todo else []
-        return [s.correct for s in score_completions(reward_fn, data.tokenizer, outs,
-                                                     [r for r, _ in todo], timeout, seeds)]
+        outs = (
+            run_episodes(
+                engine,
+                [p for _, p in todo],
+                sampling,
+                seeds,
+                data.tools,
+                [r for r, _ in todo],
+            )
+            if todo
+            else []
+        )
+        return [
+            s.correct
+            for s in score_completions(
+                reward_fn, data.tokenizer, outs, [r for r, _ in todo], timeout, seeds
+            )
+        ]
+
     mine = data.evalset[rank::world]
     verdicts = judge(mine, 0.0, [0] * len(mine))
-    sums = Counter(judged=sum(v is not None for v in verdicts), correct=sum(map(bool, verdicts)))
+    sums = Counter(
+        judged=sum(v is not None for v in verdicts), correct=sum(map(bool, verdicts))
+    )
     if k:
-        seeds = [mix_seed(seed, EVAL_SEED, i, j) for i in range(rank, len(data.evalset), world)
-                 for j in range(k)]
+        seeds = [
+            mix_seed(seed, EVAL_SEED, i, j)
+            for i in range(rank, len(data.evalset), world)
+            for j in range(k)
+        ]
         verdicts = judge([pair for pair in mine for _ in range(k)], cfg.temperature, seeds)
-        js = sorted({2**e for e in range(1, k.bit_length()) if 2**e < k} | {k}) if k > 1 else []
+        js = (
+            sorted({2**e for e in range(1, k.bit_length()) if 2**e < k} | {k})
+            if k > 1
+            else []
+        )
         for i in range(len(mine)):
             if None not in (answers := verdicts[i * k : (i + 1) * k]):
                 c = sum(answers)
-                sums.update({"k_judged": 1, f"mean@{k}": c / k} | {
-                    f"pass@{j}": 1 - math.comb(k - c, j) / math.comb(k, j) for j in js})
+                sums.update(
+                    {"k_judged": 1, f"mean@{k}": c / k}
+                    | {f"pass@{j}": 1 - math.comb(k - c, j) / math.comb(k, j) for j in js}
+                )
     sums = reduce_metrics(dict(sums))
     return {"eval/accuracy": sums["correct"] / max(sums["judged"], 1)} | {
-        f"eval/{m}": v / max(sums.get("k_judged", 0), 1) for m, v in sums.items() if "@" in m}
+        f"eval/{m}": v / max(sums.get("k_judged", 0), 1) for m, v in sums.items() if "@" in m
+    }
 
 
 @dataclass
 class Score:
     reward: float
-    correct: bool | None  # None: no verdict (nothing said and no "answer", or the call failed)
+    # None: no verdict (nothing said and no "answer", or the call failed)
+    correct: bool | None
     metrics: dict[str, float]
     error: str | None = None  # why the call failed (it then scores 0)
 
@@ -583,36 +760,60 @@ def score_one(reward_fn: Callable, completion: str, row: dict) -> Score:
     out, metrics = reward_fn(completion, row), {}
     if isinstance(out, tuple):
         if len(out) != 2 or not isinstance(out[1], dict):
-            raise TypeError(f"a reward returns a float or (float, dict), got a tuple of {len(out)}")
+            raise TypeError(
+                f"a reward returns a float or (float, dict), got a tuple of {len(out)}"
+            )
         out, metrics = out[0], dict(out[1])
     if not math.isfinite(reward := float(out)):
         raise ValueError(f"the reward is {reward}")
     if (correct := metrics.pop("correct", None)) is None and "answer" in row:
         correct = exact_match(completion, row)
-    return Score(reward, None if correct is None else bool(correct),
-                 {k: float(v) for k, v in metrics.items()})
+    return Score(
+        reward,
+        None if correct is None else bool(correct),
+        {k: float(v) for k, v in metrics.items()},
+    )
 
 
-def score_completions(reward_fn: Callable, tokenizer, completions: list, rows: list[dict],
-                      timeout: float, seeds: list[int] | None = None, overlong_buffer: int = 0,
-                      max_tokens: int = 0) -> list[Score]:
+def score_completions(
+    reward_fn: Callable,
+    tokenizer,
+    completions: list,
+    rows: list[dict],
+    timeout: float,
+    seeds: list[int] | None = None,
+    overlong_buffer: int = 0,
+    max_tokens: int = 0,
+) -> list[Score]:
     """compute_rewards of completions as a reward reads them (decoded, special tokens dropped),
     plus soft_overlong_penalty with an overlong_buffer, logged as reward/overlong."""
-    texts = tokenizer.batch_decode([c.output_ids for c in completions], skip_special_tokens=True)
+    texts = tokenizer.batch_decode(
+        [c.output_ids for c in completions], skip_special_tokens=True
+    )
     scores = compute_rewards(reward_fn, texts, rows, timeout, seeds)
-    for sc, n in zip(scores, (len(c.output_ids) for c in completions)) if overlong_buffer else ():
+    for sc, n in (
+        zip(scores, (len(c.output_ids) for c in completions)) if overlong_buffer else ()
+    ):
         sc.metrics["overlong"] = soft_overlong_penalty(n, max_tokens, overlong_buffer)
         sc.reward += sc.metrics["overlong"]
     return scores
 
 
-def compute_rewards(reward_fn: Callable, texts: list[str], rows: list[dict], timeout: float,
-                    seeds: list[int] | None = None) -> list[Score]:
+def compute_rewards(
+    reward_fn: Callable,
+    texts: list[str],
+    rows: list[dict],
+    timeout: float,
+    seeds: list[int] | None = None,
+) -> list[Score]:
     """Score every completion on a daemon worker thread, `random` (and numpy, if imported) seeded
     by its seed first; a call that raises, returns junk or takes over `timeout` s scores 0 with no
     verdict and its error. A hung call keeps its thread (threads cannot be killed; one in C
     holding the GIL stalls us): untrusted code wants a process."""
-    def work(start: int, out: queue.Queue) -> None:  # calls start.. in order, into its own queue
+
+    def work(
+        start: int, out: queue.Queue
+    ) -> None:  # calls start.. in order, into its own queue
         for i in range(start, len(texts)):
             for rng in (random, getattr(sys.modules.get("numpy"), "random", None)):
                 if seeds is not None and rng is not None:  # numpy: if a reward imported it
@@ -621,14 +822,16 @@ def compute_rewards(reward_fn: Callable, texts: list[str], rows: list[dict], tim
                 out.put(score_one(reward_fn, texts[i], rows[i]))
             except Exception as e:
                 out.put(Score(0.0, None, {}, f"{type(e).__name__}: {e}"))
+
     scores, results = [], None
     while len(scores) < len(texts):
         if results is None:  # a worker from the first unscored call on
             results = queue.Queue()
             threading.Thread(target=work, args=(len(scores), results), daemon=True).start()
+        # this call hangs: it scores 0, the next calls run on a new thread
         try:
             scores.append(results.get(timeout=timeout))
-        except queue.Empty:  # this call hangs: it scores 0, the next calls run on a new thread
+        except queue.Empty:
             scores.append(Score(0.0, None, {}, f"a call took over {timeout:g}s"))
             results = None
     return scores
