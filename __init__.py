@@ -8,7 +8,7 @@ import importlib.util
 import os
 import sys
 
-# in
+# in the order they import each other; the trainer imports them all and none imports it
 HELPERS = (
     "cli",
     "logs",
@@ -21,7 +21,6 @@ HELPERS = (
     "checkpoint",
     "tasks",
 )
-# the order they import each other; the trainer imports them all and none imports it
 
 
 def _trainer(name: str):

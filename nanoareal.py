@@ -30,6 +30,7 @@ import typing
 from collections import Counter
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
@@ -229,57 +230,32 @@ class Config:
             setattr(self, k, v)
 
 
-VOLATILE = {
-    k
-    for k, hint in typing.get_type_hints(Config, include_extras=True).items()
-    if "volatile" in getattr(hint, "__metadata__", ())
-}
-DEFAULTS = {f.name: f.default for f in fields(Config) if f.default is not MISSING}
-
-
 # -----------------------------------------------------------------------------
 # the training loop
 def main(argv: list[str]) -> None:
     cfg = parse_config(argv)  # flags, TOML, the task's own flags -> resolved and checked
     ranks, device = setup_distributed(cfg.cp_size)  # torchrun's, or a world of one
-    data, reward_fn, resuming = prepare_run(cfg)  # the run directory claimed, data, reward
-    engine = rollout.make_engine(
-        cfg, device, share=cfg.max_staleness == 0 and ranks.world == 1
-    )
+    data, reward_fn, engine, resuming = prepare_run(cfg, device, ranks)  # run dir claimed
     model, reference, teacher, optimizer = load_models(cfg, device, ranks, engine)
     reduction = loss.build_loss(cfg, dist.group.WORLD, cp_factor=ranks.cp_size)
-    # step, updates, batches ahead
-    run = resume(cfg, model, optimizer, engine, ranks, resuming)
+    run = resume(cfg, model, optimizer, engine, ranks, resuming)  # step, batches ahead
     logger = Logger(cfg.run_dir, cfg.steps, run.step, cfg.wandb_project, asdict(cfg))
     make_batch = lambda step: rollout_batch(engine, data, reward_fn, step, cfg, ranks)
+    share = lambda batch: cp_broadcast(batch, ranks)  # one rollout per CP group
     rollouts = rollout.Rollouts(
-        make_batch,
-        cfg.max_staleness,
-        engine.overlaps,
-        run.pending,
-        cfg.steps,
-        share=lambda batch: cp_broadcast(batch, ranks),
+        make_batch, cfg.max_staleness, engine.overlaps, run.pending, cfg.steps, share
     )
-    print0(
-        f"nanoareal: {ranks.world} rank(s) on {device.type}, {cfg.model}, {len(data.rows)}/"
-        f"{len(data.evalset)} train/eval prompts, {cfg.policy_loss}/{cfg.loss_aggregation}, "
-        f"{rollouts.describe()}, run {cfg.run_dir}"
-    )
-    evaluate = lambda: run.evaluated(
-        tasks.evaluate(
-            engine, data, reward_fn, cfg, ranks.rank, ranks.world, REWARD_TIMEOUT_S
-        )
-    )
+    print0(banner(cfg, ranks, device, data, rollouts))
+    evaluate = partial(tasks.evaluate, engine, data, reward_fn, cfg, ranks.rank, ranks.world)
     if data.evalset and (cfg.steps == 0 or (cfg.eval_every > 0 and run.step == 0)):
-        logger.log(run.step, evaluate())
+        run.last_eval = evaluate()
+        logger.log(run.step, run.last_eval)
     with checkpoint.Preemption() as preempt:  # SIGINT/SIGTERM: finish the step, save, exit
         for step in range(run.step, cfg.steps):
             t0 = time.perf_counter()
-            # ALGO LOGIC. the batch for this step, sampled and scored by the policy of step
-            # max(0, step - K); the engine starts on the batch for step + K meanwhile
+            # ALGO LOGIC. this step's batch, sampled by the policy of step max(0, step - K)
             samples = rollouts.take(step)
-            # the group's, the teacher's per token
-            set_advantages(samples, cfg, ranks, teacher)
+            set_advantages(samples, cfg, ranks, teacher)  # the group's, the teacher's
             sums = rollout_sums(samples, ranks)
             if cfg.zero_variance == "filter":  # no signal: only normaliser mass
                 samples = [s for s in samples if not s.zero_variance]
@@ -293,36 +269,41 @@ def main(argv: list[str]) -> None:
             run.updates += int(stats.pop("updated"))
             engine.resume_memory()
             t2 = time.perf_counter()
-            rollouts.wait()  # sync: once the batch in flight is done, the engine gets new weights
+            rollouts.wait()  # sync: after the batch in flight, the engine gets new weights
             t3 = time.perf_counter()
             engine.update_weights(model.module, step + 1)
-            times = {
-                "rollout": t1 - t0 + t3 - t2,
-                "train": t2 - t1,
-                "sync": time.perf_counter() - t3,
-                "step": time.perf_counter() - t0,
-            }
+            t4 = time.perf_counter()
+            times = dict(rollout=t1 - t0 + t3 - t2, train=t2 - t1, sync=t4 - t3, step=t4 - t0)
             # TRY NOT TO MODIFY: one collective for metrics and what ranks agree on (signal, save)
             sums = reduce_metrics(sums | train_sums | run.flags(preempt))
             metrics = step_metrics(sums, stats, times, lr, step + 1)
             if data.evalset and every(cfg.eval_every, step + 1, cfg.steps):
-                metrics |= evaluate()
+                run.last_eval = evaluate()
+                metrics |= run.last_eval
             logger.log(step + 1, metrics)  # metrics.jsonl, wandb, a console line
             if logger.samples_due(step + 1):  # a few groups to samples.jsonl
                 logger.log_samples(step + 1, sample_rows(samples, data.tokenizer))
             end_step(step + 1, sums, metrics, cfg, model, optimizer, run, rollouts, logger)
     rollouts.close()
     logger.close(run.last_eval)
-    # also when resumed with nothing left to train: a save killed mid-export
-    if cfg.steps > 0:
-        checkpoint.export_hf(
-            model.module, model.lora, data.tokenizer, cfg.model, Path(cfg.run_dir) / "final"
-        )
+    if (
+        cfg.steps > 0
+    ):  # also when resumed with nothing left to train: a save killed mid-export
+        final = Path(cfg.run_dir) / "final"
+        checkpoint.export_hf(model.module, model.lora, data.tokenizer, cfg.model, final)
     engine.shutdown()
 
 
 # -----------------------------------------------------------------------------
 # set-up: the config (flags + TOML, resolved once, checked), the ranks, the data
+VOLATILE = {
+    k
+    for k, hint in typing.get_type_hints(Config, include_extras=True).items()
+    if "volatile" in getattr(hint, "__metadata__", ())
+}
+DEFAULTS = {f.name: f.default for f in fields(Config) if f.default is not MISSING}
+
+
 def parse_config(argv: list[str]) -> Config:
     """Flags, --config TOML and a built-in task's own flags -> a resolved, checked Config."""
     preset = lambda dataset: tasks.TASKS[dataset].flags if dataset in tasks.TASKS else {}
@@ -386,63 +367,65 @@ def shipped(path: str) -> str:
     return path
 
 
+# the least value of each counting flag (validate_config)
+LEAST = {
+    "prompts_per_step": 1,
+    "max_new_tokens": 1,
+    "micro_batch_tokens": 1,
+    "num_minibatches": 1,
+    "ppo_epochs": 1,
+    "cp_size": 1,
+    "top_k": -1,
+    "steps": 0,
+    "eval_every": 0,
+    "eval_k": 0,
+    "warmup_steps": 0,
+    "ckpt_every": 0,
+    "max_staleness": 0,
+    "max_resample": 0,
+    "overlong_buffer": 0,
+    "grad_clip": 0,
+    "lora_rank": 0,
+}
+
+
 def validate_config(cfg: Config, world: int) -> Config:
     """Every flag checked before anything heavy loads; a mistake: one UserError line naming it."""
-    positive = (cfg.prompts_per_step, cfg.max_new_tokens, cfg.micro_batch_tokens)
-    counts = (
-        cfg.steps,
-        cfg.eval_every,
-        cfg.eval_k,
-        cfg.warmup_steps,
-        cfg.ckpt_every,
-        cfg.max_staleness,
-        cfg.max_resample,
-    )
+    for name, least in LEAST.items():
+        value = getattr(cfg, name)
+        if value < least:
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"config error: {flag} {value}: must be >= {least}")
     checks = [
         (
-            min(positive) >= 1 and min(counts) >= 0,
-            "--prompts-per-step, --max-new-tokens, --micro-batch-tokens >= 1; --steps, "
-            "--eval-every, --eval-k, --warmup-steps, --ckpt-every, --max-staleness and "
-            "--max-resample >= 0",
-        ),
-        (
             cfg.group_size >= 2,
-            f"--group-size {cfg.group_size}: a sample alone in its group has no "
-            "baseline (every advantage would be 0); use --group-size >= 2",
+            f"--group-size {cfg.group_size}: a sample alone in its group has no baseline "
+            "(every advantage would be 0); use --group-size >= 2",
         ),
         (
             cfg.temperature > 0,
-            f"--temperature {cfg.temperature}: rollouts must sample (> 0; "
-            "eval/accuracy is greedy anyway)",
+            f"--temperature {cfg.temperature}: rollouts must sample (> 0; eval/accuracy "
+            "is greedy anyway)",
         ),
         (cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number"),
         (
-            cfg.grad_clip >= 0,
-            f"--grad-clip {cfg.grad_clip}: must be > 0, or 0 for no clipping",
-        ),
-        (
-            1 <= cfg.num_minibatches <= cfg.prompts_per_step,
+            cfg.num_minibatches <= cfg.prompts_per_step,
             "--num-minibatches must be in [1, --prompts-per-step]",
         ),
-        (cfg.ppo_epochs >= 1, f"--ppo-epochs {cfg.ppo_epochs}: must be >= 1"),
         (
-            0 <= cfg.overlong_buffer <= cfg.max_new_tokens,
-            f"--overlong-buffer "
-            f"{cfg.overlong_buffer}: must be in [0, --max-new-tokens ({cfg.max_new_tokens})]",
+            cfg.overlong_buffer <= cfg.max_new_tokens,
+            f"--overlong-buffer {cfg.overlong_buffer}: must be in [0, --max-new-tokens]",
         ),
+        (0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]"),
+        (cfg.top_k != 0, "--top-k 0: use -1 (all) or >= 1"),
         (
-            0 < cfg.top_p <= 1 and (cfg.top_k >= 1 or cfg.top_k == -1),
-            f"--top-p {cfg.top_p} "
-            f"--top-k {cfg.top_k}: top-p must be in (0, 1], top-k -1 (all) or >= 1",
-        ),
-        (
-            cfg.cp_size >= 1 and world % cfg.cp_size == 0,
-            f"--cp-size {cfg.cp_size} must divide the number of ranks ({world})",
+            world % cfg.cp_size == 0,
+            f"--cp-size {cfg.cp_size} must divide the ranks ({world})",
         ),
         (
             not cfg.eval_dataset or cfg.dataset not in tasks.TASKS,
-            f"--eval-dataset is for a JSONL "
-            f"--dataset: the built-in task {cfg.dataset!r} has its own held-out split",
+            f"--eval-dataset is for a JSONL --dataset: the built-in task {cfg.dataset!r} has "
+            "its own held-out split",
         ),
         (
             cfg.resume in ("auto", "fresh") or (Path(cfg.resume) / "meta.json").is_file(),
@@ -463,9 +446,8 @@ def validate_config(cfg: Config, world: int) -> Config:
     except ValueError as e:
         raise UserError(f"config error: {e}") from None
     check_lora(cfg)
-    rollout.check_rollout_config(
-        cfg.rollout_backend, cfg.rollout_url, cfg.weight_sync, torch.cuda.is_available()
-    )
+    cuda = torch.cuda.is_available()
+    rollout.check_rollout_config(cfg.rollout_backend, cfg.rollout_url, cfg.weight_sync, cuda)
     return cfg
 
 
@@ -473,9 +455,7 @@ def check_lora(cfg: Config) -> None:
     """--lora-rank, and --lora-adapter against --model (its base), before anything loads."""
     found = lora.read_config(cfg.lora_adapter) if cfg.lora_adapter else None
     problem = None
-    if cfg.lora_rank < 0:
-        problem = f"--lora-rank {cfg.lora_rank}: must be >= 0 (0: full fine-tuning)"
-    elif cfg.lora_adapter and found is None:
+    if cfg.lora_adapter and found is None:
         problem = f"--lora-adapter {cfg.lora_adapter} is not a PEFT adapter directory"
     elif found and found["r"] != cfg.lora_rank:
         problem = (
@@ -541,23 +521,31 @@ def setup_distributed(cp_size: int = 1) -> tuple[Ranks, torch.device]:
     return Ranks(rank, world, rank // cp, world // cp, rank % cp, cp, cp_group), device
 
 
-def prepare_run(cfg: Config) -> tuple[tasks.Data, object, bool]:
-    """(data, reward, whether the run directory, claimed now or refused, holds a run to resume)."""
+def prepare_run(cfg: Config, device, ranks: Ranks) -> tuple:
+    """(data, reward, the rollout engine, whether the run directory, claimed now or refused,
+    holds a run to resume). A colocated engine (no staleness, one process) may share the
+    trainer's weight tensors."""
     reward_fn = tasks.load_reward(cfg.reward)
     modeling.check_model_source(cfg.model)
-    resuming = on_rank0(
-        checkpoint.claim_run_dir,
-        cfg.run_dir,
-        asdict(cfg),
-        VOLATILE,
-        cfg.resume == "fresh",
-        DEFAULTS,
-    )
+    claim = (cfg.run_dir, asdict(cfg), VOLATILE, cfg.resume == "fresh", DEFAULTS)
+    resuming = on_rank0(checkpoint.claim_run_dir, *claim)
     torch.manual_seed(cfg.seed)
     data = tasks.load_data(cfg)
     if cfg.teacher:
         tasks.check_teacher(cfg.teacher, cfg.model, data.tokenizer, cfg.temperature)
-    return data, reward_fn, resuming
+    colocated = cfg.max_staleness == 0 and ranks.world == 1
+    engine = rollout.make_engine(cfg, device, share=colocated)
+    return data, reward_fn, engine, resuming
+
+
+def banner(cfg: Config, ranks: Ranks, device, data: tasks.Data, rollouts) -> str:
+    """The run's first line: where it runs, what it trains on, how."""
+    prompts = f"{len(data.rows)}/{len(data.evalset)} train/eval prompts"
+    loss_name = f"{cfg.policy_loss}/{cfg.loss_aggregation}"
+    return (
+        f"nanoareal: {ranks.world} rank(s) on {device.type}, {cfg.model}, {prompts}, "
+        f"{loss_name}, {rollouts.describe()}, run {cfg.run_dir}"
+    )
 
 
 def every(n: int, step: int, last: int) -> bool:
@@ -710,12 +698,10 @@ def score(samples: list[Sample], data: tasks.Data, reward_fn, cfg: Config) -> No
         cfg.max_new_tokens,
     )
     for s, sc in zip(samples, scores):
-        s.reward, s.correct, s.metrics, s.reward_error = (
-            sc.reward,
-            sc.correct,
-            sc.metrics,
-            sc.error,
-        )
+        s.reward = sc.reward
+        s.correct = sc.correct
+        s.metrics = sc.metrics
+        s.reward_error = sc.error
 
 
 def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:
@@ -819,13 +805,10 @@ def train_on_samples(
             minibatch(model, reference, [s for s in samples if s.group in share], cfg, ranks)
         )
     # positions: what the model was fed (fewer than trained_tokens: shared prompts, no last tokens)
-    sums = Counter(
-        {
-            "positions": sum(len(mb.input_ids) for mbs in packed for mb in mbs),
-            "trained_tokens": sum(
-                len(s.prompt_ids) + len(s.completion.output_ids) for s in samples
-            ),
-        }
+    sums = Counter()
+    sums["positions"] = sum(len(mb.input_ids) for mbs in packed for mb in mbs)
+    sums["trained_tokens"] = sum(
+        len(s.prompt_ids) + len(s.completion.output_ids) for s in samples
     )
     stats, updates = Counter(), packed * cfg.ppo_epochs  # pass after pass
     for i, mbs in enumerate(updates):
@@ -1003,18 +986,12 @@ def optimizer_step(model, optimizer, cfg: Config, learn: bool) -> dict:
     return out
 
 
-def pack_microbatches(
-    samples: list[Sample], cfg: Config, share_prompts: bool | None = None
-) -> list[loss.MicroBatch]:
+def pack_microbatches(samples: list[Sample], cfg: Config) -> list[loss.MicroBatch]:
     """Samples -> packed micro-batches of at most --micro-batch-tokens positions (packing.py)."""
-    share = SHARE_PROMPTS if share_prompts is None else share_prompts
+    mode, divisor = cfg.loss_aggregation, cfg.loss_aggregation_divisor
+    budget = cfg.micro_batch_tokens
     return packing.pack_microbatches(
-        samples,
-        cfg.loss_aggregation,
-        cfg.loss_aggregation_divisor,
-        cfg.micro_batch_tokens,
-        cfg.mask_truncated,
-        share,
+        samples, mode, divisor, budget, cfg.mask_truncated, SHARE_PROMPTS
     )
 
 
@@ -1064,10 +1041,6 @@ class RunState:
     pending: dict[int, list[Sample]] = field(default_factory=dict)
     bad_steps: int = 0  # steps in a row with a non-finite gradient norm
     last_save: float = field(default_factory=time.monotonic)
-
-    def evaluated(self, metrics: dict) -> dict:
-        self.last_eval = metrics
-        return metrics
 
     def flags(self, preempt: checkpoint.Preemption) -> dict:
         """What every rank must agree on: a checkpoint due by time, a signal one of them got."""

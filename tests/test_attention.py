@@ -256,7 +256,7 @@ def test_shared_prompt_logprobs_and_gradients_equal_per_sequence_forwards(family
     model.set_attn_implementation("packed")
     how = use_path(path, monkeypatch)
     for budget in (64, 12):  # one micro-batch; groups cut across micro-batches
-        mbs = N.pack_microbatches(samples, N.Config(micro_batch_tokens=budget), share_prompts=True)
+        mbs = N.pack_microbatches(samples, N.Config(micro_batch_tokens=budget))
         assert (budget == 64) == (len(mbs) == 1)
         got = []
         for mb in mbs:

@@ -155,12 +155,13 @@ def _sample(group: int, prompt: list[int], out: list[int], reason="stop", adv=0.
                   advantage=adv)
 
 
-def test_pack_microbatches_aligns_targets_masks_and_respects_the_token_budget():
+def test_pack_microbatches_aligns_targets_masks_and_respects_the_token_budget(monkeypatch):
     # shared prompts: tests/test_attention.py
+    monkeypatch.setattr(N, "SHARE_PROMPTS", False)
     cfg = N.Config(micro_batch_tokens=10)
     samples = [_sample(0, [5, 6, 7], [8, 9]), _sample(0, [5, 6, 7], [10]),
                _sample(1, [4, 4], [3, 3, 3, 1])]
-    mbs = N.pack_microbatches(samples, cfg, share_prompts=False)
+    mbs = N.pack_microbatches(samples, cfg)
     # a sequence's last token is never an input (it predicts nothing): 4 + 3 positions, then 5
     assert [mb.input_ids.numel() for mb in mbs] == [7, 5]
     mb = mbs[0]
@@ -359,7 +360,7 @@ def test_gsm8k_reward_extracts_the_final_number():
     (["--group-size", "1"], "--group-size 1"),
     (["--num-minibatches", "0"], "--num-minibatches"),
     (["--rollout-url", "http://127.0.0.1:1"], "--rollout-backend sglang"),
-    (["--grad-clip", "-1"], "--grad-clip -1.0: must be > 0, or 0"),
+    (["--grad-clip", "-1"], "--grad-clip -1.0: must be >= 0"),
     (["--temperature", "0"], "--temperature 0.0: rollouts must sample"),
     (["--kl-coef", "-1"], "--kl-coef must be >= 0"),
 ])
