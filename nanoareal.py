@@ -338,7 +338,11 @@ def resolve_config(cfg: Config) -> Config:
     lr = cfg.lr
     if rank and not cfg.lora_rank and lr == default_lr(cfg.lora_adapter):  # an adopted rank
         lr = default_lr(rank)
-    cfg = replace(
+    if cfg.steps:
+        identity["model"] = model
+    name = cfg.loss_aggregation if cfg.steps else "eval"
+    run_dir = cfg.run_dir or checkpoint.run_dir_name(cfg.dataset, name, cfg.seed, identity)
+    return replace(
         cfg,
         model=model,
         resume=resume_from,
@@ -347,12 +351,8 @@ def resolve_config(cfg: Config) -> Config:
         lora_rank=rank,
         teacher=teacher,
         lr=lr,
+        run_dir=run_dir,
     )
-    if cfg.steps:
-        identity["model"] = model
-    name = cfg.loss_aggregation if cfg.steps else "eval"
-    run_dir = cfg.run_dir or checkpoint.run_dir_name(cfg.dataset, name, cfg.seed, identity)
-    return replace(cfg, run_dir=run_dir)
 
 
 def default_lr(lora) -> float:
@@ -1108,11 +1108,8 @@ def resume(cfg: Config, model, optimizer, engine, ranks: Ranks, resuming: bool) 
         pending = {s: mine(b) for s, b in ahead.items()} if ranks.cp_rank == 0 else {}
         run = RunState(meta["step"], meta["updates"], meta["last_eval"] or {}, pending)
         done = " (nothing left to train)" if meta["step"] >= cfg.steps > 0 else ""
-        print0(
-            f"evaluating step {meta['step']} ({path})"
-            if cfg.steps == 0
-            else f"resumed from step {meta['step']} ({path}){done}"
-        )
+        verb = "resumed from" if cfg.steps else "evaluating"
+        print0(f"{verb} step {meta['step']} ({path}){done}")
     # the engine loaded --model: these weights instead (share: the trainer's tensors; an engine
     # that released its weights to measure its memory holds none)
     if path is not None or cfg.lora_adapter or engine.share or engine.version < 0:

@@ -5,6 +5,7 @@ memory and achieved FLOP/s of each phase, the two alternating step by step in on
     python bench/bench_shapes.py --shapes qwen2.5-0.5b --tokens 64  # 2 prompts x 4, 152k vocab
     python bench/bench_shapes.py --tokens 32 --steps 2 --warmup 1   # one length, quicker
     python bench/bench_shapes.py --smoke                            # the test's tiny run (seconds)
+    python bench/bench_shapes.py --baseline /tmp/old   # also another checkout's nanoareal (before)
 
 Models: random-init, seeded, built on the fly into a temporary folder with a word-level tokenizer
 of the model's whole vocabulary ("w<id>" words): `smollm2-135m` (Llama, hidden 576, 30 layers,
@@ -376,14 +377,16 @@ class Side:
     """One trainer's child process: `flags` on its command line, its stderr in `log`, commands to
     its stdin and answers from its stdout over pipes of our own (plain fds: any Popen takes)."""
 
-    def __init__(self, name: str, flags: list[str], log: Path, threads: int):
+    def __init__(self, name: str, flags: list[str], log: Path, threads: int, root: Path = ROOT):
         self.name, self.log = name, log
+        child = "TRL" if name == "TRL" else "nanoareal"  # the baseline: another checkout's
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                    WANDB_MODE="disabled")
         (cmd_r, cmd_w), (ans_r, ans_w) = os.pipe(), os.pipe()
         with log.open("w") as err:
-            self.proc = subprocess.Popen([sys.executable, __file__, *flags, "--child", name],
-                                         stdin=cmd_r, stdout=ans_w, stderr=err, cwd=ROOT, env=env)
+            script = root / "bench" / "bench_shapes.py"
+            self.proc = subprocess.Popen([sys.executable, str(script), *flags, "--child", child],
+                                         stdin=cmd_r, stdout=ans_w, stderr=err, cwd=root, env=env)
         os.close(cmd_r), os.close(ans_w)
         self.commands, self.answers = os.fdopen(cmd_w, "w"), os.fdopen(ans_r)
 
@@ -469,10 +472,12 @@ def _timed_once(fn, args) -> float:
 
 
 def alternate(sides: list[Side], sampler: Sampler, total: int) -> dict[str, list[dict]]:
-    """`total` steps of each side, one side at a time, the order flipped every step."""
+    """`total` steps of each side, one side at a time, the order rotated every step (two sides:
+    flipped)."""
     out = {s.name: [] for s in sides}
     for step in range(total):
-        for side in sides if step % 2 == 0 else sides[::-1]:
+        k = step % len(sides)
+        for side in sides[k:] + sides[:k]:
             sampler.active = side
             out[side.name].append(side.ask("step"))
             sampler.active = None
@@ -522,6 +527,9 @@ def run_config(args, shape: str, tokens: int, model: Path, tmp: Path, peaks: dic
     # both start at once (memory is per process tree, and only the steps' is sampled)
     sides = [Side(name, flags, tmp / f"{shape}_{tokens}_{name}.log", args.threads)
              for name in SIDES]
+    if args.baseline:  # the same nanoareal child, from another checkout (before/after a change)
+        sides.append(Side("baseline", flags, tmp / f"{shape}_{tokens}_baseline.log",
+                          args.threads, Path(args.baseline).resolve()))
     facts = {side.name: side.recv() for side in sides}
     sampler = Sampler(args.mem_interval)
     sampler.start()
@@ -560,7 +568,7 @@ def print_config(shape: str, tokens: int, res: dict, args) -> None:
           "of decode-step peak streamed, cache-hot) | peak RSS GiB, steps | start-up peak RSS "
           "GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name in SIDES:
+    for name in [k for k in res if k != "peaks"]:
         r = res[name]
         print(f"| {name} | {spread(r['step'])} | {spread(r['gen'])} | {spread(r['train'])} | "
               f"{spread(r['other'], 2)} | {r['train_positions']:.0f} | {r['train_flops'] / 1e9:.1f}"
@@ -585,6 +593,11 @@ def print_summary(results: list, args, loads: list[str]) -> None:
         print(f"| {shape} ({prompts}x{args.group_size}) | {tokens} | {cell(n)} | {cell(t)} | "
               f"{med(t['step']) / med(n['step']):.2f}x | {memory(n)} | {memory(t)} | {share(n)} "
               f"| {share(t)} |")
+        if "baseline" in res:
+            b = res["baseline"]
+            print(f"| ... baseline {args.baseline} | {tokens} | {cell(b)} | | "
+                  f"{med(b['step']) / med(n['step']):.2f}x (baseline / nanoareal) | {memory(b)} | "
+                  f"| {share(b)} | |")
     print(f"\nPeak RSS: the trainer process's VmHWM over the steps (warm-up included). Peaks "
           f"(of peak): measured just before each configuration at {args.threads} threads. Load "
           f"average (1/5/15 min) at start and end: {loads[0]} / {loads[-1]}.")
@@ -620,6 +633,8 @@ def main():
                    help="seconds between samples of a forked rollout process's memory")
     p.add_argument("--peak-n", type=int, default=2048, help="the square matmul of the peak")
     p.add_argument("--smoke", action="store_true", help="tiny model, 2x2, 8+4 tokens, 1 step")
+    p.add_argument("--baseline", help="a checkout of another nanoareal commit: its nanoareal "
+                   "runs as a third side, alternating with the two (before/after a change)")
     p.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
