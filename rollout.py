@@ -422,7 +422,7 @@ def _limits(
     if max_new_tokens is None:
         return [sampling.max_new_tokens] * len(prompts)
     assert len(max_new_tokens) == len(prompts), "generate: one max_new_tokens per prompt"
-    return [int(m) for m in max_new_tokens]
+    return max_new_tokens
 
 
 def kv_cache(capacity: int):
@@ -1049,7 +1049,7 @@ class RemoteSGLangEngine(Engine):
         _succeeded(out, route, self.version, url)
 
     def _all(self, fn, *args) -> list:
-        return [f.result() for f in [self.pool.submit(fn, u, *args) for u in self.urls]]
+        return list(self.pool.map(lambda u: fn(u, *args), self.urls))
 
     def wait_healthy(self, timeout: float) -> None:
         """Poll GET /health_generate until 200 (503: loading), saying once what it waits for."""
