@@ -417,7 +417,8 @@ class HFEngine(Engine):
 def _limits(
     prompts: list, sampling: SamplingParams, seeds: list, max_new_tokens
 ) -> list[int]:
-    """Each prompt's max_new_tokens: its own where given, else the sampling's."""
+    """Each prompt's max_new_tokens: its own where given, else the sampling's (and one seed per
+    prompt, checked: every engine's generate starts here)."""
     assert len(seeds) == len(prompts), "generate: one seed per prompt"
     if max_new_tokens is None:
         return [sampling.max_new_tokens] * len(prompts)
