@@ -68,9 +68,8 @@ _DTYPES = {
     "float": torch.float32,
     "float32": torch.float32,
 }
-IN_CHILD = (
-    "in the rollout process"  # a batch requested from the forked child, not yet received
-)
+# a batch requested from the forked child, not yet received
+IN_CHILD = "in the rollout process"
 
 
 @dataclasses.dataclass
@@ -130,14 +129,14 @@ class Engine(Protocol):
     `max_new_tokens`, one per prompt, overrides sampling.max_new_tokens (an episode's own room)."""
 
     version: int  # the policy version (optimizer steps) of the weights it holds; -1: none yet
-    overlaps: (
-        str  # how it generates while the trainer trains: "process", "thread" or "" (not)
-    )
+    # how it generates while the trainer trains: "process", "thread" or "" (not)
+    overlaps: str
     # it generates with the trainer's own tensors: update_weights copies none
     share: bool = False
-    held: tuple[int, int] | None = None  # bytes of the trainer's GPU it keeps: (generating,
+    # bytes of the trainer's GPU it keeps: (generating, released); None: none of its own there
+    # (a remote server; the hf engine's copy is counted)
+    held: tuple[int, int] | None = None
 
-    # released); None: none of its own there (a remote server; the hf engine's copy is counted)
     def generate(
         self,
         prompt_ids: list[list[int]],
@@ -218,28 +217,26 @@ def sample_tokens(
     pick = lambda x, tok: (tok, torch.log_softmax(x, -1).gather(-1, tok[:, None]).squeeze(-1))
     if sampling.temperature == 0:
         return pick(logits, logits.argmax(-1))
-    scaled = truncated = (
-        logits / sampling.temperature if sampling.temperature != 1 else logits
-    )
+    scaled = logits if sampling.temperature == 1 else logits / sampling.temperature
+    truncated = scaled
     if sampling.top_k > 0 or sampling.top_p < 1.0:  # SGLang's rule, both on the full softmax
         # ("joint"): token j of the sorted ones is kept iff j < k and p_0 + ... + p_{j-1} <= p
         probs, order = torch.sort(
             torch.softmax(scaled, -1), dim=-1, descending=True, stable=True
         )
-        drop = (
-            (probs.cumsum(-1) - probs > sampling.top_p)
-            if sampling.top_p < 1.0
-            else torch.zeros_like(probs, dtype=torch.bool)
-        )
-        drop[:, max(sampling.top_k, 0) or probs.shape[-1] :] = True
+        if sampling.top_p < 1.0:
+            drop = probs.cumsum(-1) - probs > sampling.top_p
+        else:
+            drop = torch.zeros_like(probs, dtype=torch.bool)
+        if sampling.top_k > 0:
+            drop[:, sampling.top_k :] = True
         # unsorted
         truncated = truncated.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     seeds = seeds.to(device=logits.device, dtype=torch.int64)
     key = _fmix32(seeds ^ ((position * 0x9E3779B1 + 0x7F4A7C15) & _MASK32))
     token = torch.arange(logits.shape[-1], device=seeds.device) * 0x632BE5AB & _MASK32  # [V]
-    as32 = lambda x: (
-        x - (x >> 31 << 32)
-    ).int()  # the same 32 bits (sign flip: back to unsigned)
+    # the same 32 bits as int32 (sign flip: back to unsigned)
+    as32 = lambda x: (x - (x >> 31 << 32)).int()
     h = _fmix32(_fmix32(as32(key)[:, None] ^ as32(token)[None, :]).bitwise_xor_(0x5BD1E995))
     u = h.bitwise_xor_(-(2**31)).double().add_(2**31 + 0.5).div_(2**32)  # uniform in (0, 1)
     return pick(scaled, u.log_().neg_().log_().neg_().add_(truncated).argmax(-1))  # + Gumbel
@@ -273,39 +270,29 @@ class HFEngine(Engine):
         )
         # no autograd graph
         self.model = self.model.to(self.device).eval().requires_grad_(False)
-        # the linears' weights; a generate call's packed copies
-        self.packed, self.weights = (
-            {},
-            [],
-        )
+        # a generate call's packed copies of the linears' weights
+        self.packed = {}
+        self.weights = []
         for m in self.model.modules() if self.device.type == "cpu" else ():
             if isinstance(m, nn.Linear):  # the head too: read as its weight
                 m.forward = lambda x, m=m: modeling.linear(x, m.weight, m.bias, self.packed)
                 self.weights.append(m.weight)  # a Parameter: update_weights keeps it
-        self.overlaps, self._version = "thread", torch.zeros((), dtype=torch.int64)
-        if (
-            not share
-            and self.device.type == "cpu"
-            and "fork" in multiprocessing.get_all_start_methods()
-        ):
+        self.overlaps = "thread"
+        self._version = torch.zeros((), dtype=torch.int64)
+        fork = "fork" in multiprocessing.get_all_start_methods()
+        if not share and self.device.type == "cpu" and fork:
             self.overlaps = "process"
-            old = {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}
-            *copies, self._version = shared_copies([*old.values(), self._version])
-            new = dict(zip(old, copies))
-            for (
-                p
-            ) in self.model.parameters():  # .data keeps the Parameter: tied weights stay tied
-                p.data = new[id(p)]
-            for m in self.model.modules():
-                m._buffers.update(
-                    {k: new[id(b)] for k, b in m._buffers.items() if b is not None}
-                )
+            # (parameters() and buffers() list a tied tensor once)
+            tensors = [*self.model.parameters(), *self.model.buffers(), self._version]
+            for t, copy in zip(tensors, shared_copies(tensors)):
+                t.data = copy  # the same tensor objects: tied weights stay tied
         self._quantize()
 
     def _quantize(self) -> None:
         """int4: W := round(W / s) s per output channel, s = max |W| / 7 (weight-only 4-bit)."""
-        layers = [m for m in self.model.modules() if isinstance(m, nn.Linear)]
-        for w in {id(m.weight): m.weight for m in layers}.values() if self.int4 else ():
+        # a set: a weight two layers share is rounded once
+        weights = {m.weight for m in self.model.modules() if isinstance(m, nn.Linear)}
+        for w in weights if self.int4 else ():
             scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / INT4_MAX
             w.copy_(torch.round(w / scale).clamp(-INT4_MAX, INT4_MAX) * scale)
 
@@ -315,20 +302,18 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
-        mine = dict(self.model.named_parameters()) if self.share else {}  # none else: copies
+        mine = dict(self.model.named_parameters())
+        # a DTensor on a mesh of one holds the whole tensor
         theirs = {
-            n: p.to_local() if hasattr(p, "to_local") else p  # (a mesh of one: whole)
+            n: p.to_local() if hasattr(p, "to_local") else p
             for n, p in model.named_parameters()
-            if n in mine
         }
-        same = lambda t, m: (t.shape, t.dtype, t.device) == (m.shape, m.dtype, m.device)
-        if (
-            mine
-            and len(theirs) == len(mine)
-            and all(same(t, mine[n]) for n, t in theirs.items())
+        key = lambda t: (t.shape, t.dtype, t.device)
+        if self.share and all(
+            n in theirs and key(theirs[n]) == key(m) for n, m in mine.items()
         ):
-            for n, t in theirs.items():
-                mine[n].data = t.detach()  # the in-place optimizer steps are the sync
+            for n, m in mine.items():
+                m.data = theirs[n].detach()  # the in-place optimizer steps are the sync
         else:
             own = self.model.state_dict()
             for name, tensor in iter_full_tensors(model, self.model.dtype):
@@ -349,78 +334,64 @@ class HFEngine(Engine):
     ) -> list[Completion]:
         """A batch runs to its rows' longest limit, each row cut at its own ("length"): the noise
         is keyed by (seed, position), so a row's tokens are those it samples alone."""
-        assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
-        limits = _limits(sampling, len(prompt_ids), max_new_tokens)
+        limits = _limits(prompt_ids, sampling, seeds, max_new_tokens)
         # less padding
         order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
         out, n = {}, self.batch_size
         try:  # this call's weights, packed once for its batches' rows; freed when it returns
             self.packed = modeling.pack_weights(self.weights, min(len(order), n))
             for idx in (order[i : i + n] for i in range(0, len(order), n)):
-                longest = dataclasses.replace(
-                    sampling, max_new_tokens=max(limits[i] for i in idx)
+                batch = self._generate_batch(
+                    [prompt_ids[i] for i in idx],
+                    sampling,
+                    [seeds[i] for i in idx],
+                    [limits[i] for i in idx],
                 )
-                out |= zip(
-                    idx,
-                    self._generate_batch(
-                        [prompt_ids[i] for i in idx], longest, [seeds[i] for i in idx]
-                    ),
-                )
+                out |= zip(idx, batch)
         finally:
             self.packed = {}
-        return [_cut(out[i], limits[i]) for i in range(len(prompt_ids))]
+        return [out[i] for i in range(len(prompt_ids))]
 
     @torch.inference_mode()  # no autograd bookkeeping (version counters) on the decode's tensors
     def _generate_batch(
-        self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int]
-    ):
-        unique: dict[
-            tuple[int, ...], int
-        ] = {}  # a distinct prompt (a group's) is prefilled once
+        self, prompts: list[list[int]], sampling: SamplingParams, seeds: list, limits: list
+    ) -> list[Completion]:
+        """The batch decodes to its longest limit; each row ends at its first stop ("stop"),
+        else at its own limit ("length")."""
+        # a distinct prompt (a group's) is prefilled once
+        unique = {}
         rows = torch.tensor([unique.setdefault(tuple(p), len(unique)) for p in prompts])
-        B, L, T = len(prompts), max(len(p) for p in prompts), sampling.max_new_tokens
+        B, L, T = len(prompts), max(len(p) for p in prompts), max(limits)
         # left: every row's next token in one column
         pad = lambda p: [0] * (L - len(p)) + list(p)
         input_ids = torch.tensor([pad(p) for p in unique], device=self.device)
+        # attention: L + T columns
         attention = torch.tensor(
             [pad([1] * len(p)) + [1] * T for p in unique], device=self.device
         )
-        # attention: L + T columns
         position_ids = (attention[:, :L].cumsum(-1) - 1).clamp(min=0)
-        # int64 seeds
-        seed_t, cache, live = (
-            torch.tensor(seeds),
-            kv_cache(L + T),
-            torch.arange(B),
-        )
+        seeds, cache, live = torch.tensor(seeds), kv_cache(L + T), torch.arange(B)
         stop = torch.tensor(sampling.stop_token_ids or [-1], device=self.device)
         body, head = self.model.base_model, self.model.get_output_embeddings()
+        bias = getattr(head, "bias", None)
         params = inspect.signature(body.forward).parameters  # 5.2x: past_key_values -> cache
         kw = {"use_cache": True, ("cache" if "cache" in params else "past_key_values"): cache}
         scale, softcap = modeling.head_transform(self.model.config)
 
         def forward(ids, mask, pos):  # the last position's fp32 logits, as the trainer's head
-            hidden = body(
-                input_ids=ids, attention_mask=mask, position_ids=pos, **kw
-            ).last_hidden_state[:, -1]
-            logits = (
-                modeling.head_logits(
-                    hidden, head.weight, getattr(head, "bias", None), self.packed
-                )
-                * scale
-            )
+            out = body(input_ids=ids, attention_mask=mask, position_ids=pos, **kw)
+            hidden = out.last_hidden_state[:, -1]
+            logits = modeling.head_logits(hidden, head.weight, bias, self.packed) * scale
             return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
         logits = forward(input_ids, attention[:, :L], position_ids)
         cache.reorder_cache(rows)  # [unique prompts] -> [rows]
         logits, attention, step_pos = logits[rows], attention[rows], position_ids[rows, -1:]
-        tokens, logps = (
-            torch.zeros(B, T, dtype=torch.long),
-            torch.zeros(B, T, dtype=torch.float32),
-        )
+        tokens = torch.zeros(B, T, dtype=torch.long)
+        logps = torch.zeros(B, T, dtype=torch.float32)
         for t in range(T):
-            tok, lp = sample_tokens(logits, sampling, seed_t[live], t)
-            tokens[live, t], logps[live, t] = tok.cpu(), lp.float().cpu()
+            tok, lp = sample_tokens(logits, sampling, seeds[live], t)
+            tokens[live, t], logps[live, t] = tok.cpu(), lp.cpu()
             running = ~torch.isin(tok, stop)
             if t + 1 == T or not bool(running.any()):
                 tokens, logps = tokens[:, : t + 1], logps[:, : t + 1]
@@ -429,31 +400,30 @@ class HFEngine(Engine):
                 cache.reorder_cache(keep := running.nonzero().flatten())
                 live, tok = live[keep.cpu()], tok[keep]
                 attention, step_pos = attention[keep], step_pos[keep]
-            logits = forward(
-                tok[:, None], attention[:, : L + t + 1], step_pos := step_pos + 1
-            )
+            step_pos = step_pos + 1
+            logits = forward(tok[:, None], attention[:, : L + t + 1], step_pos)
         stops, rows = set(sampling.stop_token_ids), tokens.tolist()
-        ends = [next((j + 1 for j, t in enumerate(r) if t in stops), len(r)) for r in rows]
+        # (a row that ran on past its own limit has no stop before it)
+        ends = [
+            next((j + 1 for j, t in enumerate(r[:m]) if t in stops), m)
+            for r, m in zip(rows, limits)
+        ]
         return [
             Completion(r[:n], lps[:n], "stop" if set(r[n - 1 : n]) & stops else "length")
             for r, lps, n in zip(rows, logps.tolist(), ends)
         ]
 
 
-def _limits(sampling: SamplingParams, n: int, max_new_tokens: list[int] | None) -> list[int]:
-    """Each prompt's max_new_tokens: its own where given, else the sampling's."""
+def _limits(
+    prompts: list, sampling: SamplingParams, seeds: list, max_new_tokens
+) -> list[int]:
+    """Each prompt's max_new_tokens: its own where given, else the sampling's (and one seed per
+    prompt, checked: every engine's generate starts here)."""
+    assert len(seeds) == len(prompts), "generate: one seed per prompt"
     if max_new_tokens is None:
-        return [sampling.max_new_tokens] * n
-    assert len(max_new_tokens) == n, "generate: one max_new_tokens per prompt"
-    return [int(m) for m in max_new_tokens]
-
-
-def _cut(c: Completion, limit: int) -> Completion:
-    """A completion that ran past its own limit (its batch's was longer): its first `limit`
-    tokens, "length" (a stop among them would have ended it there)."""
-    if len(c.output_ids) <= limit:
-        return c
-    return Completion(c.output_ids[:limit], c.logprobs[:limit], "length")
+        return [sampling.max_new_tokens] * len(prompts)
+    assert len(max_new_tokens) == len(prompts), "generate: one max_new_tokens per prompt"
+    return max_new_tokens
 
 
 def kv_cache(capacity: int):
@@ -525,40 +495,29 @@ def run_episodes(
     for turn in range(tools.max_turns):
         # each episode its own room: one request past the context fails SGLang's whole batch
         room = [sampling.max_new_tokens - len(eps[i].output_ids) for i in live]
-        outs = engine.generate(
-            [prompts[i] + eps[i].output_ids for i in live],
-            dataclasses.replace(calls, max_new_tokens=max(room)),
-            [
-                mix_seed(seeds[i], turn) >> 1 if turn else seeds[i]  # 31 bits:
-                for i in live
-            ],  # SGLang's sampling_seed
-            [tuple(prompts[i]) for i in live],  # a group on one server
-            max_new_tokens=room,
-        )
+        # later turns' seeds in 31 bits: SGLang's sampling_seed
+        turn_seeds = [mix_seed(seeds[i], turn) >> 1 if turn else seeds[i] for i in live]
+        # a group on one server
+        groups = [tuple(prompts[i]) for i in live]
+        inputs = [prompts[i] + eps[i].output_ids for i in live]
+        outs = engine.generate(inputs, calls, turn_seeds, groups, max_new_tokens=room)
         going, live = live, []
-        for i, n, out in zip(going, room, outs):
-            e, ids = eps[i], out.output_ids[:n]
-            _append(e, ids, out.logprobs[:n], 1)
+        for i, out in zip(going, outs):
+            e, ids = eps[i], out.output_ids
+            _append(e, ids, out.logprobs, 1)
             e.episode["env/turns"] += 1
-            calls_tool = (
-                len(out.output_ids) <= n
-                and out.finish_reason == "stop"
-                and ids[-1] in tools.stop_ids
-            )
-            e.finish_reason = (
-                "length"
-                if len(out.output_ids) > n or (calls_tool and turn + 1 == tools.max_turns)
-                else out.finish_reason
-            )
-            if not calls_tool or e.finish_reason == "length":
+            e.finish_reason = out.finish_reason
+            if out.finish_reason != "stop" or ids[-1] not in tools.stop_ids:
                 continue  # over: an end of sequence, the length, an abort
+            if turn + 1 == tools.max_turns:
+                e.finish_reason = "length"  # a tool call past max_turns
+                continue
             envs[i], reply = env_step(tools, envs[i], rows[i], tools.decode(ids), e.episode)
-            if (
-                reply is not None
-                and len(e.output_ids) + len(reply) >= sampling.max_new_tokens
-            ):
+            if reply is None:
+                continue
+            if len(e.output_ids) + len(reply) >= sampling.max_new_tokens:
                 e.finish_reason = "length"  # no room left for the policy's next turn
-            elif reply is not None:
+            else:
                 _append(e, reply, [0.0] * len(reply), 0)
                 live.append(i)
         if not live:
@@ -567,8 +526,9 @@ def run_episodes(
 
 
 def _append(e: Completion, ids: list[int], logprobs: list[float], policy: int) -> None:
-    e.output_ids, e.logprobs = e.output_ids + ids, e.logprobs + logprobs
-    e.policy_mask = e.policy_mask + [policy] * len(ids)
+    e.output_ids += ids
+    e.logprobs += logprobs
+    e.policy_mask += [policy] * len(ids)
 
 
 def env_step(
@@ -609,26 +569,23 @@ def env_step(
 def completion_from_sglang(out: dict, stop_ids: list[int]) -> Completion:
     """Ids from output_token_logprobs [(logprob, id, None)], never misaligned. A stop sampled as
     the last allowed token is "length" in SGLang <= 0.5.17, "stop" from 0.5.18: tokens decide."""
-    pairs = out["meta_info"].get("output_token_logprobs") or []
-    if not pairs and out.get("output_ids"):
-        raise RuntimeError(
-            "SGLang returned output_ids without output_token_logprobs: send "
-            "return_logprob=True"
-        )
-    ids, reason = [int(p[1]) for p in pairs], out["meta_info"].get("finish_reason")
-    reason = reason.get("type", "abort") if isinstance(reason, dict) else reason or "abort"
-    return Completion(
-        ids, [float(p[0]) for p in pairs], "stop" if ids and ids[-1] in stop_ids else reason
-    )
+    meta = out["meta_info"]
+    pairs = meta.get("output_token_logprobs") or []
+    ids = [int(p[1]) for p in pairs]
+    # {"type": "stop" | "length" | "abort", ...}; None: it never finished
+    reason = (meta.get("finish_reason") or {"type": "abort"})["type"]
+    if ids and ids[-1] in stop_ids:
+        reason = "stop"
+    return Completion(ids, [float(p[0]) for p in pairs], reason)
 
 
-def _sampling_dict(sampling: SamplingParams, max_new_tokens: int, seed: int | None) -> dict:
-    d = dataclasses.asdict(sampling) | {
+def _sampling_dict(sampling: SamplingParams, max_new_tokens: int, seed: int) -> dict:
+    return dataclasses.asdict(sampling) | {
         "max_new_tokens": max_new_tokens,
         "skip_special_tokens": False,
         "no_stop_trim": True,
+        "sampling_seed": int(seed) & 0x7FFFFFFF,
     }
-    return d if seed is None else d | {"sampling_seed": int(seed) & 0x7FFFFFFF}
 
 
 def _check_logprob_env() -> None:
@@ -648,10 +605,10 @@ def engine_dtype(
         return _DTYPES[requested]
     from transformers import AutoConfig
 
+    # transformers 4.56+: a torch.dtype (from the config's "dtype" or "torch_dtype"), or None
     cfg = AutoConfig.from_pretrained(model_path)
-    d = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
-    if (d := (_DTYPES.get(d) if isinstance(d, str) else d) or torch.float32) != torch.float32:
-        return d
+    if cfg.dtype not in (None, torch.float32):
+        return cfg.dtype
     return fp32_as or (
         torch.bfloat16 if cfg.model_type.startswith("gemma") else torch.float16
     )
@@ -678,16 +635,14 @@ def iter_buckets(
 
 def _succeeded(result, what: str, step: int | None = None, where: str = "") -> None:
     """Raise if an SGLang control call failed: it returns its failures, never raising them."""
-    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool):
+    if isinstance(result, tuple):  # the in-process Engine's (success, message)
         result = {"success": result[0], "message": result[1]}
     get = result.get if isinstance(result, dict) else lambda k, d: getattr(result, k, d)
     if not get("success", True):
-        at = (f" at step {step}" if step is not None else "") + (
-            f" on {where}" if where else ""
-        )
-        raise RuntimeError(
-            f"SGLang {what} failed{at}: {get('message', '') or '(no message)'}"
-        )
+        at = f" at step {step}" if step is not None else ""
+        at += f" on {where}" if where else ""
+        message = get("message", "") or "(no message)"
+        raise RuntimeError(f"SGLang {what} failed{at}: {message}")
 
 
 def weight_session(engine) -> tuple[Callable, Callable] | None:
@@ -713,6 +668,26 @@ def weight_session(engine) -> tuple[Callable, Callable] | None:
         ),
         lambda: run(manager.end_weight_update(EndWeightUpdateReqInput(), None)),
     )
+
+
+def _start_shielded(start: Callable):
+    """start() (an in-process sglang.Engine) with what its processes inherit set for them."""
+    # Its scheduler and detokenizer (spawn: fork + exec) share our process group: a terminal's
+    # Ctrl-C would kill them mid-step. Spawned while SIGINT is ignored they never see it
+    # (SIG_IGN survives exec, Python keeps it, they set no handler: 0.5.10-0.5.23).
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    torchrun = [k for k in os.environ if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_")]
+    hidden = {k: os.environ.pop(k) for k in torchrun}
+    # release_memory_occupation frees CUDA graphs only if this is set when its scheduler
+    # starts (inherited; a bool env, default off, 0.5.10-0.5.23); left set: later engines too
+    os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
+    try:
+        return start()
+    finally:
+        os.environ.update(hidden)
+        if main:
+            signal.signal(signal.SIGINT, old)
 
 
 class SGLangEngine(Engine):
@@ -742,10 +717,7 @@ class SGLangEngine(Engine):
         # ranks, two jobs on one host) may pick the same. In-process it binds nccl_port (its
         # scheduler's store) and port (DP attention's TCP ZMQ): two free ones, picked by the OS.
         # both held while the OS picks: distinct
-        with (
-            socket.socket() as a,
-            socket.socket() as b,
-        ):
+        with socket.socket() as a, socket.socket() as b:
             a.bind(("", 0)), b.bind(("", 0))
             port, nccl_port = a.getsockname()[1], b.getsockname()[1]
         kw = {
@@ -764,35 +736,17 @@ class SGLangEngine(Engine):
         }
         if deterministic:  # the only mode in which SGLang honours a request's sampling_seed
             kw["enable_deterministic_inference"] = True
-        # Its scheduler and detokenizer (spawn: fork + exec) share our process group: a terminal's
-        # Ctrl-C would kill them mid-step. Spawned while SIGINT is ignored they never see it
-        # (SIG_IGN survives exec, Python keeps it, they set no handler: 0.5.10-0.5.23).
-        main = threading.current_thread() is threading.main_thread()
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-        hidden = {
-            k: os.environ.pop(k)
-            for k in list(os.environ)  # inherited by its processes
-            if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_")
-        }
-        # release_memory_occupation frees CUDA graphs only if this is set when its scheduler
-        # starts (inherited; a bool env, default off, 0.5.10-0.5.23); left set: later engines too
-        os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
         measure = self.device.type == "cuda"
-        before = torch.cuda.mem_get_info(self.device)[0] if measure else 0
-        try:
-            self.engine = sglang.Engine(**kw | engine_kwargs)
-        finally:
-            os.environ.update(hidden)
-            if main:
-                signal.signal(signal.SIGINT, old)
-        running = torch.cuda.mem_get_info(self.device)[0] if measure else 0
+        free = lambda: torch.cuda.mem_get_info(self.device)[0] if measure else 0
+        before = free()
+        self.engine = _start_shielded(lambda: sglang.Engine(**kw | engine_kwargs))
+        running = free()
         self.session = weight_session(self.engine)
         # its state while the trainer trains; released weights come back uninitialised (without
         # --enable-weights-cpu-backup): version -1 until update_weights pushes them
         self.release_memory()
-        released = torch.cuda.mem_get_info(self.device)[0] if measure else 0
         # even released, its scheduler keeps a CUDA context and untagged buffers
-        self.held = (before - running, before - released) if measure else None
+        self.held = (before - running, before - free()) if measure else None
 
     def generate(
         self,
@@ -802,7 +756,6 @@ class SGLangEngine(Engine):
         groups: list | None = None,
         max_new_tokens: list[int] | None = None,
     ) -> list[Completion]:
-        assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
         if self.version < 0:
             raise RuntimeError(
                 "SGLangEngine.generate before update_weights: the engine starts "
@@ -811,18 +764,13 @@ class SGLangEngine(Engine):
         if not prompt_ids:
             return []
         self._resume(*self.tags)  # never without a KV cache
-        params = [
-            _sampling_dict(sampling, n, s)
-            for n, s in zip(_limits(sampling, len(prompt_ids), max_new_tokens), seeds)
-        ]
-        return [
-            completion_from_sglang(o, sampling.stop_token_ids)
-            for o in self.engine.generate(
-                input_ids=[list(p) for p in prompt_ids],
-                sampling_params=params,
-                return_logprob=True,
-            )
-        ]
+        limits = _limits(prompt_ids, sampling, seeds, max_new_tokens)
+        params = [_sampling_dict(sampling, n, s) for n, s in zip(limits, seeds)]
+        inputs = [list(p) for p in prompt_ids]
+        outs = self.engine.generate(
+            input_ids=inputs, sampling_params=params, return_logprob=True
+        )
+        return [completion_from_sglang(o, sampling.stop_token_ids) for o in outs]
 
     def release_memory(self) -> None:
         """An idle engine (generate has returned) releases memory (enable_memory_saver); resuming an
@@ -861,12 +809,10 @@ class SGLangEngine(Engine):
                 self.dtype,
                 self.device,
             ):
-                ok(
-                    self.engine.update_weights_from_tensor(
-                        named_tensors=bucket, flush_cache=last
-                    ),
-                    "update_weights_from_tensor",
+                pushed = self.engine.update_weights_from_tensor(
+                    named_tensors=bucket, flush_cache=last
                 )
+                ok(pushed, "update_weights_from_tensor")
         finally:
             if self.session is not None:
                 ok(self.session[1](), "end_weight_update")
@@ -958,10 +904,8 @@ def on_this_host(url: str) -> bool:
         theirs = {a[4][0].partition("%")[0] for a in socket.getaddrinfo(host, None)}
     except OSError:  # unresolvable: not reachable from here either
         return False
-    if any(
-        ipaddress.ip_address(a).is_loopback or ipaddress.ip_address(a).is_unspecified
-        for a in theirs
-    ):
+    addresses = [ipaddress.ip_address(a) for a in theirs]
+    if any(a.is_loopback or a.is_unspecified for a in addresses):
         return True
     mine = set()
     with suppress(OSError):
@@ -998,8 +942,7 @@ def gpu_neighbours(device: torch.device | str | int | None = None) -> list[int] 
     if out.returncode != 0:
         return None
     pids = {int(w) for w in out.stdout.split() if w.isdigit()}
-    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", lambda i: True)
-    if not pids or os.getpid() in pids or not has_context(index):
+    if not pids or os.getpid() in pids or not torch._C._cuda_hasPrimaryContext(index):
         return sorted(pids - {os.getpid()})
     return None
 
@@ -1048,49 +991,35 @@ class RemoteSGLangEngine(Engine):
         run_dir: str = "runs/remote",
         weight_sync: str = "auto",
         deterministic: bool = False,
-        nccl_addr: str = "",
         group_backend: str = "nccl",
         device: torch.device | str | None = None,
     ):
-        assert urls and weight_sync in ("auto", "disk", "nccl"), (
-            "servers, synced by disk or nccl"
-        )
+        assert weight_sync in ("auto", "disk", "nccl"), "servers synced by disk or nccl"
         _check_logprob_env()
-        self.urls, self.run_dir, self.group = [u.rstrip("/") for u in urls], run_dir, None
-        self.model_path, self.nccl_addr, self.group_backend = (
-            model_path,
-            nccl_addr,
-            group_backend,
-        )
-        self.pool = ThreadPoolExecutor(
-            max_workers=HTTP_THREADS, thread_name_prefix="sglang-http"
-        )
-        self.waited: set[str] = set()
+        self.urls = [u.rstrip("/") for u in urls]
+        self.model_path, self.run_dir = model_path, run_dir
+        self.group_backend, self.group, self.version = group_backend, None, 0
+        self.pool = ThreadPoolExecutor(HTTP_THREADS, thread_name_prefix="sglang-http")
         # servers without sessions (SGLang < 0.5.21)
-        self.version, self.sessionless = (
-            0,
-            set(),
-        )
+        self.sessionless: set[str] = set()
         self.wait_healthy(HEALTH_TIMEOUT_S)
-        self.infos = {u: self._request(u, "/server_info") for u in self.urls}
-        info = self.infos[self.urls[0]]  # the first server's
+        self.infos = {u: http_request(u, "/server_info") for u in self.urls}
         if weight_sync == "auto":
             weight_sync, why = auto_weight_sync(self.urls, self.infos, group_backend, device)
             if rank() == 0:
                 print(f"--weight-sync auto: {weight_sync} ({why})", flush=True)
-        self.weight_sync, nccl = weight_sync, weight_sync == "nccl"
-        # now
+        self.weight_sync = weight_sync
+        # a server no weight group can include fails now, not at the first sync
+        nccl = weight_sync == "nccl"
         self.group_sizes = [weight_group_ranks(u, self.infos[u]) for u in self.urls if nccl]
+        info = self.infos[self.urls[0]]  # the first server's
         self.sync_dtype = engine_dtype(model_path, info.get("dtype"))
-        if deterministic and (
-            bad := [
-                u
-                for u, i in self.infos.items()
-                if not i.get("enable_deterministic_inference")
-            ]
-        ):
+        random = [
+            u for u, i in self.infos.items() if not i.get("enable_deterministic_inference")
+        ]
+        if deterministic and random:
             raise UserError(
-                f"--rollout-backend sglang_deterministic: the SGLang server {bad[0]} "
+                f"--rollout-backend sglang_deterministic: the SGLang server {random[0]} "
                 "runs without deterministic inference; launch it with "
                 "--enable-deterministic-inference"
             )
@@ -1106,20 +1035,10 @@ class RemoteSGLangEngine(Engine):
                 flush=True,
             )
 
-    def _request(
-        self,
-        url: str,
-        path: str,
-        payload: dict | None = None,
-        retries: int | None = None,
-        timeout: float | None = None,
-    ):
-        return http_request(url, path, payload, retries, timeout)
-
     def _call(self, url: str, route: str, payload: dict, retries: int | None = None) -> None:
         """POST a control route: a refusal (400, success false) raises naming call, step, server."""
         try:
-            out = self._request(url, f"/{route}", payload, retries=retries)
+            out = http_request(url, f"/{route}", payload, retries=retries)
         except HTTPError as e:
             if e.status == 404:
                 raise
@@ -1131,15 +1050,16 @@ class RemoteSGLangEngine(Engine):
         _succeeded(out, route, self.version, url)
 
     def _all(self, fn, *args) -> list:
-        return [f.result() for f in [self.pool.submit(fn, u, *args) for u in self.urls]]
+        return list(self.pool.map(lambda u: fn(u, *args), self.urls))
 
     def wait_healthy(self, timeout: float) -> None:
         """Poll GET /health_generate until 200 (503: loading), saying once what it waits for."""
         start = time.monotonic()
         for url in self.urls:
+            said = False
             while True:
                 try:
-                    self._request(url, "/health_generate", retries=0, timeout=HEALTH_POLL_S)
+                    http_request(url, "/health_generate", retries=0, timeout=HEALTH_POLL_S)
                     break
                 except RuntimeError as e:  # HTTPError included
                     last = str(e).rpartition("last error: ")[2]
@@ -1149,12 +1069,12 @@ class RemoteSGLangEngine(Engine):
                         f"{timeout:g}s (GET /health_generate: {last}); is it running "
                         "and reachable from here?"
                     )
-                if url not in self.waited and rank() == 0:
+                if not said and rank() == 0:
                     print(
                         f"waiting for the SGLang server {url} (/health_generate: {last})",
                         flush=True,
                     )
-                self.waited.add(url)
+                said = True
                 time.sleep(min(1.0, timeout / 50))
 
     def generate(
@@ -1165,19 +1085,14 @@ class RemoteSGLangEngine(Engine):
         groups: list | None = None,
         max_new_tokens: list[int] | None = None,
     ) -> list[Completion]:
-        assert len(prompt_ids) == len(seeds), "generate: one seed per prompt"
-        limits = _limits(sampling, len(prompt_ids), max_new_tokens)
+        limits = _limits(prompt_ids, sampling, seeds, max_new_tokens)
         # group key -> its index: groups round robin, offset by rank
-        group, shift = (
-            {},
-            rank(),
-        )
+        group, shift = {}, rank()
         url = lambda k: self.urls[(group.setdefault(k, len(group)) + shift) % len(self.urls)]
+        keys = groups or [tuple(p) for p in prompt_ids]
         jobs = [
             self.pool.submit(self._generate_one, url(k), list(p), sampling, s, n)
-            for p, s, k, n in zip(
-                prompt_ids, seeds, groups or [tuple(p) for p in prompt_ids], limits
-            )
+            for p, s, k, n in zip(prompt_ids, seeds, keys, limits)
         ]
         return [j.result() for j in jobs]
 
@@ -1202,14 +1117,12 @@ class RemoteSGLangEngine(Engine):
             watchdog = threading.Timer(deadline, self._abort, (url, rid))
             watchdog.start()
             try:
-                out = self._request(
-                    url, "/generate", payload, retries=0, timeout=deadline + ABORT_TIMEOUT_S
-                )
+                timeout = deadline + ABORT_TIMEOUT_S
+                out = http_request(url, "/generate", payload, retries=0, timeout=timeout)
             except HTTPError:  # a refusal: trying again would be refused again
                 raise
-            except (
-                RuntimeError
-            ) as e:  # it may still run there: abort it, back off, post again
+            except RuntimeError as e:
+                # it may still run there: abort it, back off, post again
                 failures += 1
                 if failures > HTTP_RETRIES:
                     last = str(e).rpartition("last error: ")[2]
@@ -1223,7 +1136,8 @@ class RemoteSGLangEngine(Engine):
             finally:
                 watchdog.cancel()
             c = completion_from_sglang(out, sampling.stop_token_ids)
-            ids, logprobs = ids + c.output_ids, logprobs + c.logprobs
+            ids += c.output_ids
+            logprobs += c.logprobs
             aborts += c.finish_reason == "abort"
             if c.finish_reason != "abort" or aborts > ABORT_RESUBMITS:
                 return Completion(ids, logprobs, c.finish_reason)
@@ -1232,9 +1146,7 @@ class RemoteSGLangEngine(Engine):
     def _abort(self, url: str, rid: str) -> None:
         """Best effort: a dead server has nothing left to abort; an unknown rid is a no-op."""
         with suppress(RuntimeError):
-            self._request(
-                url, "/abort_request", {"rid": rid}, retries=0, timeout=ABORT_TIMEOUT_S
-            )
+            http_request(url, "/abort_request", {"rid": rid}, 0, ABORT_TIMEOUT_S)
 
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
@@ -1244,7 +1156,7 @@ class RemoteSGLangEngine(Engine):
         else:
             for _ in named:  # take part in the gathers only
                 pass
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # no rank generates before rank 0 has pushed the weights
 
     def _sync_disk(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -1261,24 +1173,20 @@ class RemoteSGLangEngine(Engine):
         }
         root = os.path.abspath(os.path.join(self.run_dir, "weights_sync"))
         os.makedirs(root, exist_ok=True)
-        final, tmp = (
-            os.path.join(root, f"step_{self.version:06d}"),
-            tempfile.mkdtemp(dir=root),
-        )
+        name, tmp = f"step_{self.version:06d}", tempfile.mkdtemp(dir=root)
+        weights = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
         for f in os.listdir(self.model_path) if os.path.isdir(self.model_path) else []:
-            # config, tokenizer
-            if os.path.isfile(src := os.path.join(self.model_path, f)) and not f.endswith(
-                (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-            ):
-                shutil.copy2(src, os.path.join(tmp, f))
+            src = os.path.join(self.model_path, f)
+            if os.path.isfile(src) and not f.endswith(weights):  # config, tokenizer
+                shutil.copy2(src, tmp)
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        final = os.path.join(root, name)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         self._all(self._call, "update_weights_from_disk", {"model_path": final})
-        for d in {d for d in os.listdir(root) if d.startswith("step_")} - {
-            os.path.basename(final)
-        }:
-            shutil.rmtree(os.path.join(root, d), ignore_errors=True)  # older syncs
+        for d in os.listdir(root):
+            if d.startswith("step_") and d != name:  # older syncs
+                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
     def _session(self, url: str, which: str) -> None:
         """From SGLang 0.5.21 distributed updates run only within /begin_ and /end_weight_update."""
@@ -1325,13 +1233,13 @@ class RemoteSGLangEngine(Engine):
         from torch.distributed import distributed_c10d as c10d
 
         sizes, backend = self.group_sizes, self.group_backend
-        host, _, port = (self.nccl_addr or f"{route_address(self.urls[0])}:0").rpartition(":")
+        host = route_address(self.urls[0])
         self.group_name, world = f"nanoareal_weights_{uuid.uuid4().hex[:8]}", 1 + sum(sizes)
         timeout = timedelta(seconds=WEIGHT_GROUP_TIMEOUT_S)
         # the store hosted here (port 0: a free one, bound at once), not by rendezvous(): under
         # torchrun (TORCHELASTIC_USE_AGENT_STORE) that makes every rank a client and none a host
         store = dist.TCPStore(
-            host, int(port), world, is_master=True, timeout=timeout, wait_for_workers=False
+            host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False
         )
         posts = [
             self.pool.submit(
@@ -1366,13 +1274,8 @@ class RemoteSGLangEngine(Engine):
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-BACKENDS = {
-    "hf": None,
-    "hf_bf16": torch.bfloat16,
-    "hf_int4": None,  # the weights' dtype
-    "sglang": None,
-    "sglang_deterministic": None,
-}
+# --rollout-backend: hf in the weights' dtype (bf16 on a GPU), bf16, or int4 weights; SGLang
+BACKENDS = ("hf", "hf_bf16", "hf_int4", "sglang", "sglang_deterministic")
 
 
 def check_rollout_config(backend: str, urls: list[str], weight_sync: str, cuda: bool) -> None:
@@ -1419,7 +1322,8 @@ def make_engine(cfg, device: torch.device, share: bool = False) -> Engine:
         )
     if backend.startswith("sglang"):
         return SGLangEngine(cfg.model, device.index or 0, cfg.seed, device, deterministic)
-    dtype = BACKENDS[backend] or (torch.bfloat16 if device.type == "cuda" else None)
+    half = backend == "hf_bf16" or device.type == "cuda"
+    dtype = torch.bfloat16 if half else None
     # the trainer's own tensors can serve only the trainer's precision
     exact = backend == "hf"
     return HFEngine(
@@ -1441,14 +1345,12 @@ class Scorer:
         self.url = url.rstrip("/")
         self.pool = ThreadPoolExecutor(max_workers=HTTP_THREADS, thread_name_prefix="teacher")
 
-    def score(self, samples: list, temperature: float = 1.0) -> list[torch.Tensor]:
-        jobs = [
-            self.pool.submit(self._score, s.prompt_ids, s.completion.output_ids)
-            for s in samples
-        ]
-        return [j.result() for j in jobs]
+    def score(self, samples: list[Sample], temperature: float = 1.0) -> list[torch.Tensor]:
+        """`temperature` is 1: the trainer refuses another with a served teacher."""
+        return list(self.pool.map(self._score, samples))
 
-    def _score(self, prompt: list[int], output: list[int]) -> torch.Tensor:
+    def _score(self, sample: Sample) -> torch.Tensor:
+        prompt, output = sample.prompt_ids, sample.completion.output_ids
         payload = {
             "input_ids": prompt + output,
             "return_logprob": True,
@@ -1485,7 +1387,8 @@ class Rollouts:
     ):
         self.make_batch, self.staleness, self.steps = make_batch, staleness, steps
         self.share, self.batches = share, dict(pending)
-        self.overlap, self.pool, self.conn = overlap if staleness > 0 else "", None, None
+        self.overlap = overlap if staleness > 0 else ""
+        self.pool = self.conn = None
         if self.overlap == "thread":
             self.pool = ThreadPoolExecutor(
                 1, initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)
@@ -1493,23 +1396,19 @@ class Rollouts:
         elif self.overlap == "process":
             # else a warning per fork
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-            self.conn, child = (fork := multiprocessing.get_context("fork")).Pipe()
-            fork.Process(
-                target=_serve_batches, args=(make_batch, child, self.conn), daemon=True
-            ).start()
+            fork = multiprocessing.get_context("fork")
+            self.conn, child = fork.Pipe()
+            args = (make_batch, child, self.conn)
+            fork.Process(target=_serve_batches, args=args, daemon=True).start()
             child.close()
 
     def describe(self) -> str:
-        how = {
-            "process": "overlapped with training (a rollout process)",
-            "thread": "overlapped with training (a rollout thread)",
-            "": "not overlapped (colocated engine)",
-        }
-        return (
-            f"rollouts {self.staleness} step(s) ahead, {how[self.overlap]}"
-            if self.staleness
-            else "synchronous rollouts"
-        )
+        if not self.staleness:
+            return "synchronous rollouts"
+        how = f"overlapped with training (a rollout {self.overlap})"
+        if not self.overlap:
+            how = "not overlapped (colocated engine)"
+        return f"rollouts {self.staleness} step(s) ahead, {how}"
 
     def take(self, step: int) -> list:
         for s in range(step, step + self.staleness + 1):

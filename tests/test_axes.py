@@ -163,7 +163,7 @@ def test_the_config_sends_top_p_and_top_k_to_every_engine():
     data = tasks.Data(tokenizer=None, rows=[{}], prompts=[[4, 5]], evalset=[], stop_ids=[1])
     N.generate(engine, data, [(0, 0)], 0, cfg)
     assert (engine.sampling.top_p, engine.sampling.top_k) == (0.9, 5)
-    sent = rollout._sampling_dict(engine.sampling, 8, None)  # what the SGLang engines post
+    sent = rollout._sampling_dict(engine.sampling, 8, 0)  # what the SGLang engines post
     assert (sent["top_p"], sent["top_k"]) == (0.9, 5)
 
 
