@@ -31,10 +31,11 @@ class Stopped(Exception):
         self.code = code
 
 
-def why(e: BaseException, limit: int = 200) -> str:
-    """An exception as one short line, for a UserError: its type and its message's first line."""
+def why(e: BaseException) -> str:
+    """An exception as one short line, for a UserError: its type and its message's first line
+    (200 characters at most)."""
     text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:limit]}" if text else type(e).__name__
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
 def parse(cls: type[T], argv: list[str], preset=lambda dataset: {}) -> T:

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch.distributed as dist
@@ -136,14 +137,13 @@ def reduce_metrics(sums: dict) -> dict:
 
 def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> dict:
     """The step's metrics.jsonl line: MEANS of the summed counters, training stats, phase times."""
-    metrics = {
-        name: sums[n] / sums[d] for name, (n, d) in MEANS.items() if sums.get(d, 0) > 0
-    }
+    sums = Counter(sums)  # a counter no rank reported reads 0
+    metrics = {name: sums[n] / sums[d] for name, (n, d) in MEANS.items() if sums[d] > 0}
     metrics["staleness"] = step - 1 - metrics.get("policy_version", step - 1)
     metrics |= {
         "importance_weight/max": sums.get("importance_weight_max", 1.0),
-        "zero_var_groups": sums.get("zero_var_groups", 0),
-        "reward_errors": sums.get("reward_errors", 0),
+        "zero_var_groups": sums["zero_var_groups"],
+        "reward_errors": sums["reward_errors"],
         "lr": lr,
     }
     extremes = {
@@ -151,11 +151,12 @@ def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> 
         "mismatch/seq_ratio_min": -sums.get("seq_log_ratio_min_max", -math.inf),
     }
     metrics |= {k: math.exp(v) for k, v in extremes.items() if math.isfinite(v)}
-    generated = sums.get("response_tokens", 0) + sums.get("discarded_tokens", 0)
-    metrics["generated_tokens"] = generated  # with those of groups resampled away
-    metrics["gen_tokens_per_s"] = generated / max(sums.get("gen_s", 0), 1e-9)
-    metrics["train_tokens_per_s"] = sums.get("trained_tokens", 0) / max(times["train"], 1e-9)
-    metrics["train_positions"] = sums.get("positions", 0)
+    # with those of groups resampled away
+    generated = sums["response_tokens"] + sums["discarded_tokens"]
+    metrics["generated_tokens"] = generated
+    metrics["gen_tokens_per_s"] = generated / max(sums["gen_s"], 1e-9)
+    metrics["train_tokens_per_s"] = sums["trained_tokens"] / max(times["train"], 1e-9)
+    metrics["train_positions"] = sums["positions"]
     # a loss term's value under loss/, "loss" itself as loss/total
     for k, v in stats.items():
         if k == "loss":

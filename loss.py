@@ -64,7 +64,7 @@ def _safe_inverse(x: Tensor) -> Tensor:
 
 def sanitize_log_ratio(x: Tensor) -> Tensor:
     """A log-ratio's NaN (from -inf - -inf) -> 0; a real +-inf stays, so caps can reject it."""
-    return torch.nan_to_num(x, nan=0.0, posinf=math.inf, neginf=-math.inf)
+    return torch.nan_to_num(x, posinf=math.inf, neginf=-math.inf)
 
 
 def log_ratio(p: Tensor, q: Tensor) -> Tensor:
@@ -463,7 +463,7 @@ def correct(
     mask (its global keep mask and rejections applied), the share of d it capped or masked."""
     d = mb.denom_mask
     m = mb.loss_mask if mb.keep_mask is None else mb.keep_mask
-    stats: Stats = {}
+    stats = {}
     if correction.global_mask is not None:  # the share of d the mask took from m
         taken = (mb.loss_mask - m) * d
         stats[CAPPED] = (taken.sum(), d.sum())
@@ -567,8 +567,8 @@ class MicroBatch:
     logprobs: Tensor | None = None
     entropy: Tensor | None = None
 
-    def validate(self, masks: bool = True) -> None:
-        """Rule 4; m <= d only with `masks` (it syncs a GPU: once, before the step)."""
+    def validate(self) -> None:
+        """Rule 4 (m <= d syncs a GPU: begin_step checks it once, before the step)."""
         given = [(f.name, getattr(self, f.name)) for f in fields(self)[3:]]
         given = [(k, v) for k, v in given if v is not None]
         if not given:
@@ -583,8 +583,7 @@ class MicroBatch:
         if self.seq_ids is not None and self.seq_ids.is_floating_point():
             raise ValueError(f"'seq_ids' must be an integer tensor, got {self.seq_ids.dtype}")
         if (
-            masks
-            and self.loss_mask is not None
+            self.loss_mask is not None
             and self.denom_mask is not None
             and (self.loss_mask > self.denom_mask).any()
         ):
@@ -684,7 +683,8 @@ class LossReduction:
             self._numerators[term.name] += value.detach().double()
             # Z == 0: multiply by 0, never divide: finite zero gradients
             Z = self.Z[term.name]
-            total = total + (value * (term.coef / Z) if Z > 0 else value * 0.0)
+            scale = term.coef / Z if Z > 0 else 0.0
+            total = total + value * scale
         return total
 
     def reported(self) -> dict[str, float]:
@@ -705,14 +705,12 @@ class LossReduction:
         return out
 
 
-def masked_sum(
-    values: Tensor, mask: Tensor, weight: Tensor | None = None, name: str = "loss"
-) -> Tensor:
+def masked_sum(values: Tensor, mask: Tensor, weight: Tensor | None = None) -> Tensor:
     """sum_t mask_t weight_t values_t, no broadcasting; masked values -> 0 first (inf * 0 = NaN)."""
     for key, t in (("mask", mask), ("weight", weight)):
         if t is not None and t.shape != values.shape:
             raise ValueError(
-                f"{name}: {key} shape {tuple(t.shape)} != loss {tuple(values.shape)}"
+                f"masked_sum: {key} shape {tuple(t.shape)} != loss {tuple(values.shape)}"
             )
     w = mask if weight is None else mask * weight
     return (torch.where(w != 0, values, 0.0) * w).sum()

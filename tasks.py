@@ -351,8 +351,7 @@ def encode_prompts(
             )
         ids = encode(text)
         if unk in ids:  # None (no unk token) is in no ids
-            chars = row.get(prompt_key) or str(row.get("messages"))
-            missing = sorted({c for c in chars if unk in encode(c)})
+            missing = sorted({c for c in text if unk in encode(c)})
             raise UserError(
                 f"{name}: row {n}'s prompt has characters the tokenizer cannot encode "
                 f"({''.join(missing)!r} would become {tokenizer.unk_token}); the model "
@@ -426,27 +425,25 @@ def load_data(cfg) -> Data:
     """cfg.model's tokenizer, the rows of cfg.dataset (and cfg.eval_dataset), prompts tokenized once
     (BOS as the model expects), stop tokens, cfg.env, and no weights; or a one-line error: no
     tokenizer, prompts it cannot encode, a sequence too long."""
-    model, dataset, eval_dataset = cfg.model, cfg.dataset, cfg.eval_dataset
-    chat_template, prompt_key = cfg.chat_template, cfg.prompt_key
-    max_new_tokens, micro_batch_tokens = cfg.max_new_tokens, cfg.micro_batch_tokens
     from transformers import AutoTokenizer
 
+    model, chat_template = cfg.model, cfg.chat_template
     quiet_libraries()  # transformers' progress bars and info lines off (imported from here)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
     except Exception as e:  # a directory without tokenizer files ends in sentencepiece advice
         raise UserError(f"--model {model}: no usable tokenizer there ({why(e)})") from None
-    rows, eval_rows = load_dataset(dataset, eval_dataset, cfg.reward, prompt_key)
+    rows, eval_rows = load_dataset(cfg.dataset, cfg.eval_dataset, cfg.reward, cfg.prompt_key)
     prompts, eval_prompts = (
-        encode_prompts(r, tokenizer, chat_template, name, prompt_key)
-        for r, name in ((rows, dataset), (eval_rows, eval_dataset or ""))
+        encode_prompts(r, tokenizer, chat_template, name, cfg.prompt_key)
+        for r, name in ((rows, cfg.dataset), (eval_rows, cfg.eval_dataset or ""))
     )
     stop_ids = stop_token_ids(
         tokenizer, model, chat_template or any("messages" in r for r in rows + eval_rows)
     )
     # sequences are never cut: the longest possible one must fit the model and a micro-batch
     prompt = max(map(len, prompts + eval_prompts), default=0)
-    longest, context = prompt + max_new_tokens, context_length(model)
+    longest, context = prompt + cfg.max_new_tokens, context_length(model)
     if context is not None and longest > context - SGLANG_CONTEXT_MARGIN:
         raise UserError(
             f"config error: the longest prompt + --max-new-tokens is {longest} tokens, "
@@ -459,10 +456,10 @@ def load_data(cfg) -> Data:
             f"context length ({context}) less {SGLANG_PROMPT_MARGIN}: SGLang aborts "
             "a longer prompt"
         )
-    if micro_batch_tokens is not None and longest > micro_batch_tokens:
+    if cfg.micro_batch_tokens is not None and longest > cfg.micro_batch_tokens:
         raise UserError(
             f"config error: the longest prompt + --max-new-tokens is {longest} "
-            f"tokens, over --micro-batch-tokens ({micro_batch_tokens})"
+            f"tokens, over --micro-batch-tokens ({cfg.micro_batch_tokens})"
         )
     tools = load_env(cfg.env, tokenizer, chat_template)
     return Data(tokenizer, rows, prompts, list(zip(eval_rows, eval_prompts)), stop_ids, tools)
@@ -593,7 +590,7 @@ def load_env(spec: str | None, tokenizer, chat: bool) -> Tools | None:
     return Tools(
         make,
         ids,
-        lambda text: tokenizer(pre + text + post, add_special_tokens=False)["input_ids"],
+        lambda text: tokenizer(f"{pre}{text}{post}", add_special_tokens=False)["input_ids"],
         tokenizer.decode,
         max_turns,
     )
