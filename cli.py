@@ -80,7 +80,7 @@ def as_flags(cls: type, values: dict, where: str) -> list[str]:
 def _base(hint):  # a field's type without its Optional: bool, int, float, str, list, Literal
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     single = typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1
-    return _base(args[0]) if single else hint
+    return args[0] if single else hint
 
 
 def check_flags(cls: type, args: list[str]) -> None:

@@ -206,7 +206,8 @@ def format_line(step: int, total: int, m: dict[str, float]) -> str:
     if "reward" not in m:  # the step-0 (or evaluate-only) line: held-out metrics only
         return f"step {step}/{total}  {evals}"
     parts = [f"step {step}/{total}", f"reward {m['reward']:.3f}"]
-    parts += [f"acc {m['accuracy']:.3f}"] if "accuracy" in m else []
+    if "accuracy" in m:
+        parts.append(f"acc {m['accuracy']:.3f}")
     parts += [
         f"len {m.get('response_len', 0.0):.1f}",
         f"loss {m.get('loss/total', 0.0):+.4f}",
@@ -214,7 +215,9 @@ def format_line(step: int, total: int, m: dict[str, float]) -> str:
         f"gnorm {m['grad_norm']:.3g}",
         f"{m['time/step']:.2f}s/step",
     ]
-    line = "  ".join(parts + ([evals] if evals else []))
+    if evals:
+        parts.append(evals)
+    line = "  ".join(parts)
     return line if len(line) <= 120 else line[:117] + "..."
 
 

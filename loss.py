@@ -142,7 +142,8 @@ def group_std(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """Each sample's group's unbiased reward std."""
     n = _group_sums(torch.ones_like(rewards), group_ids)
     deviation = (rewards - group_mean(rewards, group_ids)) ** 2
-    return (_group_sums(deviation, group_ids) / (n - 1).clamp(min=1)).sqrt()
+    variance = _group_sums(deviation, group_ids) / (n - 1).clamp(min=1)
+    return variance.sqrt()
 
 
 def group_advantages(
@@ -217,7 +218,8 @@ def response_weights(
 
 # -----------------------------------------------------------------------------
 # policy surrogates (--policy-loss): fn(logp, prox, A, seq_ids, mask, **params) -> TokenLoss on
-# [T] (log pi, log pi_prox, advantages, response ids or -1, m); stats: policy/<name>, means over m
+# [T] (log pi, log pi_prox, advantages, response ids or -1, m); stats: policy/<name>, means over m.
+# A token-local surrogate takes seq_ids and mask as *_ (unused)
 def _clipped(ratio: Tensor, A: Tensor, eps_low: float, eps_high: float, dtype) -> TokenLoss:
     """PPO's l = max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), and where the clip binds."""
     unclipped = -A * ratio
@@ -230,9 +232,7 @@ def ppo_surrogate(
     logp: Tensor,
     prox: Tensor,
     A: Tensor,
-    seq_ids: Tensor | None = None,
-    mask: Tensor | None = None,
-    *,
+    *_,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     dual_clip: float | None = None,
@@ -274,9 +274,7 @@ def cispo_surrogate(
     logp: Tensor,
     prox: Tensor,
     A: Tensor,
-    seq_ids: Tensor | None = None,
-    mask: Tensor | None = None,
-    *,
+    *_,
     eps_high: float = 0.2,
 ) -> TokenLoss:
     """CISPO (MiniMax-M1, 2025): l = -sg(clip(r, 0, 1+eps_high)) A logp: the clipped weight
@@ -290,9 +288,7 @@ def sapo_surrogate(
     logp: Tensor,
     prox: Tensor,
     A: Tensor,
-    seq_ids: Tensor | None = None,
-    mask: Tensor | None = None,
-    *,
+    *_,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
 ) -> TokenLoss:
@@ -353,7 +349,8 @@ def seq_truncate(lr: Tensor, seq_ids: Tensor, m: Tensor, cap: float) -> Pair:
 def seq_reject(lr: Tensor, seq_ids: Tensor, d: Tensor, cap: float) -> Tensor:
     """Sequence-level masked IS (seq-MIS): the responses with rho_i outside [1/C, C] (tokens of
     d), whole; a keep mask [T]."""
-    return (_log_rho(lr, seq_ids, d).abs() <= math.log(cap)).to(lr.dtype)
+    log_rho = _log_rho(lr, seq_ids, d)
+    return (log_rho.abs() <= math.log(cap)).to(lr.dtype)
 
 
 def geo_reject(lr: Tensor, seq_ids: Tensor, d: Tensor, cap: float) -> Tensor:
@@ -387,7 +384,8 @@ def m2po_mask(
     def kept_mean_ok(cut: float) -> bool:
         keep = valid & (x <= cut)
         kept_sum = torch.where(keep, x, 0.0).sum()
-        total, count = all_reduce_vector(torch.stack([kept_sum, keep.sum().double()]), group)
+        kept = torch.stack([kept_sum, keep.sum().double()])
+        total, count = all_reduce_vector(kept, group)
         return bool(total <= threshold * count)
 
     # x >= 0: a rank without valid tokens has max 0
@@ -692,7 +690,8 @@ class LossReduction:
         stat_names = sorted(self._stats)
         local = [float(self._numerators.get(name, 0.0)) for name in self.names]
         local += [float(x) for s in stat_names for x in self._stats[s]]
-        vec = all_reduce_vector(torch.tensor(local, dtype=torch.float64), self.group).tolist()
+        local = torch.tensor(local, dtype=torch.float64)
+        vec = all_reduce_vector(local, self.group).tolist()
         out = {}
         for name, v in zip(self.names, vec):
             Z = self.Z.get(name, 0.0)

@@ -545,7 +545,8 @@ def load_plugin(flag: str, spec: str, builtins: str = "") -> Callable:
         module_spec.loader.exec_module(module)
     except Exception as e:
         raise UserError(f"{flag} {spec}: importing {path} failed ({why(e)})") from None
-    if not callable(fn := getattr(module, name, None)):
+    fn = getattr(module, name, None)
+    if not callable(fn):
         raise UserError(f"{flag} {spec}: {path} has no function {name!r}")
     return fn
 
@@ -791,9 +792,8 @@ def compute_rewards(
         for i in range(start, len(texts)):
             if seeds is not None:
                 random.seed(seeds[i])
-            # numpy: if a reward imported it
-            if seeds is not None and "numpy" in sys.modules:
-                sys.modules["numpy"].random.seed(seeds[i])
+                if "numpy" in sys.modules:  # if a reward imported it
+                    sys.modules["numpy"].random.seed(seeds[i])
             try:
                 out.put(score_one(reward_fn, texts[i], rows[i]))
             except Exception as e:
