@@ -31,10 +31,11 @@ class Stopped(Exception):
         self.code = code
 
 
-def why(e: BaseException, limit: int = 200) -> str:
-    """An exception as one short line, for a UserError: its type and its message's first line."""
+def why(e: BaseException) -> str:
+    """An exception as one short line, for a UserError: its type and its message's first line
+    (200 characters at most)."""
     text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:limit]}" if text else type(e).__name__
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
 def parse(cls: type[T], argv: list[str], preset=lambda dataset: {}) -> T:
@@ -51,14 +52,11 @@ def parse(cls: type[T], argv: list[str], preset=lambda dataset: {}) -> T:
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise UserError(f"--config {path}: {e}") from None
     check_flags(cls, args)
-    dataset = next(
-        (
-            a.partition("=")[2] or args[i + 1]
-            for i, a in reversed(list(enumerate(args)))
-            if a.partition("=")[0] == "--dataset"
-        ),
-        getattr(cls, "dataset", None),
-    )
+    dataset = getattr(cls, "dataset", None)
+    for i, arg in enumerate(args):  # the last --dataset (check_flags gave it one value)
+        flag, _, value = arg.partition("=")
+        if flag == "--dataset":
+            dataset = value or args[i + 1]
     return tyro.cli(cls, args=as_flags(cls, preset(dataset), "a built-in task") + args)
 
 
@@ -66,13 +64,14 @@ def as_flags(cls: type, values: dict, where: str) -> list[str]:
     """{"top_k": 5, "mask_truncated": True} -> ["--top-k", "5", "--mask-truncated"]."""
     hints, flags = typing.get_type_hints(cls), []
     for key, value in values.items():
-        if (name := key.replace("-", "_")) not in hints or name == "config":
+        name = key.replace("-", "_")
+        if name not in hints or name == "config":
             raise UserError(f"{where}: unknown key {key!r} (keys are the flags of --help)")
         flag = name.replace("_", "-")
         if _base(hints[name]) is not bool:
-            flags += ["--" + flag, *map(str, value if isinstance(value, list) else [value])]
+            flags += [f"--{flag}", *map(str, value if isinstance(value, list) else [value])]
         elif isinstance(value, bool):
-            flags.append(("--" if value else "--no-") + flag)
+            flags.append(f"--{flag}" if value else f"--no-{flag}")
         else:
             raise UserError(f"{where}: {key} = {value!r} must be true or false")
     return flags
@@ -81,52 +80,47 @@ def as_flags(cls: type, values: dict, where: str) -> list[str]:
 def _base(hint):  # a field's type without its Optional: bool, int, float, str, list, Literal
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     single = typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1
-    return _base(args[0]) if single else hint
+    return args[0] if single else hint
 
 
 def check_flags(cls: type, args: list[str]) -> None:
     """Refuse, in one line, what tyro would: it reports parse errors only as multi-line boxes."""
     known = {
-        "--" + n.replace("_", "-"): _base(t) for n, t in typing.get_type_hints(cls).items()
+        f"--{n.replace('_', '-')}": _base(t) for n, t in typing.get_type_hints(cls).items()
     }
-    known |= {"--no-" + k[2:]: bool for k, t in list(known.items()) if t is bool}
+    known |= {f"--no-{k[2:]}": bool for k, t in list(known.items()) if t is bool}
     i = 0
-    # a flag's values run up to the next --flag (none after --flag=value)
     while i < len(args):
         flag, _, inline = args[i].partition("=")
-        end = (
-            i + 1
-            if inline
-            else next(
-                (j for j in range(i + 1, len(args)) if args[j].startswith("--")), len(args)
-            )
-        )
-        values, i = [inline] if inline else args[i + 1 : end], end
+        i += 1
+        # a flag's values run up to the next --flag (none after --flag=value)
+        values = [inline] if inline else []
+        while not inline and i < len(args) and not args[i].startswith("--"):
+            values.append(args[i])
+            i += 1
         if flag in ("-h", "--help"):
             return
-        if (kind := known.get(flag)) is None:
-            near = [f"did you mean {n}?" for n in difflib.get_close_matches(flag, known, n=1)]
-            raise UserError(f"unknown flag {flag} ({(near or ['see --help'])[0]})")
-        many, choices = (
-            typing.get_origin(kind) is list,
-            [str(c) for c in typing.get_args(kind)],
-        )
+        kind = known.get(flag)
+        if kind is None:
+            near = difflib.get_close_matches(flag, known, n=1)
+            hint = f"did you mean {near[0]}?" if near else "see --help"
+            raise UserError(f"unknown flag {flag} ({hint})")
+        many = typing.get_origin(kind) is list
+        count = "one or more values" if many else "one value"
+        if kind is bool:
+            count = "no value"
         if (kind is bool) != (not values) or (not many and len(values) > 1):
-            count = (
-                "no value" if kind is bool else "one or more values" if many else "one value"
-            )
-            raise UserError(
-                f"{flag} takes {count}, got {len(values)}: {' '.join(values)}".rstrip(": ")
-            )
+            got = f"{flag} takes {count}, got {len(values)}: {' '.join(values)}"
+            raise UserError(got.rstrip(": "))
+        choices = [str(c) for c in typing.get_args(kind)]
         if typing.get_origin(kind) is typing.Literal and values[0] not in choices:
             raise UserError(f"{flag} {values[0]}: choose one of {', '.join(choices)}")
-        for value in values if kind in (int, float) else []:
+        number = {int: "an int", float: "a number"}.get(kind)
+        for value in values if number else []:
             try:
                 kind(value)
             except ValueError:
-                raise UserError(
-                    f"{flag} {value}: not {'an int' if kind is int else 'a number'}"
-                ) from None
+                raise UserError(f"{flag} {value}: not {number}") from None
 
 
 def rank() -> int:
@@ -161,20 +155,10 @@ def _torchrun_error_file(message: str) -> bool:
         return False
     # rank 0 first: torchrun stops the rest
     time.sleep(0 if rank() == 0 else ERROR_FILE_WAIT_S)
+    info = {"py_callstack": message, "timestamp": str(int(time.time()))}
     try:
         with open(path, "w") as f:
-            json.dump(
-                {
-                    "message": {
-                        "message": message,
-                        "extraInfo": {
-                            "py_callstack": message,
-                            "timestamp": str(int(time.time())),
-                        },
-                    }
-                },
-                f,
-            )
+            json.dump({"message": {"message": message, "extraInfo": info}}, f)
         return True
     except OSError:
         return False

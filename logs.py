@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch.distributed as dist
@@ -121,29 +122,28 @@ def reduce_metrics(sums: dict) -> dict:
     """All ranks' counters (keys may differ) summed in ONE collective (MAXIMA: max; str: first)."""
     gathered = [sums]
     if dist.get_world_size() > 1:
-        dist.all_gather_object(gathered := [None] * dist.get_world_size(), sums)
-    total: dict = {}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sums)
+    total = {}
     for k, v in (item for part in gathered for item in part.items()):
-        total[k] = (
-            total.get(k, v)
-            if isinstance(v, str)
-            else max(total.get(k, v), v)
-            if k in MAXIMA
-            else total.get(k, 0.0) + float(v)
-        )
+        if isinstance(v, str):
+            total.setdefault(k, v)
+        elif k in MAXIMA:
+            total[k] = max(total.get(k, v), v)
+        else:
+            total[k] = total.get(k, 0.0) + float(v)
     return total
 
 
 def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> dict:
     """The step's metrics.jsonl line: MEANS of the summed counters, training stats, phase times."""
-    metrics = {
-        name: sums[n] / sums[d] for name, (n, d) in MEANS.items() if sums.get(d, 0) > 0
-    }
+    sums = Counter(sums)  # a counter no rank reported reads 0
+    metrics = {name: sums[n] / sums[d] for name, (n, d) in MEANS.items() if sums[d] > 0}
     metrics["staleness"] = step - 1 - metrics.get("policy_version", step - 1)
     metrics |= {
         "importance_weight/max": sums.get("importance_weight_max", 1.0),
-        "zero_var_groups": sums.get("zero_var_groups", 0),
-        "reward_errors": sums.get("reward_errors", 0),
+        "zero_var_groups": sums["zero_var_groups"],
+        "reward_errors": sums["reward_errors"],
         "lr": lr,
     }
     extremes = {
@@ -151,19 +151,19 @@ def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> 
         "mismatch/seq_ratio_min": -sums.get("seq_log_ratio_min_max", -math.inf),
     }
     metrics |= {k: math.exp(v) for k, v in extremes.items() if math.isfinite(v)}
-    generated = sums.get("response_tokens", 0) + sums.get("discarded_tokens", 0)
-    metrics["generated_tokens"] = generated  # with those of groups resampled away
-    metrics["gen_tokens_per_s"] = generated / max(sums.get("gen_s", 0), 1e-9)
-    metrics["train_tokens_per_s"] = sums.get("trained_tokens", 0) / max(times["train"], 1e-9)
-    metrics["train_positions"] = sums.get("positions", 0)
-    metrics |= {
-        k
-        if "/" in k or k in ("grad_norm", "skipped_steps")
-        else "loss/total"
-        if k == "loss"
-        else f"loss/{k}": v
-        for k, v in stats.items()
-    }
+    # with those of groups resampled away
+    generated = sums["response_tokens"] + sums["discarded_tokens"]
+    metrics["generated_tokens"] = generated
+    metrics["gen_tokens_per_s"] = generated / max(sums["gen_s"], 1e-9)
+    metrics["train_tokens_per_s"] = sums["trained_tokens"] / max(times["train"], 1e-9)
+    metrics["train_positions"] = sums["positions"]
+    # a loss term's value under loss/, "loss" itself as loss/total
+    for k, v in stats.items():
+        if k == "loss":
+            k = "loss/total"
+        elif "/" not in k and k not in ("grad_norm", "skipped_steps"):
+            k = f"loss/{k}"
+        metrics[k] = v
     # x with an "x#n" partner: a mean over its reporters (a new metric adds {x: v, "x#n": 1})
     metrics |= {k: sums[k] / max(sums[k + "#n"], 1) for k in sums if k + "#n" in sums}
     return metrics | {f"time/{k}": v for k, v in times.items()}
@@ -172,34 +172,28 @@ def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> 
 def sample_rows(samples: list, tokenizer) -> list[dict]:
     """The first SAMPLE_GROUPS groups of a step's samples, readable: for samples.jsonl and wandb."""
     groups = sorted({s.group for s in samples})[:SAMPLE_GROUPS]
-    turns = lambda c: (
-        {}
-        if c.policy_mask is None
-        else {
-            "turns": [  # an episode's: [who, text]
-                ["policy" if who else "env", tokenizer.decode([t for t, _ in run])]
-                for who, run in itertools.groupby(
-                    zip(c.output_ids, c.policy_mask), lambda x: x[1]
-                )
-            ]
-        }
-    )
-    return [
-        {
+    rows = []
+    for s in (s for s in samples if s.group in groups):
+        c = s.completion
+        row = {
             "group": s.group,
             "prompt": tokenizer.decode(s.prompt_ids),
-            "completion": tokenizer.decode(s.completion.output_ids),
+            "completion": tokenizer.decode(c.output_ids),
             "reward": s.reward,
             "advantage": s.advantage,
             "correct": s.correct,
-            "finish_reason": s.completion.finish_reason,
-            "length": len(s.completion.output_ids),
+            "finish_reason": c.finish_reason,
+            "length": len(c.output_ids),
             "version": s.version,
         }
-        | turns(s.completion)
-        for s in samples
-        if s.group in groups
-    ]
+        if c.policy_mask is not None:  # an episode's turns: [who, text]
+            runs = itertools.groupby(zip(c.output_ids, c.policy_mask), lambda x: x[1])
+            row["turns"] = [
+                ["policy" if who else "env", tokenizer.decode([t for t, _ in run])]
+                for who, run in runs
+            ]
+        rows.append(row)
+    return rows
 
 
 def format_line(step: int, total: int, m: dict[str, float]) -> str:
@@ -212,7 +206,8 @@ def format_line(step: int, total: int, m: dict[str, float]) -> str:
     if "reward" not in m:  # the step-0 (or evaluate-only) line: held-out metrics only
         return f"step {step}/{total}  {evals}"
     parts = [f"step {step}/{total}", f"reward {m['reward']:.3f}"]
-    parts += [f"acc {m['accuracy']:.3f}"] if "accuracy" in m else []
+    if "accuracy" in m:
+        parts.append(f"acc {m['accuracy']:.3f}")
     parts += [
         f"len {m.get('response_len', 0.0):.1f}",
         f"loss {m.get('loss/total', 0.0):+.4f}",
@@ -220,7 +215,9 @@ def format_line(step: int, total: int, m: dict[str, float]) -> str:
         f"gnorm {m['grad_norm']:.3g}",
         f"{m['time/step']:.2f}s/step",
     ]
-    line = "  ".join(parts + ([evals] if evals else []))
+    if evals:
+        parts.append(evals)
+    line = "  ".join(parts)
     return line if len(line) <= 120 else line[:117] + "..."
 
 

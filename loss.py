@@ -49,19 +49,22 @@ ADV_EPS = 1e-6  # added to a group's reward std before dividing: a tiny spread c
 LOG_RATIO_BOUND = 20.0  # |log-ratio| clamp before any exp(): exp(20) ~ 5e8 overflows nothing
 K3_CAP = 10.0  # k3's value explodes where pi_ref >> pi; cap it like verl's low_var_kl
 CAPPED = "policy/behave_capped_frac"  # the share of d tokens a correction capped or masked
-Stats = dict[str, tuple[Tensor, Tensor]]  # name -> (total, count): a global fraction
+# (w, nw) of a mode, (w, rejected) of a correction, (total, count) of a stat
+Pair = tuple[Tensor, Tensor]
+Stats = dict[str, Pair]  # name -> (total, count): a global fraction
 # a surrogate's (loss [T], {name: indicator [T]})
 TokenLoss = tuple[Tensor, dict[str, Tensor]]
 
 
 def _safe_inverse(x: Tensor) -> Tensor:
     """1 / x, and 0 where x is 0."""
-    return torch.where(x > 0, 1.0 / torch.where(x > 0, x, 1.0), 0.0)
+    positive = x > 0
+    return torch.where(positive, 1.0 / torch.where(positive, x, 1.0), 0.0)
 
 
 def sanitize_log_ratio(x: Tensor) -> Tensor:
     """A log-ratio's NaN (from -inf - -inf) -> 0; a real +-inf stays, so caps can reject it."""
-    return torch.nan_to_num(x, nan=0.0, posinf=math.inf, neginf=-math.inf)
+    return torch.nan_to_num(x, posinf=math.inf, neginf=-math.inf)
 
 
 def log_ratio(p: Tensor, q: Tensor) -> Tensor:
@@ -72,9 +75,8 @@ def log_ratio(p: Tensor, q: Tensor) -> Tensor:
 
 def _group_sums(x: Tensor, ids: Tensor) -> Tensor:
     """Each element's group total, sum_{j: ids_j = ids_i} x_j (ids: any values, in any order)."""
-    _, g = torch.unique(ids, return_inverse=True)
-    size = int(g.max()) + 1 if g.numel() else 0
-    return x.new_zeros(size).index_add_(0, g, x)[g]
+    unique, g = torch.unique(ids, return_inverse=True)
+    return x.new_zeros(len(unique)).index_add_(0, g, x)[g]
 
 
 def _choice(kind: str, name: str, table: Mapping):
@@ -97,16 +99,11 @@ def grpo(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Ten
 def grpo_batch_std(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
     """A_i = (R_i - mean_g R) / (std R + eps), the whole step's batch std, every rank's (TRL's
     scale_rewards="batch")."""
-    n, s, ss = (
-        all_reduce_vector(
-            torch.stack(
-                [rewards.new_tensor(float(len(rewards))), rewards.sum(), (rewards**2).sum()]
-            ),
-            group,
-        )
-        / copies
-    )
-    std = ((ss - s * s / n) / (n - 1).clamp(min=1)).clamp(min=0).sqrt() if n > 0 else 0.0
+    count = torch.ones_like(rewards).sum()
+    moments = torch.stack([count, rewards.sum(), (rewards**2).sum()])
+    n, s, ss = all_reduce_vector(moments, group) / copies
+    variance = (ss - s * s / n) / (n - 1).clamp(min=1)
+    std = variance.clamp(min=0).sqrt()
     return (rewards - group_mean(rewards, group_ids)) / (std + ADV_EPS)
 
 
@@ -127,8 +124,12 @@ def no_reward(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -
     return torch.zeros_like(rewards)
 
 
-ADVANTAGES = {fn.__name__: fn for fn in (grpo, grpo_batch_std, dr_grpo, rloo)} | {
-    "none": no_reward
+ADVANTAGES = {
+    "grpo": grpo,
+    "grpo_batch_std": grpo_batch_std,
+    "dr_grpo": dr_grpo,
+    "rloo": rloo,
+    "none": no_reward,
 }
 
 
@@ -141,7 +142,8 @@ def group_std(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """Each sample's group's unbiased reward std."""
     n = _group_sums(torch.ones_like(rewards), group_ids)
     deviation = (rewards - group_mean(rewards, group_ids)) ** 2
-    return (_group_sums(deviation, group_ids) / (n - 1).clamp(min=1)).sqrt()
+    variance = _group_sums(deviation, group_ids) / (n - 1).clamp(min=1)
+    return variance.sqrt()
 
 
 def group_advantages(
@@ -152,7 +154,7 @@ def group_advantages(
     rewards = rewards.double()
     adv = fn(rewards, group_ids, group, copies)
     alone = _group_sums(torch.ones_like(rewards), group_ids) < 2
-    return torch.where(alone, torch.zeros_like(adv), adv).float()
+    return torch.where(alone, 0.0, adv).float()
 
 
 def distill_advantages(
@@ -168,27 +170,27 @@ def distill_advantages(
 # aggregation modes (--loss-aggregation): objective = sum_t m_t w_t l_t / sum_t d_t nw_t, with
 # fn(M [R], groups [R], divisor) -> per-response (w_i, nw_i), zero for inactive responses. So a
 # micro-batch's normalizer is a (fractional) count of tokens, responses or groups, cut anywhere.
-def token_mean(M: Tensor, groups: Tensor, divisor: float) -> tuple[Tensor, Tensor]:
+def token_mean(M: Tensor, groups: Tensor, divisor: float) -> Pair:
     """sum_t m_t l_t / sum_t d_t (DAPO; TRL "dapo", verl "token-mean"): tokens weigh the same."""
     active = (M > 0).double()
     return active, active
 
 
-def seq_mean(M: Tensor, groups: Tensor, divisor: float) -> tuple[Tensor, Tensor]:
+def seq_mean(M: Tensor, groups: Tensor, divisor: float) -> Pair:
     """(1/N) sum_i (sum_t m_it l_it) / M_i (GRPO; TRL "grpo", verl "seq-mean-token-mean")."""
     return _safe_inverse(M), _safe_inverse(M)
 
 
-def prompt_mean(M: Tensor, groups: Tensor, divisor: float) -> tuple[Tensor, Tensor]:
+def prompt_mean(M: Tensor, groups: Tensor, divisor: float) -> Pair:
     """(1/P) sum_g (sum_{i in g, t} m_it l_it) / D_g, D_g = sum_{i in g} M_i."""
     inverse = torch.where(M > 0, _safe_inverse(_group_sums(M, groups)), 0.0)
     return inverse, inverse
 
 
-def constant(M: Tensor, groups: Tensor, divisor: float) -> tuple[Tensor, Tensor]:
+def constant(M: Tensor, groups: Tensor, divisor: float) -> Pair:
     """sum_t m_t l_t / (N C), C = --loss-aggregation-divisor (Dr. GRPO; TRL "dr_grpo", verl
     "seq-mean-token-sum-norm"): w = 1/C, and nw = 1/M_i makes the normalizer count responses."""
-    if not (divisor is not None and math.isfinite(divisor) and divisor > 0):
+    if divisor is None or not 0 < divisor < math.inf:
         raise ValueError(
             f"--loss-aggregation constant needs a positive "
             f"--loss-aggregation-divisor, got {divisor!r}"
@@ -201,11 +203,12 @@ MODES = {fn.__name__: fn for fn in (token_mean, seq_mean, prompt_mean, constant)
 
 def response_weights(
     mode: str, denom_counts: Tensor, group_ids: Tensor, divisor: float | None = None
-) -> tuple[Tensor, Tensor]:
+) -> Pair:
     """Per-response (w_i, nw_i) of `mode`; denom_counts (M_i) cover the WHOLE mini-batch."""
     fn = _choice("loss-aggregation", mode, MODES)
     M = denom_counts.to(torch.float64)
-    if M.dim() != 1 or group_ids.shape != M.shape or (M < 0).any() or not M.isfinite().all():
+    shaped = M.dim() == 1 and group_ids.shape == M.shape
+    if not (shaped and M.isfinite().all() and (M >= 0).all()):
         raise ValueError(
             f"denom_counts {tuple(M.shape)} must be finite, >= 0 and [R] like "
             f"group_ids {tuple(group_ids.shape)}"
@@ -215,14 +218,21 @@ def response_weights(
 
 # -----------------------------------------------------------------------------
 # policy surrogates (--policy-loss): fn(logp, prox, A, seq_ids, mask, **params) -> TokenLoss on
-# [T] (log pi, log pi_prox, advantages, response ids or -1, m); stats: policy/<name>, means over m
+# [T] (log pi, log pi_prox, advantages, response ids or -1, m); stats: policy/<name>, means over m.
+# A token-local surrogate takes seq_ids and mask as *_ (unused)
+def _clipped(ratio: Tensor, A: Tensor, eps_low: float, eps_high: float, dtype) -> TokenLoss:
+    """PPO's l = max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), and where the clip binds."""
+    unclipped = -A * ratio
+    clipped = -A * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    clip_frac = (clipped > unclipped).to(dtype)
+    return torch.maximum(unclipped, clipped), {"clip_frac": clip_frac}
+
+
 def ppo_surrogate(
     logp: Tensor,
     prox: Tensor,
     A: Tensor,
-    seq_ids: Tensor | None = None,
-    mask: Tensor | None = None,
-    *,
+    *_,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     dual_clip: float | None = None,
@@ -230,14 +240,11 @@ def ppo_surrogate(
     """l = max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), r = pi / pi_prox (Schulman et al. 2017;
     eps_high > eps_low: DAPO's clip-higher); dual clip c (Ye et al. 2020): min(l, -c A) if A < 0."""
     ratio = torch.exp(log_ratio(logp, prox))
-    unclipped = -A * ratio
-    clipped = -A * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    loss = torch.maximum(unclipped, clipped)
-    stats = {"clip_frac": (clipped > unclipped).detach().to(logp.dtype)}
+    loss, stats = _clipped(ratio, A, eps_low, eps_high, logp.dtype)
     if dual_clip is not None:
         dual = (A < 0) & (loss > -dual_clip * A)
         loss = torch.where(dual, -dual_clip * A, loss)
-        stats["dual_clip_frac"] = dual.detach().to(logp.dtype)
+        stats["dual_clip_frac"] = dual.to(logp.dtype)
     return loss, stats
 
 
@@ -258,20 +265,16 @@ def gspo_surrogate(
     token = torch.where(in_response, log_ratio(logp, prox).detach(), 0.0)
     count = _group_sums(in_response.to(token.dtype), seq_ids).clamp(min=1)
     mean = _group_sums(token, seq_ids) / count
-    ratio = torch.exp(torch.where(seq_ids >= 0, mean, 0.0)) * torch.exp(logp - logp.detach())
-    unclipped = -A * ratio
-    clipped = -A * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    stats = {"clip_frac": (clipped > unclipped).detach().to(logp.dtype)}
-    return torch.maximum(unclipped, clipped), stats
+    seq_ratio = torch.exp(torch.where(seq_ids >= 0, mean, 0.0))
+    ratio = seq_ratio * torch.exp(logp - logp.detach())
+    return _clipped(ratio, A, eps_low, eps_high, logp.dtype)
 
 
 def cispo_surrogate(
     logp: Tensor,
     prox: Tensor,
     A: Tensor,
-    seq_ids: Tensor | None = None,
-    mask: Tensor | None = None,
-    *,
+    *_,
     eps_high: float = 0.2,
 ) -> TokenLoss:
     """CISPO (MiniMax-M1, 2025): l = -sg(clip(r, 0, 1+eps_high)) A logp: the clipped weight
@@ -285,9 +288,7 @@ def sapo_surrogate(
     logp: Tensor,
     prox: Tensor,
     A: Tensor,
-    seq_ids: Tensor | None = None,
-    mask: Tensor | None = None,
-    *,
+    *_,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
 ) -> TokenLoss:
@@ -301,14 +302,13 @@ def sapo_surrogate(
 @dataclass(frozen=True)
 class Surrogate:
     fn: Callable
-    params: (
-        dict  # its hyper-parameters' defaults (--eps-low/--eps-high override those it has)
-    )
+    # its hyper-parameters' defaults (--eps-low/--eps-high override those it has)
+    params: dict
     aggregation: str = "token_mean"  # its --loss-aggregation auto
 
 
 # GSPO's s_i, a geometric mean, moves far less than token ratios: the paper's (and verl's) clip
-SURROGATES: dict[str, Surrogate] = {
+SURROGATES = {
     "ppo": Surrogate(ppo_surrogate, {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": None}),
     "gspo": Surrogate(gspo_surrogate, {"eps_low": 3e-4, "eps_high": 4e-4}, "seq_mean"),
     "cispo": Surrogate(cispo_surrogate, {"eps_high": 0.2}),
@@ -322,29 +322,28 @@ SURROGATES: dict[str, Surrogate] = {
 # weights before this step's update). r_t = pi_prox / pi_behave of a token, rho_i = prod_t r_t
 # of a response (t in m), g_i = rho_i^(1/|i|) its geometric mean. A weigh fn(log r [T], seq_ids,
 # m, cap) -> (w, rejected): the importance weight (sg) and tokens out of the numerator only
-def token_truncate(
-    lr: Tensor, seq_ids: Tensor, m: Tensor, cap: float
-) -> tuple[Tensor, Tensor]:
+def token_truncate(lr: Tensor, seq_ids: Tensor, m: Tensor, cap: float) -> Pair:
     """Truncated IS (decoupled PPO, Hilton et al. 2022; TIS): w_t = min(r_t, C)."""
     return torch.exp(lr).clamp(max=cap), torch.zeros_like(lr)
 
 
-def token_mask(lr: Tensor, seq_ids: Tensor, m: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+def token_mask(lr: Tensor, seq_ids: Tensor, m: Tensor, cap: float) -> Pair:
     """AReaL's decoupled PPO: w_t = r_t, tokens with r_t > C rejected (m_t = 0, d_t kept)."""
     w = torch.exp(lr)
     rejected = (w > cap).to(w.dtype)
     return w * (1 - rejected), rejected
 
 
-def seq_truncate(lr: Tensor, seq_ids: Tensor, m: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+def _log_rho(lr: Tensor, seq_ids: Tensor, m: Tensor) -> Tensor:
+    """log rho_i of each token's response, over the tokens of m."""
+    return _group_sums(torch.where(m > 0, lr, 0.0), seq_ids)
+
+
+def seq_truncate(lr: Tensor, seq_ids: Tensor, m: Tensor, cap: float) -> Pair:
     """Sequence-level truncated IS (seq-TIS): w_t = min(rho_i, C) on every token of response i."""
-    log_rho = _group_sums(torch.where(m > 0, lr, 0.0), seq_ids)
+    log_rho = _log_rho(lr, seq_ids, m)
     w = torch.exp(log_rho.clamp(max=LOG_RATIO_BOUND)).clamp(max=cap)
     return torch.where(seq_ids >= 0, w, 1.0), torch.zeros_like(lr)
-
-
-def _log_rho(lr: Tensor, seq_ids: Tensor, m: Tensor) -> Tensor:
-    return _group_sums(torch.where(m > 0, lr, 0.0), seq_ids)
 
 
 def seq_reject(lr: Tensor, seq_ids: Tensor, d: Tensor, cap: float) -> Tensor:
@@ -358,7 +357,8 @@ def geo_reject(lr: Tensor, seq_ids: Tensor, d: Tensor, cap: float) -> Tensor:
     """Geometric-mean masking (geo-MIS): the responses with g_i = rho_i^(1/|i|) outside
     [1/C, C], whole (length-independent, unlike rho_i); a keep mask [T]."""
     count = _group_sums((d > 0).to(lr.dtype), seq_ids).clamp(min=1)
-    return ((_log_rho(lr, seq_ids, d) / count).abs() <= math.log(cap)).to(lr.dtype)
+    log_g = _log_rho(lr, seq_ids, d) / count
+    return (log_g.abs() <= math.log(cap)).to(lr.dtype)
 
 
 def token_reject(lr: Tensor, seq_ids: Tensor, d: Tensor, cap: float) -> Tensor:
@@ -383,22 +383,22 @@ def m2po_mask(
 
     def kept_mean_ok(cut: float) -> bool:
         keep = valid & (x <= cut)
-        s = all_reduce_vector(
-            torch.stack([torch.where(keep, x, 0.0).sum(), keep.sum().double()]), group
-        )
-        return bool(s[0] <= threshold * s[1])
+        kept_sum = torch.where(keep, x, 0.0).sum()
+        kept = torch.stack([kept_sum, keep.sum().double()])
+        total, count = all_reduce_vector(kept, group)
+        return bool(total <= threshold * count)
 
-    local_max = torch.cat([torch.where(valid, x, 0.0), x.new_zeros(1)]).max()[None]  # x >= 0
+    # x >= 0: a rank without valid tokens has max 0
+    valid_x = torch.where(valid, x, 0.0)
+    local_max = torch.cat([valid_x, x.new_zeros(1)]).max()[None]
     x_max = all_reduce_vector(local_max, group, op=dist.ReduceOp.MAX).item()
     if kept_mean_ok(x_max):
         return loss_mask.clone()
     # the float64 of bit pattern b
     value = lambda b: struct.unpack("<d", struct.pack("<q", b))[0]
     # 0: 0.0's bits (keeps x = 0)
-    lo, hi = (
-        0,
-        struct.unpack("<q", struct.pack("<d", x_max))[0],
-    )
+    lo = 0
+    hi = struct.unpack("<q", struct.pack("<d", x_max))[0]
     while hi - lo > 1:  # invariant: ok(value(lo)), not ok(value(hi))
         mid = (lo + hi) // 2
         if kept_mean_ok(value(mid)):
@@ -419,25 +419,20 @@ class Correction:
     clip: bool = True  # False: the surrogate's clip range opened up (eps_low 1, eps_high inf)
 
 
-CORRECTIONS: dict[str, Correction] = {
-    "none": Correction(),  # clip around pi_prox; pi_behave is ignored
-    "behave": Correction(
-        clip_to_behaviour=True
-    ),  # PPO around the policy that sampled (AReaL's)
-    "truncate": Correction(2.0, weigh=token_truncate),  # token TIS: decoupled PPO, capped
-    "mask": Correction(
-        2.0, weigh=token_mask
-    ),  # AReaL's decoupled PPO: tokens over the cap out
+CORRECTIONS = {
+    # clip around pi_prox; pi_behave is ignored
+    "none": Correction(),
+    # PPO around the policy that sampled (AReaL's)
+    "behave": Correction(clip_to_behaviour=True),
+    # token TIS: decoupled PPO, capped
+    "truncate": Correction(2.0, weigh=token_truncate),
+    # AReaL's decoupled PPO: tokens over the cap out
+    "mask": Correction(2.0, weigh=token_mask),
     "m2po": Correction(0.04, clip_to_behaviour=True, global_mask=m2po_mask, clip=False),
     "seq_tis": Correction(2.0, weigh=seq_truncate),
     "token_mis": Correction(2.0, weigh=token_truncate, reject=token_reject),
     "seq_mis": Correction(2.0, weigh=seq_truncate, reject=seq_reject),
     "geo_mis": Correction(1.01, reject=geo_reject),
-}
-# --correction auto, by updates_per_batch > 1
-AUTO_CORRECTION = {
-    False: "behave",
-    True: "truncate",
 }
 
 
@@ -466,9 +461,10 @@ def correct(
     mask (its global keep mask and rejections applied), the share of d it capped or masked."""
     d = mb.denom_mask
     m = mb.loss_mask if mb.keep_mask is None else mb.keep_mask
-    stats: Stats = {}
+    stats = {}
     if correction.global_mask is not None:  # the share of d the mask took from m
-        stats[CAPPED] = (((mb.loss_mask - m) * d).sum(), d.sum())
+        taken = (mb.loss_mask - m) * d
+        stats[CAPPED] = (taken.sum(), d.sum())
     if correction.weigh is None:
         return torch.ones_like(prox), m, stats
     behave = torch.where(d > 0, mb.behave_logprobs, prox)
@@ -485,7 +481,7 @@ def correct(
 #   k1 = L             gradient E_pi[grad log pi] = 0: noise alone (verl puts it in the reward);
 #   k2 = L^2 / 2       gradient E_pi[L grad log pi] = grad KL(pi || ref)   (reverse KL);
 #   k3 = e^-L - 1 + L  gradient E_pi[(1 - pi_ref/pi) grad log pi] = grad KL(ref || pi) (forward).
-KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
+KL_ESTIMATORS = {
     "k1": lambda L: L,
     "k2": lambda L: L**2 / 2,
     "k3": lambda L: (torch.exp(-L) - 1.0 + L).clamp(max=K3_CAP),
@@ -497,6 +493,11 @@ def kl_penalty(logp: Tensor, ref: Tensor, estimator: str = "k3") -> Tensor:
     return _choice("kl-estimator", estimator, KL_ESTIMATORS)(log_ratio(logp, ref))
 
 
+def _behave_log_ratio(logp: Tensor, behave: Tensor, d: Tensor) -> Tensor:
+    """log(pi / pi_behave) of the tokens of d (0 elsewhere), detached, in float64."""
+    return torch.where(d > 0, log_ratio(logp.detach(), behave), 0.0).double()
+
+
 def mismatch_sums(
     logp: Tensor, behave: Tensor, d: Tensor, seq_ids: Tensor, rejected: Tensor | None = None
 ) -> Tensor:
@@ -504,7 +505,7 @@ def mismatch_sums(
     logs.step_metrics divides): tokens, |log r|, k3 = r - 1 - log r (KL(pi_behave || pi), r =
     pi / pi_behave), responses, their log perplexity gap mean_t (log pi_behave - log pi), and
     the tokens and whole responses a mismatch correction `rejected` before the step."""
-    lr = torch.where(d > 0, log_ratio(logp.detach(), behave), 0.0).double()
+    lr = _behave_log_ratio(logp, behave, d)
     k3 = torch.exp(lr) - 1 - lr
     rejected = torch.zeros_like(d) if rejected is None else rejected
     count = _group_sums(d.double(), seq_ids)
@@ -512,8 +513,10 @@ def mismatch_sums(
     first[1:] = seq_ids[1:] != seq_ids[:-1]  # one token per response: its values counted once
     first = first & (seq_ids >= 0)
     active = first & (count > 0)
-    gone = first & (count == 0) & (_group_sums(rejected.double(), seq_ids) > 0)
-    gap = torch.where(active, -_group_sums(lr, seq_ids) / count.clamp(min=1), 0.0)
+    rejected_count = _group_sums(rejected.double(), seq_ids)
+    gone = first & (count == 0) & (rejected_count > 0)
+    log_ppl_gap = -_group_sums(lr, seq_ids) / count.clamp(min=1)
+    gap = torch.where(active, log_ppl_gap, 0.0)
     return torch.stack(
         [
             d.double().sum(),
@@ -529,9 +532,8 @@ def mismatch_sums(
 
 def seq_log_ratios(logp: Tensor, behave: Tensor, d: Tensor, seq_ids: Tensor) -> Tensor:
     """[max, -min] over responses of log rho_i (pi over pi_behave): both reduced by max."""
-    lr = torch.where(d > 0, log_ratio(logp.detach(), behave), 0.0).double()
-    log_rho = torch.where(seq_ids >= 0, _group_sums(lr, seq_ids), math.nan)
-    log_rho = log_rho[~log_rho.isnan()]
+    lr = _behave_log_ratio(logp, behave, d)
+    log_rho = _group_sums(lr, seq_ids)[seq_ids >= 0]
     if not len(log_rho):
         return lr.new_full((2,), -math.inf)
     return torch.stack([log_rho.max(), -log_rho.min()])
@@ -563,8 +565,8 @@ class MicroBatch:
     logprobs: Tensor | None = None
     entropy: Tensor | None = None
 
-    def validate(self, masks: bool = True) -> None:
-        """Rule 4; m <= d only with `masks` (it syncs a GPU: once, before the step)."""
+    def validate(self) -> None:
+        """Rule 4 (m <= d syncs a GPU: begin_step checks it once, before the step)."""
         given = [(f.name, getattr(self, f.name)) for f in fields(self)[3:]]
         given = [(k, v) for k, v in given if v is not None]
         if not given:
@@ -579,8 +581,7 @@ class MicroBatch:
         if self.seq_ids is not None and self.seq_ids.is_floating_point():
             raise ValueError(f"'seq_ids' must be an integer tensor, got {self.seq_ids.dtype}")
         if (
-            masks
-            and self.loss_mask is not None
+            self.loss_mask is not None
             and self.denom_mask is not None
             and (self.loss_mask > self.denom_mask).any()
         ):
@@ -599,7 +600,8 @@ def as_microbatch(mb: MicroBatch | Mapping) -> MicroBatch:
     """A MicroBatch, or the MicroBatch fields of a mapping (tests, a custom term's batch)."""
     if isinstance(mb, MicroBatch):
         return mb
-    return MicroBatch(**{k: v for k, v in mb.items() if k in MicroBatch.__dataclass_fields__})
+    known = MicroBatch.__dataclass_fields__
+    return MicroBatch(**{k: v for k, v in mb.items() if k in known})
 
 
 @dataclass
@@ -617,7 +619,8 @@ def all_reduce_vector(vec: Tensor, group=None, op=None) -> Tensor:
         nccl = dist.get_backend(group) == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
         buf = vec.to(device)
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM if op is None else op, group=group)
+        op = dist.ReduceOp.SUM if op is None else op
+        dist.all_reduce(buf, op=op, group=group)
         vec = buf.to(vec.device)
     return vec
 
@@ -627,36 +630,36 @@ class LossReduction:
     group), which together see each token once; `cp_factor`: rule 5's CP size, else 1."""
 
     def __init__(self, terms: list[LossTerm], group=None, cp_factor: int = 1):
-        if len({t.name for t in terms}) != len(terms) or cp_factor < 1:
+        self.names = [t.name for t in terms]
+        if len(set(self.names)) != len(terms) or cp_factor < 1:
             raise ValueError(
-                f"need unique term names and cp_factor >= 1, got "
-                f"{[t.name for t in terms]} and {cp_factor}"
+                f"need unique term names and cp_factor >= 1, got {self.names} and {cp_factor}"
             )
-        self.terms, self.group, self.cp_factor = terms, group, cp_factor
+        self.terms = terms
+        self.group = group
+        self.cp_factor = cp_factor
         # Z: begin_step's; the rest on device
-        self.Z, self._numerators, self._stats = (
-            {},
-            {},
-            {},
-        )
+        self.Z = {}
+        self._numerators = {}
+        self._stats = {}
 
     def begin_step(self, microbatches: list) -> None:
         """Every term's normalizer over this rank's micro-batches; one all_reduce -> global Z_k."""
         local = torch.zeros(len(self.terms), dtype=torch.float64)
-        for mb in microbatches:
-            mb = as_microbatch(mb)
+        for mb in map(as_microbatch, microbatches):
             mb.validate()
             for k, term in enumerate(self.terms):
-                n = float(torch.as_tensor(term.normalizer_fn(mb), dtype=torch.float64))
-                if not math.isfinite(n) or n < 0:
+                n = float(term.normalizer_fn(mb))
+                if not 0 <= n < math.inf:
                     raise ValueError(
                         f"term {term.name!r}: normalizer {n} is not finite and >= 0"
                     )
                 local[k] += n
         # each token cp_factor times
         Z = all_reduce_vector(local, self.group) * self.cp_factor
-        self.Z = {t.name: float(z) for t, z in zip(self.terms, Z.tolist(), strict=True)}
-        self._numerators, self._stats = {t.name: 0.0 for t in self.terms}, {}
+        self.Z = dict(zip(self.names, Z.tolist()))
+        self._numerators = dict.fromkeys(self.names, 0.0)
+        self._stats = {}
 
     def __call__(
         self, numerators: Mapping[str, Tensor], stats: Stats | None = None
@@ -667,47 +670,46 @@ class LossReduction:
             raise RuntimeError(
                 "call begin_step(microbatches) before computing micro-batch losses"
             )
-        if set(numerators) != {t.name for t in self.terms}:
-            raise ValueError(
-                f"numerators {sorted(numerators)} for terms {[t.name for t in self.terms]}"
-            )
+        if set(numerators) != set(self.names):
+            raise ValueError(f"numerators {sorted(numerators)} for terms {self.names}")
         for k, pair in (stats or {}).items():
             old = self._stats.get(k, (0, 0))
             self._stats[k] = [a + b.detach() for a, b in zip(old, pair)]
         total = 0.0
         for term in self.terms:
             value = numerators[term.name]
-            self._numerators[term.name] = (
-                self._numerators[term.name] + value.detach().double()
-            )
+            self._numerators[term.name] += value.detach().double()
             # Z == 0: multiply by 0, never divide: finite zero gradients
             Z = self.Z[term.name]
-            total = total + (value * (term.coef / Z) if Z > 0 else value * 0.0)
+            scale = term.coef / Z if Z > 0 else 0.0
+            total = total + value * scale
         return total
 
     def reported(self) -> dict[str, float]:
         """Each term's global value, 'loss' = sum_k coef_k value_k, the stats; one all_reduce."""
-        names, k = sorted(self._stats), len(self.terms)
-        local = [float(self._numerators.get(t.name, 0.0)) for t in self.terms]
-        local += [float(x) for s in names for x in self._stats[s]]
-        vec = all_reduce_vector(torch.tensor(local, dtype=torch.float64), self.group).tolist()
+        stat_names = sorted(self._stats)
+        local = [float(self._numerators.get(name, 0.0)) for name in self.names]
+        local += [float(x) for s in stat_names for x in self._stats[s]]
+        local = torch.tensor(local, dtype=torch.float64)
+        vec = all_reduce_vector(local, self.group).tolist()
         out = {}
-        for t, v in zip(self.terms, vec):
-            out[t.name] = v / self.Z[t.name] if self.Z.get(t.name, 0.0) > 0 else 0.0
+        for name, v in zip(self.names, vec):
+            Z = self.Z.get(name, 0.0)
+            out[name] = v / Z if Z > 0 else 0.0
         out["loss"] = sum(t.coef * out[t.name] for t in self.terms)
-        for s, n, c in zip(names, vec[k::2], vec[k + 1 :: 2]):
+        k = len(self.terms)
+        totals, counts = vec[k::2], vec[k + 1 :: 2]
+        for s, n, c in zip(stat_names, totals, counts):
             out[s] = n / c if c > 0 else 0.0
         return out
 
 
-def masked_sum(
-    values: Tensor, mask: Tensor, weight: Tensor | None = None, name: str = "loss"
-) -> Tensor:
+def masked_sum(values: Tensor, mask: Tensor, weight: Tensor | None = None) -> Tensor:
     """sum_t mask_t weight_t values_t, no broadcasting; masked values -> 0 first (inf * 0 = NaN)."""
     for key, t in (("mask", mask), ("weight", weight)):
         if t is not None and t.shape != values.shape:
             raise ValueError(
-                f"{name}: {key} shape {tuple(t.shape)} != loss {tuple(values.shape)}"
+                f"masked_sum: {key} shape {tuple(t.shape)} != loss {tuple(values.shape)}"
             )
     w = mask if weight is None else mask * weight
     return (torch.where(w != 0, values, 0.0) * w).sum()
@@ -752,8 +754,11 @@ def resolve_loss_flags(
     divisor (the longest response), the correction (auto) and its threshold."""
     s = _choice("policy-loss", policy_loss, SURROGATES)
     mode = s.aggregation if loss_aggregation == "auto" else loss_aggregation
-    if correction == "auto":  # what docs/studies.md measured holding under staleness
-        correction = "none" if max_staleness == 0 else AUTO_CORRECTION[updates_per_batch > 1]
+    # --correction auto: what docs/studies.md measured holding under staleness
+    if correction == "auto" and max_staleness == 0:
+        correction = "none"
+    elif correction == "auto":
+        correction = "truncate" if updates_per_batch > 1 else "behave"
     pick = lambda given, default: default if given is None else given
     if mode == "constant":
         divisor = pick(divisor, float(max_new_tokens))
@@ -773,27 +778,25 @@ def surrogate_params(
 ) -> dict:
     """The surrogate's defaults and the clip flags given; one it cannot use is an error. A
     correction that replaces the clip opens it (r in [1 - 1, 1 + inf]: never clipped)."""
-    params = _choice("policy-loss", policy_loss, SURROGATES).params
-    given = {k: v for k, v in (("eps_low", eps_low), ("eps_high", eps_high)) if v is not None}
-    unused = [k for k in given if k not in params]
-    if unused:
-        raise ValueError(
-            f"--{unused[0].replace('_', '-')}: {policy_loss} has no such parameter"
-        )
-    params = params | given
-    if not _choice("correction", correction, CORRECTIONS).clip:
-        opened = {"eps_low": 1.0, "eps_high": math.inf}
-        params |= {k: v for k, v in opened.items() if k in params}
+    params = dict(_choice("policy-loss", policy_loss, SURROGATES).params)
+    opens = not _choice("correction", correction, CORRECTIONS).clip
+    for flag, given, opened in (("eps_low", eps_low, 1.0), ("eps_high", eps_high, math.inf)):
+        if given is not None and flag not in params:
+            raise ValueError(
+                f"--{flag.replace('_', '-')}: {policy_loss} has no such parameter"
+            )
+        if given is not None:
+            params[flag] = given
+        if opens and flag in params:
+            params[flag] = opened
     return params
 
 
 def check_loss_flags(cfg) -> None:
     """Every loss flag's range (on resolved flags); raises ValueError naming the flag."""
+    # the mode, and constant's divisor
     response_weights(
-        cfg.loss_aggregation,
-        torch.zeros(0),
-        torch.zeros(0),  # the mode, a divisor
-        cfg.loss_aggregation_divisor,
+        cfg.loss_aggregation, torch.zeros(0), torch.zeros(0), cfg.loss_aggregation_divisor
     )
     if cfg.loss_aggregation != "constant" and cfg.loss_aggregation_divisor is not None:
         raise ValueError(
@@ -801,7 +804,9 @@ def check_loss_flags(cfg) -> None:
             f"(not {cfg.loss_aggregation})"
         )
     params = surrogate_params(cfg.policy_loss, cfg.eps_low, cfg.eps_high)
-    if not (0 <= params.get("eps_low", 0) < 1 and params.get("eps_high", 0) >= 0):
+    eps_low = params.get("eps_low", 0)
+    eps_high = params.get("eps_high", 0)
+    if not (0 <= eps_low < 1 and eps_high >= 0):
         raise ValueError(
             f"--eps-low must be in [0, 1) and --eps-high >= 0, got {cfg.eps_low} and "
             f"{cfg.eps_high}"

@@ -10,6 +10,7 @@ into the one copy. Only the policy's tokens train (an episode's env tokens are c
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ import loss
 from loss import MicroBatch
 from rollout import Sample
 
-INT_COLUMNS = ("input_ids", "position_ids", "targets", "seq_ids")
+INT_COLUMNS = ("input_ids", "position_ids", "targets", "seq_ids", "segments")
 FLOAT_COLUMNS = ("loss_mask", "advantages", "behave_logprobs", "loss_weight", "norm_weight")
 
 
@@ -35,39 +36,47 @@ def pack_microbatches(
     any split is exact (loss.py's rule 2); mask_truncated: a cut response counts nowhere. A
     sample's seq_id is its index in `samples`."""
     masks = [loss_mask(s, mask_truncated) for s in samples]
-    weights, norm_weights = mode_weights([sum(m) for m in masks], samples, mode, divisor)
-    keys = [tuple(s.prompt_ids[:-1]) if share_prompts else i for i, s in enumerate(samples)]
+    w, nw = mode_weights([sum(m) for m in masks], samples, mode, divisor)
+    weights, norm_weights = w.tolist(), nw.tolist()
+    # a prompt's samples share a key (their prompt prefix), or each has its own
+    if share_prompts:
+        keys = [tuple(s.prompt_ids[:-1]) for s in samples]
+    else:
+        keys = list(range(len(samples)))
     spans = [
         (k, len(s.prompt_ids), len(s.completion.output_ids)) for k, s in zip(keys, samples)
     ]
     starts = set(cuts(spans, budget)[1:])
-    mbs, cols, prefix_at = [], defaultdict(list), {}  # prefix_at: key -> its prefix's context
-    for i, (s, key) in enumerate(zip(samples, keys)):
-        full, p = s.prompt_ids + s.completion.output_ids, len(s.prompt_ids)
-        r = len(full) - p
+    mbs, cols = [], defaultdict(list)
+    prefix_at = {}  # key -> its prefix's context
+    for i, (s, (key, p, r)) in enumerate(zip(samples, spans)):
+        full = s.prompt_ids + s.completion.output_ids
         if i in starts:
             mbs.append(to_microbatch(cols))
             cols, prefix_at = defaultdict(list), {}
-        head, ctx = (p - 1, prefix_at.get(key)) if share_prompts else (0, (0, 0))
+        # fed from 0 attending to nothing, or from p-1 attending to the prompt's prefix
+        head, ctx = 0, (0, 0)
+        if share_prompts:
+            head, ctx = p - 1, prefix_at.get(key)
         # the prompt's first sample here: its prefix is fed, predicting nothing
         if ctx is None:
             ctx = prefix_at[key] = (len(cols["input_ids"]), p - 1)
             if p > 1:
                 feed(cols, full, 0, p - 1)
         # positions head..p+r-2: the prompt's (predicting prompt tokens: no loss), the response's
-        n, fed_prompt = p + r - 1 - head, p - 1 - head
+        stop = p + r - 1  # the last token predicts nothing: never fed
+        n = stop - head
         if n:
-            advantages = s.token_advantages or [s.advantage] * r
             feed(
                 cols,
                 full,
                 head,
-                p + r - 1,
+                stop,
                 ctx,
-                [-1] * fed_prompt + [i] * r,
-                loss_mask=[0.0] * fed_prompt + masks[i],
-                advantages=[0.0] * fed_prompt + list(advantages),
-                behave_logprobs=[0.0] * fed_prompt + s.completion.logprobs,
+                seq_ids=[i] * r,
+                loss_mask=masks[i],
+                advantages=s.token_advantages or [s.advantage] * r,
+                behave_logprobs=s.completion.logprobs,
                 loss_weight=[weights[i]] * n,
                 norm_weight=[norm_weights[i]] * n,
             )
@@ -80,17 +89,17 @@ def loss_mask(s: Sample, mask_truncated: bool) -> list[float]:
     c = s.completion
     if mask_truncated and c.finish_reason == "length":
         return [0.0] * len(c.output_ids)
-    return [float(x) for x in c.policy_mask or [1] * len(c.output_ids)]
+    policy = c.policy_mask or [1] * len(c.output_ids)
+    return [float(x) for x in policy]
 
 
 def mode_weights(
-    counts: list[float], samples: list[Sample], mode: str, divisor: float | None
-):
-    """The mode's per-response (w_i, nw_i) as lists, from the responses' M_i and groups."""
+    counts, samples: list[Sample], mode: str, divisor: float | None
+) -> loss.Pair:
+    """The mode's per-response (w_i, nw_i) in float64, from the responses' M_i and groups."""
     groups = torch.tensor([s.group for s in samples], dtype=torch.long)
-    M = torch.tensor(counts, dtype=torch.float64)
-    w, nw = loss.response_weights(mode, M, groups, divisor)
-    return w.tolist(), nw.tolist()
+    M = torch.as_tensor(counts, dtype=torch.float64)
+    return loss.response_weights(mode, M, groups, divisor)
 
 
 def reweigh(
@@ -102,19 +111,11 @@ def reweigh(
     for mb in mbs:
         mine = mb.seq_ids >= 0
         counts.index_add_(0, mb.seq_ids[mine], mb.denom_mask[mine].double())
-    w, nw = (
-        torch.tensor(x + [0.0]) for x in mode_weights(counts.tolist(), samples, mode, divisor)
-    )
-    out = []
-    for mb in mbs:  # seq_id -1 (a prompt's positions) reads the appended 0
-        index = torch.where(mb.seq_ids >= 0, mb.seq_ids, len(samples))
-        out.append(
-            MicroBatch(
-                **{f: getattr(mb, f) for f in MicroBatch.__dataclass_fields__}
-                | {"loss_weight": w[index].float(), "norm_weight": nw[index].float()}
-            )
-        )
-    return out
+    w, nw = mode_weights(counts, samples, mode, divisor)
+    # seq_id -1 (a prompt's positions) reads the appended 0
+    w = torch.cat([w, w.new_zeros(1)]).float()
+    nw = torch.cat([nw, nw.new_zeros(1)]).float()
+    return [replace(mb, loss_weight=w[mb.seq_ids], norm_weight=nw[mb.seq_ids]) for mb in mbs]
 
 
 def cuts(spans: list[tuple], budget: int) -> list[int]:
@@ -127,7 +128,8 @@ def cuts(spans: list[tuple], budget: int) -> list[int]:
         for i, (key, p, r) in enumerate(spans):
             cost = r if key in seen else p + r - 1
             if not starts or used + cost > cap:
-                starts, used, seen = starts + [i], 0, set()
+                starts.append(i)
+                used, seen = 0, set()
                 cost = p + r - 1
             used += cost
             seen.add(key)
@@ -149,18 +151,20 @@ def feed(
     start: int,
     stop: int,
     ctx: tuple = (0, 0),
-    seq_ids: list[int] | None = None,
-    **floats: list[float],
+    **given: list,
 ) -> dict[str, list]:
     """Append positions start..stop-1 of the sequence `full` as one segment attending to `ctx`
-    (start, length); seq_ids not given are -1, floats 0 (a prefix: no loss, weights, advantages)."""
-    cols["segments"].append((len(cols["input_ids"]), stop - start, *ctx))
+    (start, length). A column given covers the segment's last positions (a response's); the
+    ones before (a prompt predicting itself, a prefix) get seq_id -1 and 0: no loss, weights."""
+    n = stop - start
+    cols["segments"].append((len(cols["input_ids"]), n, *ctx))
     cols["input_ids"] += full[start:stop]
     cols["position_ids"] += range(start, stop)
     cols["targets"] += full[start + 1 : stop + 1]
-    cols["seq_ids"] += seq_ids or [-1] * (stop - start)
-    for key in FLOAT_COLUMNS:
-        cols[key] += floats.get(key, [0.0] * (stop - start))
+    for key in ("seq_ids",) + FLOAT_COLUMNS:
+        values = given.get(key, [])
+        padding = -1 if key == "seq_ids" else 0.0
+        cols[key] += [padding] * (n - len(values)) + values
     return cols
 
 
@@ -170,13 +174,15 @@ def to_microbatch(cols: dict[str, list]) -> MicroBatch:
         t[k] = torch.tensor(
             cols[k], dtype=torch.float32 if k in FLOAT_COLUMNS else torch.long
         )
-    segments = torch.tensor(cols["segments"], dtype=torch.long).view(-1, 4)
-    return MicroBatch(**t, denom_mask=t["loss_mask"].clone(), segments=segments)
+    t["segments"] = t["segments"].view(-1, 4)  # [R, 4], also when empty
+    return MicroBatch(**t, denom_mask=t["loss_mask"].clone())
 
 
 def even_out(mbs: list[MicroBatch], group=None) -> list[MicroBatch]:
     """The same number of micro-batches on every rank of `group` (FSDP2 all-gathers per forward):
     a rank with fewer adds ones of a single masked token."""
-    most = loss.all_reduce_vector(torch.tensor([len(mbs)]), group, op=dist.ReduceOp.MAX)
+    count = torch.tensor([len(mbs)])
+    most = loss.all_reduce_vector(count, group, op=dist.ReduceOp.MAX)
     single = lambda: to_microbatch(feed(defaultdict(list), [0, 0], 0, 1))
-    return mbs + [single() for _ in range(int(most) - len(mbs))]
+    missing = int(most) - len(mbs)
+    return mbs + [single() for _ in range(missing)]

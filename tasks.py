@@ -54,8 +54,10 @@ def answer_span(text: str) -> str | None:
     """What a text marks as its final answer, whichever mark comes last: the inside of its last
     \\boxed{...} (nested braces kept) or the first line after its last '####'; else None."""
     box, mark = text.rfind("\\boxed{"), text.rfind("####")
-    if box < mark or box < 0:  # the '####' comes last, or there is neither mark
-        return (text[mark + 4 :].strip().splitlines() or [""])[0] if mark >= 0 else None
+    if box < 0 and mark < 0:
+        return None
+    if mark > box:  # the '####' comes last
+        return (text[mark + 4 :].strip().splitlines() or [""])[0]
     depth, start = 0, box + len("\\boxed{")
     for i, c in enumerate(text[start:], start):
         depth += (c == "{") - (c == "}")
@@ -97,15 +99,13 @@ def math_reward(completion: str, row: dict) -> tuple[float, dict]:
     # math-verify's own timeouts use SIGALRM, main thread only: compute_rewards times the call
     read = lambda text: parse(text, config, parsing_timeout=None)
     want = str(row["answer"]).rsplit("####", 1)[-1].strip()
-    gold = read(want if re.search(r"\$|\\\(|\\\[|\\boxed", want) else f"${want}$") or read(
-        want
-    )
+    latex = re.search(r"\$|\\\(|\\\[|\\boxed", want)
+    gold = read(want if latex else f"${want}$") or read(want)
     # only the last mark: math-verify's own \boxed regex reads from the FIRST box outside $...$
-    span, boxed = (
-        answer_span(completion),
-        completion.rfind("\\boxed{") > completion.rfind("####"),
-    )
-    got = read(completion if span is None else f"\\boxed{{{span}}}" if boxed else span)
+    span = answer_span(completion)
+    if span is not None and completion.rfind("\\boxed{") > completion.rfind("####"):
+        span = f"\\boxed{{{span}}}"
+    got = read(completion if span is None else span)
     ok = bool(gold and got) and verify(gold, got, timeout_seconds=None)
     return float(ok), {"correct": ok}
 
@@ -172,7 +172,8 @@ def chain_values(prompt: str) -> list[int]:
     body = prompt.rstrip("=").rstrip()
     values = [int(body[0])]
     for op, d in zip(body[1::2], body[2::2]):
-        values.append((values[-1] + int(d)) % 10 if op == "+" else values[-1] * int(d) % 10)
+        value = values[-1] + int(d) if op == "+" else values[-1] * int(d)
+        values.append(value % 10)
     return values
 
 
@@ -194,7 +195,8 @@ def make_chain_task(
         )
     per_k, rng, train, held_by_k = heldout_size // CHAIN_MAX_OPS, random.Random(seed), [], []
     for k in range(1, CHAIN_MAX_OPS + 1):
-        want = min(per_length, space := 10 * len(CHAIN_OPS) ** k)
+        space = 10 * len(CHAIN_OPS) ** k
+        want = min(per_length, space)
         if per_k >= want:
             raise ValueError(f"heldout_size {heldout_size} leaves no train rows with {k} ops")
         if space <= 4 * per_length:  # small: enumerate and shuffle (rejection would crawl)
@@ -261,16 +263,17 @@ def load_jsonl(path: str, prompt_key: str = "prompt") -> list[dict]:
     except UnicodeDecodeError:
         raise UserError(f"{path}: not a UTF-8 text file (expected JSON lines)") from None
     rows = []
-    for n, line in ((n, s) for n, s in enumerate(lines, 1) if s.strip()):
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
         if not isinstance(row, dict):
             raise UserError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-        if isinstance(row.get(prompt_key), str) == (
-            chat := isinstance(row.get("messages"), list)
-        ):
+        chat = isinstance(row.get("messages"), list)
+        if isinstance(row.get(prompt_key), str) == chat:
             raise UserError(
                 f'{path}:{n}: needs exactly one of "{prompt_key}" (string; '
                 '--prompt-key names the field) or "messages" (list); it has '
@@ -334,34 +337,31 @@ def encode_prompts(
             f"{name}: {what} need(s) a chat template, and the tokenizer has none; use "
             f'"{prompt_key}" rows without --chat-template, or a model with one'
         )
-    bos, encoded = tokenizer.bos_token_id if adds_bos(tokenizer) else None, []
+    bos = tokenizer.bos_token_id if adds_bos(tokenizer) else None
+    unk = tokenizer.unk_token_id
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    encoded = []
     for n, row in enumerate(rows, 1):
-        if chat := "messages" in row or chat_template:
+        chat = "messages" in row or chat_template
+        text = row.get(prompt_key)
+        if chat:
             msgs = row.get("messages") or [{"role": "user", "content": row[prompt_key]}]
             text = tokenizer.apply_chat_template(
                 msgs, add_generation_prompt=True, tokenize=False
             )
-        ids = tokenizer(text if chat else row[prompt_key], add_special_tokens=False)[
-            "input_ids"
-        ]
-        if (unk := tokenizer.unk_token_id) in ids:  # None (no unk token) is in no ids
-            missing = sorted(
-                {
-                    c
-                    for c in (row.get(prompt_key) or str(row.get("messages")))
-                    if unk in tokenizer(c, add_special_tokens=False)["input_ids"]
-                }
-            )
+        ids = encode(text)
+        if unk in ids:  # None (no unk token) is in no ids
+            missing = sorted({c for c in text if unk in encode(c)})
             raise UserError(
                 f"{name}: row {n}'s prompt has characters the tokenizer cannot encode "
                 f"({''.join(missing)!r} would become {tokenizer.unk_token}); the model "
                 "was not trained on them"
             )
-        encoded.append(
-            [bos] + ids if bos is not None and not chat and ids[:1] != [bos] else ids
-        )
-        if not encoded[-1]:  # nothing to condition on: no engine can start a completion
+        if bos is not None and not chat and ids[:1] != [bos]:
+            ids = [bos] + ids
+        if not ids:  # nothing to condition on: no engine can start a completion
             raise UserError(f"{name}: row {n}'s prompt is empty (it encodes to no tokens)")
+        encoded.append(ids)
     return encoded
 
 
@@ -378,9 +378,8 @@ def stop_token_ids(tokenizer, model: str, chat: bool) -> list[int]:
     ]
     with suppress(OSError):  # no generation_config.json
         ids.append(GenerationConfig.from_pretrained(model).eos_token_id)
-    if not (
-        flat := [i for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None]
-    ):
+    flat = [i for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None]
+    if not flat:
         raise UserError(
             f"--model {model}: its tokenizer and configs name no end-of-sequence "
             "token, so no response could ever stop; set eos_token in its tokenizer"
@@ -426,27 +425,25 @@ def load_data(cfg) -> Data:
     """cfg.model's tokenizer, the rows of cfg.dataset (and cfg.eval_dataset), prompts tokenized once
     (BOS as the model expects), stop tokens, cfg.env, and no weights; or a one-line error: no
     tokenizer, prompts it cannot encode, a sequence too long."""
-    model, dataset, eval_dataset = cfg.model, cfg.dataset, cfg.eval_dataset
-    chat_template, prompt_key = cfg.chat_template, cfg.prompt_key
-    max_new_tokens, micro_batch_tokens = cfg.max_new_tokens, cfg.micro_batch_tokens
     from transformers import AutoTokenizer
 
+    model, chat_template = cfg.model, cfg.chat_template
     quiet_libraries()  # transformers' progress bars and info lines off (imported from here)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
     except Exception as e:  # a directory without tokenizer files ends in sentencepiece advice
         raise UserError(f"--model {model}: no usable tokenizer there ({why(e)})") from None
-    rows, eval_rows = load_dataset(dataset, eval_dataset, cfg.reward, prompt_key)
+    rows, eval_rows = load_dataset(cfg.dataset, cfg.eval_dataset, cfg.reward, cfg.prompt_key)
     prompts, eval_prompts = (
-        encode_prompts(r, tokenizer, chat_template, name, prompt_key)
-        for r, name in ((rows, dataset), (eval_rows, eval_dataset or ""))
+        encode_prompts(r, tokenizer, chat_template, name, cfg.prompt_key)
+        for r, name in ((rows, cfg.dataset), (eval_rows, cfg.eval_dataset or ""))
     )
     stop_ids = stop_token_ids(
         tokenizer, model, chat_template or any("messages" in r for r in rows + eval_rows)
     )
     # sequences are never cut: the longest possible one must fit the model and a micro-batch
     prompt = max(map(len, prompts + eval_prompts), default=0)
-    longest, context = prompt + max_new_tokens, context_length(model)
+    longest, context = prompt + cfg.max_new_tokens, context_length(model)
     if context is not None and longest > context - SGLANG_CONTEXT_MARGIN:
         raise UserError(
             f"config error: the longest prompt + --max-new-tokens is {longest} tokens, "
@@ -459,10 +456,10 @@ def load_data(cfg) -> Data:
             f"context length ({context}) less {SGLANG_PROMPT_MARGIN}: SGLang aborts "
             "a longer prompt"
         )
-    if micro_batch_tokens is not None and longest > micro_batch_tokens:
+    if cfg.micro_batch_tokens is not None and longest > cfg.micro_batch_tokens:
         raise UserError(
             f"config error: the longest prompt + --max-new-tokens is {longest} "
-            f"tokens, over --micro-batch-tokens ({micro_batch_tokens})"
+            f"tokens, over --micro-batch-tokens ({cfg.micro_batch_tokens})"
         )
     tools = load_env(cfg.env, tokenizer, chat_template)
     return Data(tokenizer, rows, prompts, list(zip(eval_rows, eval_prompts)), stop_ids, tools)
@@ -548,7 +545,8 @@ def load_plugin(flag: str, spec: str, builtins: str = "") -> Callable:
         module_spec.loader.exec_module(module)
     except Exception as e:
         raise UserError(f"{flag} {spec}: importing {path} failed ({why(e)})") from None
-    if not callable(fn := getattr(module, name, None)):
+    fn = getattr(module, name, None)
+    if not callable(fn):
         raise UserError(f"{flag} {spec}: {path} has no function {name!r}")
     return fn
 
@@ -585,20 +583,15 @@ def load_env(spec: str | None, tokenizer, chat: bool) -> Tools | None:
         raise UserError(
             f"--env {spec}: its .max_turns must be an int >= 1, got {max_turns!r}"
         )
-    pre, post = wrap = (tool_turn(tokenizer) if chat else None) or ("", "")
-    print0(
-        f"--env {spec}: replies as "
-        + (
-            "the chat template's tool turn"
-            if any(wrap)
-            else "raw text"
-            + " (the template has no tool turn extending the turns before)" * chat
-        )
-    )
+    pre, post = (tool_turn(tokenizer) if chat else None) or ("", "")
+    how = "the chat template's tool turn" if pre or post else "raw text"
+    if chat and not (pre or post):
+        how += " (the template has no tool turn extending the turns before)"
+    print0(f"--env {spec}: replies as {how}")
     return Tools(
         make,
         ids,
-        lambda text: tokenizer(pre + text + post, add_special_tokens=False)["input_ids"],
+        lambda text: tokenizer(f"{pre}{text}{post}", add_special_tokens=False)["input_ids"],
         tokenizer.decode,
         max_turns,
     )
@@ -671,9 +664,9 @@ def weighted_reward(terms: list[tuple[float, str, Callable]]) -> Callable:
         scores = [score_one(fn, completion, row) for _, _, fn in terms]
         metrics = {k: v for sc in scores for k, v in sc.metrics.items()}
         metrics |= {name: sc.reward for (_, name, _), sc in zip(terms, scores)}
-        return sum(w * sc.reward for (w, _, _), sc in zip(terms, scores)), metrics | (
-            {"correct": scores[0].correct} if scores[0].correct is not None else {}
-        )
+        if scores[0].correct is not None:
+            metrics["correct"] = scores[0].correct
+        return sum(w * sc.reward for (w, _, _), sc in zip(terms, scores)), metrics
 
     return reward
 
@@ -691,30 +684,19 @@ def evaluate(
     with cfg.eval_k = k > 0, k samples per prompt at cfg.temperature give eval/mean@k and
     eval/pass@j, j = 2, 4, ..., k: 1 - C(k-c, j)/C(k, j) for c of k correct (Chen et al. 2021),
     over prompts with all k judged."""
-    max_new_tokens, k, seed = cfg.max_new_tokens, cfg.eval_k, cfg.seed
+    k = cfg.eval_k
 
-    def judge(
-        todo: list, temperature: float, seeds: list[int]
-    ) -> list:  # (row, prompt) pairs
-        sampling = SamplingParams(max_new_tokens, temperature, stop_token_ids=data.stop_ids)
-        outs = (
-            run_episodes(
-                engine,
-                [p for _, p in todo],
-                sampling,
-                seeds,
-                data.tools,
-                [r for r, _ in todo],
-            )
-            if todo
-            else []
+    def judge(todo: list, temperature: float, seeds: list[int]) -> list:
+        """The verdicts (True, False, None: no verdict) of (row, prompt) pairs' answers."""
+        if not todo:
+            return []
+        rows = [r for r, _ in todo]
+        sampling = SamplingParams(
+            cfg.max_new_tokens, temperature, stop_token_ids=data.stop_ids
         )
-        return [
-            s.correct
-            for s in score_completions(
-                reward_fn, data.tokenizer, outs, [r for r, _ in todo], timeout, seeds
-            )
-        ]
+        outs = run_episodes(engine, [p for _, p in todo], sampling, seeds, data.tools, rows)
+        scores = score_completions(reward_fn, data.tokenizer, outs, rows, timeout, seeds)
+        return [s.correct for s in scores]
 
     mine = data.evalset[rank::world]
     verdicts = judge(mine, 0.0, [0] * len(mine))
@@ -722,28 +704,22 @@ def evaluate(
         judged=sum(v is not None for v in verdicts), correct=sum(map(bool, verdicts))
     )
     if k:
-        seeds = [
-            mix_seed(seed, EVAL_SEED, i, j)
-            for i in range(rank, len(data.evalset), world)
-            for j in range(k)
-        ]
+        indices = range(rank, len(data.evalset), world)
+        seeds = [mix_seed(cfg.seed, EVAL_SEED, i, j) for i in indices for j in range(k)]
         verdicts = judge([pair for pair in mine for _ in range(k)], cfg.temperature, seeds)
-        js = (
-            sorted({2**e for e in range(1, k.bit_length()) if 2**e < k} | {k})
-            if k > 1
-            else []
-        )
+        # j = 2, 4, 8, ... below k, and k itself
+        js = [j for j in range(2, k + 1) if j == k or j.bit_count() == 1]
         for i in range(len(mine)):
-            if None not in (answers := verdicts[i * k : (i + 1) * k]):
-                c = sum(answers)
-                sums.update(
-                    {"k_judged": 1, f"mean@{k}": c / k}
-                    | {f"pass@{j}": 1 - math.comb(k - c, j) / math.comb(k, j) for j in js}
-                )
+            answers = verdicts[i * k : (i + 1) * k]
+            if None in answers:
+                continue
+            c = sum(answers)
+            sums.update({"k_judged": 1, f"mean@{k}": c / k})
+            sums.update({f"pass@{j}": 1 - math.comb(k - c, j) / math.comb(k, j) for j in js})
     sums = reduce_metrics(dict(sums))
-    return {"eval/accuracy": sums["correct"] / max(sums["judged"], 1)} | {
-        f"eval/{m}": v / max(sums.get("k_judged", 0), 1) for m, v in sums.items() if "@" in m
-    }
+    k_judged = max(sums.get("k_judged", 0), 1)
+    at_k = {f"eval/{m}": v / k_judged for m, v in sums.items() if "@" in m}
+    return {"eval/accuracy": sums["correct"] / max(sums["judged"], 1)} | at_k
 
 
 @dataclass
@@ -764,15 +740,15 @@ def score_one(reward_fn: Callable, completion: str, row: dict) -> Score:
                 f"a reward returns a float or (float, dict), got a tuple of {len(out)}"
             )
         out, metrics = out[0], dict(out[1])
-    if not math.isfinite(reward := float(out)):
+    reward = float(out)
+    if not math.isfinite(reward):
         raise ValueError(f"the reward is {reward}")
-    if (correct := metrics.pop("correct", None)) is None and "answer" in row:
+    correct = metrics.pop("correct", None)
+    if correct is None and "answer" in row:
         correct = exact_match(completion, row)
-    return Score(
-        reward,
-        None if correct is None else bool(correct),
-        {k: float(v) for k, v in metrics.items()},
-    )
+    if correct is not None:
+        correct = bool(correct)
+    return Score(reward, correct, {k: float(v) for k, v in metrics.items()})
 
 
 def score_completions(
@@ -791,11 +767,11 @@ def score_completions(
         [c.output_ids for c in completions], skip_special_tokens=True
     )
     scores = compute_rewards(reward_fn, texts, rows, timeout, seeds)
-    for sc, n in (
-        zip(scores, (len(c.output_ids) for c in completions)) if overlong_buffer else ()
-    ):
-        sc.metrics["overlong"] = soft_overlong_penalty(n, max_tokens, overlong_buffer)
-        sc.reward += sc.metrics["overlong"]
+    for sc, c in zip(scores, completions):
+        if overlong_buffer:
+            n = len(c.output_ids)
+            sc.metrics["overlong"] = soft_overlong_penalty(n, max_tokens, overlong_buffer)
+            sc.reward += sc.metrics["overlong"]
     return scores
 
 
@@ -811,13 +787,13 @@ def compute_rewards(
     verdict and its error. A hung call keeps its thread (threads cannot be killed; one in C
     holding the GIL stalls us): untrusted code wants a process."""
 
-    def work(
-        start: int, out: queue.Queue
-    ) -> None:  # calls start.. in order, into its own queue
+    # calls start.. in order, into its own queue
+    def work(start: int, out: queue.Queue) -> None:
         for i in range(start, len(texts)):
-            for rng in (random, getattr(sys.modules.get("numpy"), "random", None)):
-                if seeds is not None and rng is not None:  # numpy: if a reward imported it
-                    rng.seed(seeds[i])
+            if seeds is not None:
+                random.seed(seeds[i])
+                if "numpy" in sys.modules:  # if a reward imported it
+                    sys.modules["numpy"].random.seed(seeds[i])
             try:
                 out.put(score_one(reward_fn, texts[i], rows[i]))
             except Exception as e:
