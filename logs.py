@@ -26,14 +26,14 @@ MEANS = {
     "truncated_frac": ("truncated", "samples"),
     "zero_adv_frac": ("zero_adv", "samples"),
     "entropy": ("entropy", "denom_tokens"),
-    "logprob_mismatch": ("mismatch", "denom_tokens"),
+    "logprob_mismatch": ("mismatch", "loss_tokens"),
     "policy_version": ("version", "samples"),
     "importance_weight/mean": ("importance_weight", "denom_tokens"),
-    "mismatch/k3": ("mismatch_k3", "denom_tokens"),
+    "mismatch/k3": ("mismatch_k3", "loss_tokens"),
     "mismatch/log_ppl_gap": ("log_ppl_gap", "responses"),
     "mismatch/rejected_token_frac": ("rejected", "loss_tokens"),
-    "mismatch/rejected_seq_frac": ("rejected_responses", "all_responses"),
-    "resample/extra_samples_frac": ("resampled", "samples"),
+    "mismatch/rejected_seq_frac": ("rejected_responses", "responses"),
+    "resample/resampled_frac": ("resampled", "samples"),
 }
 # counters reduced by max over ranks, not summed (the step's extremes)
 MAXIMA = {"importance_weight_max", "gen_s", "seq_log_ratio_max", "seq_log_ratio_min_max"}

@@ -470,7 +470,9 @@ def correct(
     behave = torch.where(d > 0, mb.behave_logprobs, prox)
     lr = log_ratio(prox, behave)
     w, rejected = correction.weigh(lr, mb.seq_ids, m, cap)
-    capped = (w < torch.exp(lr) * (1 - 1e-6)) | (rejected > 0)
+    # capped: weighed below the uncapped weight (a token's ratio, or its response's rho)
+    uncapped, _ = correction.weigh(lr, mb.seq_ids, m, math.inf)
+    capped = (w < uncapped * (1 - 1e-6)) | (rejected > 0)
     stats[CAPPED] = ((capped * d).sum(), d.sum())
     return w.detach(), m * (1.0 - rejected), stats
 
@@ -500,43 +502,29 @@ def _behave_log_ratio(logp: Tensor, behave: Tensor, d: Tensor) -> Tensor:
 
 def mismatch_sums(
     logp: Tensor, behave: Tensor, d: Tensor, seq_ids: Tensor, rejected: Tensor | None = None
-) -> Tensor:
-    """The engine-vs-trainer mismatch of a micro-batch, as sums over d (reduce_metrics sums them,
-    logs.step_metrics divides): tokens, |log r|, k3 = r - 1 - log r (KL(pi_behave || pi), r =
-    pi / pi_behave), responses, their log perplexity gap mean_t (log pi_behave - log pi), and
-    the tokens and whole responses a mismatch correction `rejected` before the step."""
+) -> tuple[Tensor, Tensor]:
+    """The engine-vs-trainer mismatch of a micro-batch over the response tokens d as sampled (a
+    correction's rejections included). Sums (reduce_metrics sums them, logs.step_metrics
+    divides): tokens, |log r|, k3 = r - 1 - log r (KL(pi_behave || pi), r = pi / pi_behave),
+    responses, their log perplexity gap mean_t (log pi_behave - log pi), the tokens a correction
+    `rejected` before the step and the responses it rejected whole. Extremes (reduced by max):
+    [max, -min] over responses of log rho_i = sum_t log r_t."""
     lr = _behave_log_ratio(logp, behave, d)
     k3 = torch.exp(lr) - 1 - lr
     rejected = torch.zeros_like(d) if rejected is None else rejected
     count = _group_sums(d.double(), seq_ids)
+    # one token per response: its values counted once
     first = torch.ones_like(d, dtype=torch.bool)
-    first[1:] = seq_ids[1:] != seq_ids[:-1]  # one token per response: its values counted once
-    first = first & (seq_ids >= 0)
-    active = first & (count > 0)
-    rejected_count = _group_sums(rejected.double(), seq_ids)
-    gone = first & (count == 0) & (rejected_count > 0)
-    log_ppl_gap = -_group_sums(lr, seq_ids) / count.clamp(min=1)
-    gap = torch.where(active, log_ppl_gap, 0.0)
-    return torch.stack(
-        [
-            d.double().sum(),
-            (lr.abs() * d).sum(),
-            (k3 * d).sum(),
-            active.double().sum(),
-            gap.sum(),
-            rejected.double().sum(),
-            gone.double().sum(),
-        ]
-    )
-
-
-def seq_log_ratios(logp: Tensor, behave: Tensor, d: Tensor, seq_ids: Tensor) -> Tensor:
-    """[max, -min] over responses of log rho_i (pi over pi_behave): both reduced by max."""
-    lr = _behave_log_ratio(logp, behave, d)
-    log_rho = _group_sums(lr, seq_ids)[seq_ids >= 0]
-    if not len(log_rho):
-        return lr.new_full((2,), -math.inf)
-    return torch.stack([log_rho.max(), -log_rho.min()])
+    first[1:] = seq_ids[1:] != seq_ids[:-1]
+    active = first & (seq_ids >= 0) & (count > 0)
+    gone = active & (_group_sums(rejected.double(), seq_ids) == count)
+    log_rho = _group_sums(lr, seq_ids)
+    gap = torch.where(active, -log_rho / count.clamp(min=1), 0.0)
+    sums = [d.double().sum(), (lr.abs() * d).sum(), (k3 * d).sum(), active.double().sum()]
+    sums += [gap.sum(), rejected.double().sum(), gone.double().sum()]
+    highest = torch.where(active, log_rho, -math.inf).max()
+    lowest = torch.where(active, -log_rho, -math.inf).max()
+    return torch.stack(sums), torch.stack([highest, lowest])
 
 
 # -----------------------------------------------------------------------------

@@ -931,17 +931,19 @@ def train_minibatch(
 
 class StepMetrics:
     """A step's counters, on the device until the end (a float() per micro-batch would sync the
-    GPU): the engine-vs-trainer mismatch (loss.mismatch_sums), entropy, the correction's
-    importance weights; the largest weight and log rho over responses (and -the smallest)."""
+    GPU): the engine-vs-trainer mismatch over the tokens as sampled (loss.mismatch_sums), the
+    entropy and the correction's importance weights over the tokens trained; the largest weight
+    and log rho over responses (and -the smallest)."""
 
     NAMES = (
-        "denom_tokens",
+        "loss_tokens",
         "mismatch",
         "mismatch_k3",
         "responses",
         "log_ppl_gap",
         "rejected",
         "rejected_responses",
+        "denom_tokens",
         "entropy",
         "importance_weight",
     )
@@ -949,24 +951,22 @@ class StepMetrics:
 
     def __init__(self, device):
         self.acc = torch.zeros(len(self.NAMES), dtype=torch.float64, device=device)
-        self.most = torch.full(
-            (len(self.MAXIMA),), -math.inf, dtype=torch.float64, device=device
-        )
+        self.most = torch.full((len(self.MAXIMA),), -math.inf, device=device).double()
 
     def add(self, mb, logp, entropy, prox) -> None:
         d, behave = mb.denom_mask, mb.behave_logprobs
+        sampled = d if mb.rejected is None else d + mb.rejected
+        mismatch, extremes = loss.mismatch_sums(
+            logp, behave, sampled, mb.seq_ids, mb.rejected
+        )
         iw = torch.exp(loss.log_ratio(prox, behave)).double()
-        mismatch = loss.mismatch_sums(logp, behave, d, mb.seq_ids, mb.rejected)
-        mine = torch.stack([(entropy.detach() * d).sum().double(), (iw * d).sum()])
-        self.acc += torch.cat([mismatch, mine])
+        mine = torch.stack([d.sum(), (entropy.detach() * d).sum(), (iw * d).sum()])
+        self.acc += torch.cat([mismatch, mine.double()])
         iw_max = torch.where(d > 0, iw, 0.0).max()[None]
-        extremes = loss.seq_log_ratios(logp, behave, d, mb.seq_ids)
         self.most = torch.maximum(self.most, torch.cat([iw_max, extremes]))
 
     def sums(self) -> dict:
         out = dict(zip(self.NAMES, self.acc.tolist()))
-        out["loss_tokens"] = out["denom_tokens"] + out["rejected"]
-        out["all_responses"] = out["responses"] + out["rejected_responses"]
         return out | dict(zip(self.MAXIMA, self.most.tolist()))
 
 

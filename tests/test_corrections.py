@@ -116,9 +116,11 @@ def test_a_corrections_gradient_equals_its_formula_on_any_micro_batching(
             assert share == pytest.approx(rejected, rel=1e-6)
 
 
-def test_the_mismatch_metrics_follow_their_formulas(model_path, one_rank_group):
+@pytest.mark.parametrize("correction", ["none", "seq_mis", "geo_mis"])
+def test_the_mismatch_metrics_follow_their_formulas(correction, model_path, one_rank_group):
     """k3 = r - 1 - log r and the log perplexity gap mean_t (log pi_behave - log pi) per response,
-    over d; the extreme per-response ratios rho_i."""
+    over every sampled token, those a correction rejects included (the engine's gap, not what is
+    left of it); the extreme per-response ratios rho_i."""
     batch = with_engine_noise(model_path, seed=2)
     model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="eager").eval()
     with torch.no_grad():
@@ -126,12 +128,16 @@ def test_the_mismatch_metrics_follow_their_formulas(model_path, one_rank_group):
                for s, lp in zip(batch, plain_logprobs(model, batch))]
     k3 = torch.cat([lr.exp() - 1 - lr for lr in lrs])
     gap = sum(-lr.mean().item() for lr in lrs) / len(lrs)
-    cfg = N.Config(model=model_path, micro_batch_tokens=24, grad_clip=0)
+    cfg = N.Config(model=model_path, micro_batch_tokens=24, grad_clip=0, correction=correction,
+                   correction_threshold=CAPS.get(correction))
     trained = modeling.load_model(cfg, torch.device("cpu"))
     sums, _ = N.train_on_samples(trained, None, GradCapture(trained), L.build_loss(cfg),
                                  batch, cfg, N.Ranks())
-    assert sums["mismatch_k3"] / sums["denom_tokens"] == pytest.approx(k3.mean().item(),
-                                                                        rel=1e-4)
+    if correction != "none":  # the cap bites: the metrics still see every sampled token
+        assert 0 < sums["rejected"] < sums["loss_tokens"]
+        assert sums["denom_tokens"] == sums["loss_tokens"] - sums["rejected"]
+    assert sums["loss_tokens"] == len(k3)
+    assert sums["mismatch_k3"] / sums["loss_tokens"] == pytest.approx(k3.mean().item(), rel=1e-4)
     assert sums["log_ppl_gap"] / sums["responses"] == pytest.approx(gap, rel=1e-4)
     assert sums["responses"] == len(batch)
     rho = [lr.sum().item() for lr in lrs]
@@ -153,3 +159,22 @@ def test_geo_mis_keeps_a_length_independent_geometric_mean_and_seq_mis_the_produ
     for i in ids.unique():  # one weight per response, min(1.05^n_i, C)
         n = int((ids == i).sum())
         assert per[ids == i].unique().tolist() == pytest.approx([min(1.05**n, 1.1)])
+
+
+@pytest.mark.parametrize("cap", [1e6, 1.2])
+def test_seq_tis_counts_as_capped_only_the_responses_its_cap_cut(cap, model_path, one_rank_group):
+    """policy/behave_capped_frac under seq_tis: the tokens of responses with rho_i > C, not those
+    whose own ratio r_t happens to exceed their response's rho (about half of them)."""
+    batch = with_engine_noise(model_path, seed=3)
+    model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        lrs = [lp - torch.tensor(s.completion.logprobs)
+               for s, lp in zip(batch, plain_logprobs(model, batch))]
+    cut = sum(len(lr) for lr in lrs if lr.sum().exp() > cap) / sum(len(lr) for lr in lrs)
+    if cap < 10:
+        assert 0 < cut < 1, cut
+    cfg = N.Config(model=model_path, grad_clip=0, correction="seq_tis", correction_threshold=cap)
+    trained = modeling.load_model(cfg, torch.device("cpu"))
+    _, stats = N.train_on_samples(trained, None, GradCapture(trained), L.build_loss(cfg),
+                                  batch, cfg, N.Ranks())
+    assert stats["policy/behave_capped_frac"] == pytest.approx(cut, abs=1e-9)

@@ -86,7 +86,7 @@ def test_a_resampling_run_with_rollouts_ahead_is_the_same_on_one_rank_and_two(tm
     generated are those of a one-rank run on two."""
     one = run(tmp_path, "one", "--max-staleness", "1")
     two = run(tmp_path, "two", "--max-staleness", "1", nproc=2)
-    exact = ("reward", "zero_var_groups", "resample/extra_samples_frac", "generated_tokens")
+    exact = ("reward", "zero_var_groups", "resample/resampled_frac", "generated_tokens")
     for a, b in zip(one, two, strict=True):
         assert {k: a[k] for k in exact} == {k: b[k] for k in exact}
-    assert sum(x["resample/extra_samples_frac"] for x in one) > 0
+    assert sum(x["resample/resampled_frac"] for x in one) > 0

@@ -49,7 +49,7 @@ SYNCHRONOUS = [
 ONE_STEP = {"rel": 1e-5, "abs": 1e-7}
 AFTER_UPDATES = {"rel": 1e-3, "abs": 1e-6}
 POLICY_STATS = ("entropy", "loss/", "importance_weight/", "grad_norm", "policy/")
-# the trainer-vs-sampler gap measures beside logprob_mismatch (loss.mismatch_sums, seq_log_ratios):
+# the trainer-vs-sampler gap measures beside logprob_mismatch (loss.mismatch_sums):
 # float noise of how the engine batched the prompts, not compared across world sizes; the
 # rejected shares (mismatch/rejected_*) are counts and are
 GAPS = ("mismatch/k3", "mismatch/log_ppl_gap", "mismatch/seq_ratio_")
