@@ -279,6 +279,8 @@ def load_jsonl(path: str, prompt_key: str = "prompt") -> list[dict]:
                 '--prompt-key names the field) or "messages" (list); it has '
                 + (", ".join(map(json.dumps, row)) or "no fields")
             )
+        if chat and not row["messages"]:
+            raise UserError(f'{path}:{n}: "messages" is empty')
         if chat and not all(
             isinstance(m, dict) and {"role", "content"} <= m.keys() for m in row["messages"]
         ):

@@ -322,6 +322,7 @@ def test_groups_are_the_step_slots_and_seeds_differ_even_for_a_row_drawn_twice()
     ('{"answer": "1"}', 'exactly one of "prompt"'),
     ('{"prompt": "x", "messages": [], "answer": "1"}', 'exactly one of "prompt"'),
     ('{"messages": [{"role": "user"}], "answer": "1"}', '"role" and "content"'),
+    ('{"messages": [], "answer": "1"}', '"messages" is empty'),
     ('{"prompt": "2+2=", "answer": [1]}', '"answer" must be a string or a number'),
 ])
 def test_malformed_jsonl_names_the_file_and_line(tmp_path, line, message):
