@@ -93,12 +93,13 @@ def _matches(name: str, spec) -> bool:
     return any(name == t or name.endswith("." + t) for t in spec)
 
 
-def apply(model: nn.Module, r: int, config: dict | None = None) -> str:
+def apply(model: nn.Module, r: int, config: dict | None = None) -> tuple[dict | None, str]:
     """LoRA adapters of rank r put into `model` in place (the base frozen), or those of an adapter
-    directory's config (and its weights, after loading: load_weights). Returns the start-up line's
-    words (one ending "; "), "" for r = 0."""
+    directory's config (and its weights, after loading: load_weights). Returns their config as
+    PEFT writes it (rank, alpha, the layers adapted) and the start-up line's words (one ending
+    "; "); (None, "") for r = 0."""
     if not r:
-        return ""
+        return None, ""
     alpha = LORA_ALPHA if config is None else config["lora_alpha"]
     spec = "all-linear" if config is None else config["target_modules"]
     names = targets(model, spec)
@@ -110,10 +111,12 @@ def apply(model: nn.Module, r: int, config: dict | None = None) -> str:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent)
         setattr(owner, child, LoraLinear(getattr(owner, child), r, alpha))
+    base = [p for n, p in model.named_parameters() if not is_adapter(n)]
     trainable = sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))
-    frozen = sum(p.numel() for n, p in model.named_parameters() if not is_adapter(n))
-    dtype = next(p for n, p in model.named_parameters() if not is_adapter(n)).dtype
-    return (
+    frozen = sum(p.numel() for p in base)
+    dtype = base[0].dtype
+    peft_config = {"r": r, "lora_alpha": alpha, "target_modules": names}
+    return peft_config, (
         f"LoRA r={r} alpha={alpha} on {len(names)} layers: {trainable:,} trainable, "
         f"{frozen:,} frozen in {dtype}; "
     )
@@ -171,19 +174,18 @@ def read_config(path: str | Path | None) -> dict | None:
         raise UserError(
             f"{file}: not a readable adapter config ({type(e).__name__}: {e})"
         ) from None
+    if not isinstance(config, dict):
+        raise UserError(f"{file}: not a JSON object")
+    if config.get("peft_type") != "LORA":
+        raise UserError(
+            f"{file}: not a PEFT LoRA adapter (peft_type {config.get('peft_type')!r})"
+        )
     needed = {
-        "peft_type": str,
         "r": int,
         "lora_alpha": (int, float),
         "target_modules": (str, list),
         "base_model_name_or_path": str,
     }
-    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        raise UserError(
-            f"{file}: not a PEFT LoRA adapter (peft_type {config.get('peft_type')!r})"
-            if isinstance(config, dict)
-            else f"{file}: not a JSON object"
-        )
     missing = [k for k, kind in needed.items() if not isinstance(config.get(k), kind)]
     if missing:
         raise UserError(
