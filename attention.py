@@ -150,7 +150,8 @@ def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
     rows = [rows[r] for r in order]
     size = [size[r] for r in order]
     buckets = _buckets(rows, size)
-    start, length, seg, query = (torch.tensor(x) for x in zip(*sum(rows, [])))
+    pieces = sum(rows, [])
+    start, length, seg, query = (torch.tensor(x) for x in zip(*pieces))
     slots = sum(b.rows * b.width for b in buckets)
     # every piece's tokens, and the slot each goes to: its row's first slot + its offset
     n = torch.arange(int(length.sum()))
@@ -164,11 +165,14 @@ def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
     grid, pos = torch.zeros(2, slots, dtype=torch.long)
     grid[flat] = tok
     pos[flat] = torch.where(query, ctx_len[seg] + tok - q_start[seg], tok - ctx_start[seg])
-    out = torch.empty(num_tokens, dtype=torch.long).index_put_((tok[query],), flat[query])
+    out = torch.empty(num_tokens, dtype=torch.long)
+    out[tok[query]] = flat[query]
     if masked:  # rows of several segments: a query sees its context and its own past
-        owner = torch.full((slots,), -1).index_put_((flat[query],), seg[query])
+        owner = torch.full((slots,), -1)
+        owner[flat[query]] = seg[query]
         of_token = torch.repeat_interleave(torch.arange(len(segments)), q_len)
-        real = torch.zeros(slots, dtype=torch.bool).index_fill_(0, flat, True)
+        real = torch.zeros(slots, dtype=torch.bool)
+        real[flat] = True
         buckets = [
             replace(b, mask=_row_mask(b, owner, grid, real, of_token, ctx_start, ctx_len))
             for b in buckets
@@ -248,7 +252,9 @@ def _row_mask(b: Bucket, owner, grid, real, of_token, ctx_start, ctx_len) -> Ten
     o = own.clamp(min=0)
     own_past = (of_token[key] == own) & (key <= key.transpose(1, 2))
     in_ctx = (key >= ctx_start[o]) & (key < ctx_start[o] + ctx_len[o])
-    sees = (own_past | in_ctx) & real[part].view(b.rows, 1, b.width) & (own >= 0)
+    # padding is no key; a slot holding no query (padding, a copied context) sees no key
+    key_real = real[part].view(b.rows, 1, b.width)
+    sees = (own_past | in_ctx) & key_real & (own >= 0)
     return (sees | torch.eye(b.width, dtype=torch.bool))[:, None, b.lead :]
 
 
@@ -496,8 +502,7 @@ def choose_attention(
 def _kernel_problems(device: torch.device, half: bool, softcap: bool) -> dict[str, str]:
     """Why each varlen kernel cannot run here (none: it can)."""
     if device.type != "cuda" or not half:
-        reason = "it needs bf16/fp16 compute on a GPU"
-        return {"flash_attn": reason, "torch_varlen": reason}
+        return dict.fromkeys(KERNELS, "it needs bf16/fp16 compute on a GPU")
     reasons = {}
     try:
         import flash_attn

@@ -280,29 +280,26 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        return _load(path, model, optimizer)
+        meta = json.loads((path / "meta.json").read_text())
+        sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+        dcp.load(sd, storage_reader=safe_dcp_reader(path), planner=safe_dcp_planner())
+        set_state_dict(
+            model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        )
+        # absent on more ranks than saved: rank 0's
+        rng = path / f"rng_rank{dist.get_rank()}.pt"
+        if not rng.exists():
+            rng = path / "rng_rank0.pt"
+        set_rng_states(torch.load(rng, weights_only=True))
+        ahead: dict[int, list] = {}
+        for part in sorted(path.glob("ahead_rank*.pt")):
+            for step, batch in torch.load(part, weights_only=True).items():
+                ahead.setdefault(int(step), []).extend(batch)
     except (Exception, CheckpointException) as e:
         raise UserError(
             f"checkpoint {path} cannot be loaded ({cli.why(e)}); move it aside to "
             "resume from the one before it, or check --lora-rank"
         ) from None
-
-
-def _load(path: Path, model, optimizer) -> tuple[dict, dict]:
-    meta = json.loads((path / "meta.json").read_text())
-    sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
-    dcp.load(sd, storage_reader=safe_dcp_reader(path), planner=safe_dcp_planner())
-    set_state_dict(
-        model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
-    )
-    rng = path / f"rng_rank{dist.get_rank()}.pt"  # absent on more ranks than saved: rank 0's
-    set_rng_states(
-        torch.load(rng if rng.exists() else path / "rng_rank0.pt", weights_only=True)
-    )
-    ahead: dict[int, list] = {}
-    for part in sorted(path.glob("ahead_rank*.pt")):
-        for step, batch in torch.load(part, weights_only=True).items():
-            ahead.setdefault(int(step), []).extend(batch)
     return meta, ahead
 
 
@@ -396,15 +393,17 @@ def export_hf(model, adapters: dict | None, tokenizer, src: str, out_dir: Path) 
 
 def on_rank0(fn, *args, share: bool = True):
     """fn(*args) on rank 0 alone (shared files, a whole model), its UserError raised on every
-    rank; its result on every rank (not `share`: on rank 0, None elsewhere)."""
+    rank; its result on every rank (not `share`: on rank 0, None elsewhere). Without
+    torch.distributed: fn(*args)."""
     result, error = None, None
-    if dist.get_rank() == 0:
+    distributed = dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
         try:
             result = fn(*args)
         except UserError as e:
             error = str(e)
     box = [(result if share else None, error)]
-    if dist.get_world_size() > 1:
+    if distributed and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     sent, error = box[0]
     if error is not None:

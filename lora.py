@@ -53,7 +53,9 @@ class LoraLinear(nn.Module):
         # fp32 adapters at least
         dtype = torch.promote_types(base.weight.dtype, torch.float32)
         kw = {"device": base.weight.device, "dtype": dtype}
-        self.base, self.scale, self.enabled = base, alpha / r, True
+        self.base = base
+        self.scale = alpha / r
+        self.enabled = True
         self.lora_A = nn.Parameter(torch.empty(r, fan_in, **kw))
         self.lora_B = nn.Parameter(torch.zeros(fan_out, r, **kw))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's (and PEFT's) init
@@ -65,9 +67,9 @@ class LoraLinear(nn.Module):
         delta = x.to(self.lora_A.dtype) @ self.lora_A.t() @ self.lora_B.t() * self.scale
         return (y + delta).to(y.dtype)
 
-    def merged(self, weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    def merged(self, weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor):
         """The base weight plus the adapter's delta (full tensors; in fp64, rounded once)."""
-        delta = (B.double() @ A.double()) * self.scale
+        delta = (lora_B.double() @ lora_A.double()) * self.scale
         if is_conv1d(self.base):
             delta = delta.t()
         return (weight.double() + delta).to(weight.dtype)
@@ -143,10 +145,7 @@ def merged(named, model: nn.Module):
     held: dict[str, dict] = {}
     for name, t in named:
         layer, _, kind = name.rpartition(".")
-        if kind in ("lora_A", "lora_B"):
-            owner = layer
-        else:
-            owner = layer.removesuffix(".base")
+        owner = layer if is_adapter(name) else layer.removesuffix(".base")
         if owner not in adapted:
             yield name, t
         elif kind not in ("lora_A", "lora_B", "weight"):  # the base's bias
@@ -156,10 +155,7 @@ def merged(named, model: nn.Module):
             parts[kind] = t
             if len(parts) == 3:
                 del held[owner]
-                weight = adapted[owner].merged(
-                    parts["weight"], parts["lora_A"], parts["lora_B"]
-                )
-                yield f"{owner}.weight", weight
+                yield f"{owner}.weight", adapted[owner].merged(**parts)
 
 
 def read_config(path: str | Path | None) -> dict | None:
@@ -206,7 +202,7 @@ def save(tensors: dict, config: dict, base: str, out_dir: Path) -> None:
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    peft_names = {PEFT_PREFIX + k + ".weight": v.contiguous() for k, v in tensors.items()}
+    peft_names = {f"{PEFT_PREFIX}{k}.weight": v.contiguous() for k, v in tensors.items()}
     save_file(peft_names, str(out_dir / "adapter_model.safetensors"))
     base = str(Path(base).resolve()) if Path(base).exists() else base
     config = {

@@ -256,12 +256,14 @@ def decide(
     )
     because = f" ({reason})" if reason else ""
     summary = f"attention: {path}{because}; compute: {compute}; {eager or 'layers compiled'}"
-    checkpointing, defer = "", False  # a frozen copy: no backward
+    # a frozen copy: no backward
+    checkpointing = ""
+    defer = False
     if trainable:
         checkpointing, defer, plan = memory_decisions(
             shape_of(module, mixed), world, tokens, eager is None, **memory
         )
-        summary += "\n" + plan
+        summary += f"\n{plan}"
     return Model(
         module,
         device,
@@ -307,7 +309,7 @@ def sum_gradients(module: nn.Module) -> None:
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The blocks FSDP2 shards one by one, innermost first: modules of the classes the model never
     splits (`_no_split_modules`), else the children of its longest ModuleList."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
+    names = set(model._no_split_modules or ())
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     return (blocks or list(max(lists, key=len, default=[])))[::-1]
@@ -458,8 +460,10 @@ def memory_plan(
     root = s.vocab * s.hidden * (1 if s.tied else 2)
     per_token = 8 * s.hidden + c * (5 * s.hidden + 2 * s.kv_dim + 4 * s.intermediate)
     layer = tokens * per_token
-    kept = {"selective": 5 * s.hidden + 2 * s.kv_dim + 2 * s.intermediate}
-    kept = kept.get(checkpointing, s.hidden)
+    # per token, a checkpointed layer keeps its input (selective: and its matmuls' outputs)
+    kept = s.hidden
+    if checkpointing == "selective":
+        kept = 5 * s.hidden + 2 * s.kv_dim + 2 * s.intermediate
     if checkpointing:
         saved = s.layers * tokens * kept * c
     else:
@@ -507,12 +511,12 @@ def memory_decisions(
     kw = {"engine": engine, "others": others}
     raw = memory_plan(shape, world, tokens, plain, grads_unsharded=True, **kw)
     checkpointing = CHECKPOINT_LAYERS
-    if (
-        checkpointing is None and capacity is None
-    ):  # a CPU: selective where a layer input is big
+    # decided: on a CPU, selective where a layer input is big; on a GPU, full only where the
+    # plan without it does not fit well
+    if checkpointing is None and capacity is None:
         big = not compiled and tokens * shape.hidden >= SELECTIVE_FROM
         checkpointing = "selective" if big else ""
-    elif checkpointing is None:  # a GPU: only where the plan without it does not fit well
+    elif checkpointing is None:
         checkpointing = "full" if raw["total"] > NO_RERUN_UP_TO * capacity else ""
     planned = checkpointing or plain
     plan = memory_plan(shape, world, tokens, planned, grads_unsharded=True, **kw)
@@ -569,6 +573,11 @@ def free_memory(device: torch.device) -> tuple[int, int]:
 
 # -----------------------------------------------------------------------------
 # log-probs: the model's body, then its own head on the scored positions
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or `dtype` if wider (fp64): what the head's logits and sums are computed in."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def head_transform(config) -> tuple[float, float | None]:
     """(scale, softcap) a family's forward applies to its lm_head output: logits * scale, then
     softcap * tanh(logits / softcap). check_model catches a family that applies something else."""
@@ -634,7 +643,7 @@ def plain_head(
     """The head as written: x = softcap(scale (hW^T + b)) / T in fp32 at least for every row at
     once, log p = log_softmax(x), (log p(target), H = -sum_v p_v log p_v); autograd's backward.
     HeadLogprobs computes the same in chunks, in less memory and fewer GEMMs."""
-    up = torch.promote_types(hidden.dtype, torch.float32)
+    up = at_least_fp32(hidden.dtype)
     logits = F.linear(hidden.to(up), weight.to(up), None if bias is None else bias.to(up))
     logits = logits * scale
     if softcap:
@@ -658,7 +667,7 @@ class HeadLogprobs(torch.autograd.Function):
         ctx, hidden, weight, bias, targets, temp, scale, softcap, chunk, h_grad, keep
     ):
         ctx.set_materialize_grads(False)
-        up = torch.promote_types(hidden.dtype, torch.float32)
+        up = at_least_fp32(hidden.dtype)
         kept = None  # x stays for backward when it fits `keep`: one chunk of every row
         if len(hidden) * len(weight) * up.itemsize <= keep:
             kept = []
@@ -685,7 +694,7 @@ class HeadLogprobs(torch.autograd.Function):
         g_lp, g_h = (g if g is None else g * (scale / temperature) for g in (g_lp, g_h))
         # d weight and d bias sum over chunks: in fp32 at least, rounded once (a half sum rounds
         # at every chunk); one chunk writes them in their own dtype
-        up = torch.promote_types(hidden.dtype, torch.float32)
+        up = at_least_fp32(hidden.dtype)
         inputs = (hidden, weight, bias)
         grads = [None, None, None]
         for i, x in enumerate(inputs):
@@ -719,7 +728,7 @@ def _head_blocks(
     pops it). With `grads` [hidden, weight, bias]: once the caller overwrote a chunk by d/dz, its
     half GEMMs where they run: d hidden (a sum over V) out in fp32 (cuBLAS may split-K a half
     output in bf16), d weight summed in grads[1]'s dtype."""
-    up = torch.promote_types(hidden.dtype, torch.float32)
+    up = at_least_fp32(hidden.dtype)
     again = not (grads and kept)  # logits to compute (not kept from forward)
     rows = HEAD_ROWS[hidden.device.type != "cpu"]
     buf = None
@@ -778,7 +787,7 @@ def _mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
     """a @ b accumulated in fp32 at least, as out_dtype: a half GEMM where it runs, else upcast."""
     if a.dtype == b.dtype and mm_out_dtype_runs(a.device, a.dtype):
         return torch.mm(a, b, out_dtype=out_dtype)
-    up = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    up = at_least_fp32(torch.promote_types(a.dtype, b.dtype))
     return (a.to(up) @ b.to(up)).to(out_dtype)
 
 
@@ -817,7 +826,7 @@ def head_logits(
     if hidden.dtype == weight.dtype == torch.float32:
         logits = linear(hidden, weight, None, packed)
     else:
-        logits = _mm(hidden, weight.t(), torch.promote_types(hidden.dtype, torch.float32))
+        logits = _mm(hidden, weight.t(), at_least_fp32(hidden.dtype))
     return logits if bias is None else logits + bias
 
 
@@ -891,8 +900,8 @@ def check_model(model, vocab_size: int) -> str | None:
             theirs = []
             for k, t in enumerate(tails):
                 s = tensor(prompt + t)
-                logits = model(input_ids=s[None], use_cache=False).logits[0]
-                lp = logits.float().log_softmax(-1)[:-1].gather(-1, s[1:, None])[:, 0]
+                logits = model(input_ids=s[None], use_cache=False).logits[0].float()
+                lp = logits.log_softmax(-1)[:-1].gather(-1, s[1:, None])[:, 0]
                 # the row holds the prompt once: the first sample's positions only
                 theirs.append(lp[0 if k == 0 else p - 1 :])
     except Exception as e:  # e.g. an attention keyword packed_attention does not implement
