@@ -568,11 +568,12 @@ class GatherSequence(torch.autograd.Function):
 
 def row_inputs(
     ids, pos, targets, segments, device, kernel=None, group=None, plain=False
-) -> tuple[dict, Layout]:
-    """A packed row -> (policy_logprobs' ids, positions [1, T], targets [T] and scored index on
-    `device`, the row's layout), built on the host. A CP `group` (Ulysses): this rank's contiguous
-    1/N of the row, padded to a multiple of N by a segment of its own (gather_row cuts). A target
-    of -1 is read by nothing: not scored (a prompt's prefix), so the head skips it."""
+) -> dict:
+    """A packed row -> policy_logprobs' keywords: ids, positions [1, T], targets [T] and scored
+    index on `device`, and the row's layout, built on the host. A CP `group` (Ulysses): this
+    rank's contiguous 1/N of the row, padded to a multiple of N by a segment of its own
+    (gather_row cuts). A target of -1 is read by nothing: not scored (a prompt's prefix), so the
+    head skips it."""
     T = len(ids)
     n = 1 if group is None else dist.get_world_size(group)
     r = 0 if group is None else dist.get_rank(group)
@@ -591,8 +592,9 @@ def row_inputs(
         "targets": targets,
         "scored": (targets >= 0).nonzero()[:, 0],
     }
-    layout = attention_layout(segments, size, device, kernel, group, plain)
-    return {k: v.to(device) for k, v in chunk.items()}, layout
+    inputs = {k: v.to(device) for k, v in chunk.items()}
+    inputs["layout"] = attention_layout(segments, size, device, kernel, group, plain)
+    return inputs
 
 
 def gather_row(logprobs, entropy, group, num_tokens: int) -> tuple:

@@ -95,7 +95,7 @@ class Model:
         # the KL reference (base_only): LoRA's frozen base alone
         adapters = lora.disabled(self.module) if self.base_only else contextlib.nullcontext()
         with torch.set_grad_enabled(grad), adapters:
-            inputs, layout = attention.row_inputs(
+            inputs = attention.row_inputs(
                 mb.input_ids,
                 mb.position_ids,
                 targets,
@@ -110,7 +110,6 @@ class Model:
                 policy_logprobs,
                 self.module,
                 **inputs,
-                layout=layout,
                 temperature=temperature,
                 entropy_grad=entropy_grad,
             )
