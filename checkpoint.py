@@ -391,21 +391,16 @@ def export_hf(model, adapters: dict | None, tokenizer, src: str, out_dir: Path) 
     tmp.rename(out_dir)
 
 
-def on_rank0(fn, *args, share: bool = True):
-    """fn(*args) on rank 0 alone (shared files, a whole model), its UserError raised on every
-    rank; its result on every rank (not `share`: on rank 0, None elsewhere). Without
-    torch.distributed: fn(*args)."""
-    result, error = None, None
-    distributed = dist.is_initialized()
-    if not distributed or dist.get_rank() == 0:
+def on_rank0(fn, *args):
+    """fn(*args) on rank 0 alone (shared files), its result, or its UserError, on every rank."""
+    box = [None]
+    if dist.get_rank() == 0:
         try:
-            result = fn(*args)
+            box = [(fn(*args), None)]
         except UserError as e:
-            error = str(e)
-    box = [(result if share else None, error)]
-    if distributed and dist.get_world_size() > 1:
+            box = [(None, str(e))]
+    if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
-    sent, error = box[0]
-    if error is not None:
-        raise UserError(error)
-    return sent if share else result
+    if box[0][1] is not None:
+        raise UserError(box[0][1])
+    return box[0][0]

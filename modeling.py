@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attention
-import checkpoint
 import lora
 from cli import UserError, why
 
@@ -163,10 +162,7 @@ def load_model(
         dtype = torch.bfloat16
     adapter = lora.read_config(cfg.lora_adapter)
     cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
-    # rank 0's whole model, checked; None elsewhere
-    full = checkpoint.on_rank0(
-        _load_checked, cfg, dtype, cp_size, trainable, adapter, share=False
-    )
+    full = _on_rank0(_load_checked, cfg, dtype, cp_size, trainable, adapter)
     with torch.device("meta"):
         config = AutoConfig.from_pretrained(cfg.model, use_cache=False)
         module = AutoModelForCausalLM.from_config(
@@ -199,6 +195,23 @@ def load_model(
         p.requires_grad_(trainable and (not cfg.lora_rank or lora.is_adapter(name)))
     sum_gradients(module)  # the loss divides by the *global* normaliser: FSDP2 must sum ranks
     return model
+
+
+def _on_rank0(load, *args):
+    """Rank 0's load(*args) (the whole model, on the host), None elsewhere; a UserError on every
+    rank if it raises one. (checkpoint.on_rank0 sends its result to every rank.)"""
+    full = None
+    error = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            full = load(*args)
+        except UserError as e:
+            error = [str(e)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UserError(error[0])
+    return full
 
 
 def _load_checked(cfg, dtype: torch.dtype, heads_divisor: int, check: bool, adapter):
