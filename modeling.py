@@ -157,7 +157,7 @@ def load_model(
 
     AttentionInterface.register("packed", torch.compiler.disable(attention.packed_attention))
     mixed = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
-    dtype = {"float64": torch.float64}.get(cfg.dtype, torch.float32)
+    dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
     if cfg.lora_rank and mixed:  # LoRA's frozen base in the compute dtype
         dtype = torch.bfloat16
     adapter = lora.read_config(cfg.lora_adapter)
@@ -869,10 +869,8 @@ def check_model_source(name: str) -> None:
     except Exception:  # not a valid repo id either
         raise bad("no such directory, nor a Hugging Face hub id") from None
     where = f"no such directory, and {name!r} is not in the local Hugging Face cache"
-    if {os.environ.get(v, "0") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")} - {
-        "0",
-        "",
-    }:
+    offline = {os.environ.get(v, "0") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    if offline - {"0", ""}:
         raise bad(f"{where} (HF_HUB_OFFLINE is set)")
     host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
     try:
