@@ -62,17 +62,11 @@ class Layout:
     buckets: list[Bucket] = field(default_factory=list)
 
     def to(self, device) -> Layout:
-        """The index tensors on `device`."""
-        moved = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, Tensor):
-                moved[f.name] = value.to(device, non_blocking=True)
-        buckets = []
-        for b in self.buckets:
-            mask = None if b.mask is None else b.mask.to(device, non_blocking=True)
-            buckets.append(replace(b, mask=mask))
-        return replace(self, **moved, buckets=buckets)
+        """The index tensors (the buckets' masks too) on `device`."""
+        move = lambda x: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x
+        moved = {f.name: move(getattr(self, f.name)) for f in fields(self)}
+        moved["buckets"] = [replace(b, mask=move(b.mask)) for b in self.buckets]
+        return Layout(**moved)
 
 
 def segments_from_positions(position_ids: Tensor) -> Tensor:
@@ -127,7 +121,9 @@ def varlen_layout(segments: Tensor, kernel, cp_group) -> Layout:
     row_len = ctx_len + q_len
     j = torch.arange(int(row_len.max()))[None]
     in_ctx = j < ctx_len[:, None]
-    src = torch.where(in_ctx, ctx_start[:, None] + j, q_start[:, None] + j - ctx_len[:, None])
+    ctx_key = ctx_start[:, None] + j
+    own_key = q_start[:, None] + j - ctx_len[:, None]
+    src = torch.where(in_ctx, ctx_key, own_key)
     return Layout(
         segments.tolist(),
         "varlen",
@@ -146,34 +142,37 @@ def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
     buckets: rows longest first, copied contexts' apart, one kernel call per bucket. A row of L
     slots in a bucket W wide costs W^2, not L^2, so a bucket takes rows down to W / sqrt(2)."""
     q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
-    rows, size, masked = _padded_rows(
-        segments.tolist(), int((ctx_len + q_len).max()) <= GROUP_ROW_SLOTS
-    )
+    # rows that fit GROUP_ROW_SLOTS may hold several segments
+    short = int((ctx_len + q_len).max()) <= GROUP_ROW_SLOTS
+    rows, size, masked = _padded_rows(segments.tolist(), short)
+    # copied contexts' rows first (their first piece is no query), each kind longest first
     order = sorted(range(len(rows)), key=lambda r: (rows[r][0][3], -size[r]))
     rows = [rows[r] for r in order]
     size = [size[r] for r in order]
     buckets = _buckets(rows, size)
-    start, length, seg, query = (torch.tensor(x) for x in zip(*sum(rows, [])))
+    pieces = sum(rows, [])
+    start, length, seg, query = (torch.tensor(x) for x in zip(*pieces))
     slots = sum(b.rows * b.width for b in buckets)
     # every piece's tokens, and the slot each goes to: its row's first slot + its offset
     n = torch.arange(int(length.sum()))
     piece_start = torch.cumsum(length, 0) - length
-    tok = torch.repeat_interleave(start - piece_start, length) + n
-    seg = torch.repeat_interleave(seg, length)
-    query = torch.repeat_interleave(query, length)
+    tok = n + torch.repeat_interleave(start - piece_start, length)
+    seg, query = (torch.repeat_interleave(x, length) for x in (seg, query))
     size = torch.tensor(size)
-    row = torch.repeat_interleave(torch.arange(len(rows)), size)
-    first = torch.tensor([b.first + i * b.width for b in buckets for i in range(b.rows)])
     row_start = torch.cumsum(size, 0) - size
-    flat = first[row] + n - row_start[row]
+    first = torch.tensor([b.first + i * b.width for b in buckets for i in range(b.rows)])
+    flat = n + torch.repeat_interleave(first - row_start, size)
     grid, pos = torch.zeros(2, slots, dtype=torch.long)
     grid[flat] = tok
     pos[flat] = torch.where(query, ctx_len[seg] + tok - q_start[seg], tok - ctx_start[seg])
-    out = torch.empty(num_tokens, dtype=torch.long).index_put_((tok[query],), flat[query])
+    out = torch.empty(num_tokens, dtype=torch.long)
+    out[tok[query]] = flat[query]
     if masked:  # rows of several segments: a query sees its context and its own past
-        owner = torch.full((slots,), -1).index_put_((flat[query],), seg[query])
+        owner = torch.full((slots,), -1)
+        owner[flat[query]] = seg[query]
         of_token = torch.repeat_interleave(torch.arange(len(segments)), q_len)
-        real = torch.zeros(slots, dtype=torch.bool).index_fill_(0, flat, True)
+        real = torch.zeros(slots, dtype=torch.bool)
+        real[flat] = True
         buckets = [
             replace(b, mask=_row_mask(b, owner, grid, real, of_token, ctx_start, ctx_len))
             for b in buckets
@@ -197,7 +196,10 @@ def _padded_rows(segments: list, short: bool) -> tuple[list, list, bool]:
     token, length, segment, is query), a copied context keys only. A segment whose context starts a
     context-free one (its prompt) joins its row: while rows are `short`, several (a mask then);
     else the first whose context is all of it (still causal)."""
-    rows, size, host, masked = [], [], {}, False
+    rows = []
+    size = []
+    host = {}
+    masked = False
     for i, (qs, ql, cs, cl) in enumerate(segments):
         r = host.get(cs) if cl else None
         fits = r is not None and cl <= rows[r][0][1]
@@ -210,9 +212,10 @@ def _padded_rows(segments: list, short: bool) -> tuple[list, list, bool]:
             rows[r].append((qs, ql, i, True))
             size[r] += ql
             continue
-        if not cl:
+        if not cl:  # a prompt: segments of its context may join its row
             host[qs] = len(rows)
-        rows.append([(cs, cl, i, False)] * (cl > 0) + [(qs, ql, i, True)])
+        copied = [(cs, cl, i, False)] if cl else []
+        rows.append(copied + [(qs, ql, i, True)])
         size.append(cl + ql)
     return rows, size, masked
 
@@ -220,7 +223,8 @@ def _padded_rows(segments: list, short: bool) -> tuple[list, list, bool]:
 def _buckets(rows: list, size: list) -> list[Bucket]:
     """Consecutive rows (sorted) in buckets of similar widths; a copied-context row's bucket
     leads with the shortest of its rows' contexts."""
-    buckets, slots = [], 0
+    buckets = []
+    slots = 0
     for row, width in zip(rows, size):
         lead = 0 if row[0][3] else row[0][1]  # a copied context first: its length
         new = not buckets or (lead > 0) != (buckets[-1].lead > 0)
@@ -248,7 +252,9 @@ def _row_mask(b: Bucket, owner, grid, real, of_token, ctx_start, ctx_len) -> Ten
     o = own.clamp(min=0)
     own_past = (of_token[key] == own) & (key <= key.transpose(1, 2))
     in_ctx = (key >= ctx_start[o]) & (key < ctx_start[o] + ctx_len[o])
-    sees = (own_past | in_ctx) & real[part].view(b.rows, 1, b.width) & (own >= 0)
+    # padding is no key; a slot holding no query (padding, a copied context) sees no key
+    key_real = real[part].view(b.rows, 1, b.width)
+    sees = (own_past | in_ctx) & key_real & (own >= 0)
     return (sees | torch.eye(b.width, dtype=torch.bool))[:, None, b.lead :]
 
 
@@ -271,20 +277,31 @@ def plain_attention(
     out = []
     for q_start, q_len, ctx_start, ctx_len in segments:
         keys = [*range(ctx_start, ctx_start + ctx_len), *range(q_start, q_start + q_len)]
-        kk = k[:, keys].repeat_interleave(q.shape[0] // k.shape[0], 0)
-        vv = v[:, keys].repeat_interleave(q.shape[0] // v.shape[0], 0)
-        scores = q[:, q_start : q_start + q_len] @ kk.transpose(1, 2) * scaling
-        if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
         # positions in the sequence
         i = torch.arange(q_len, device=q.device)[:, None] + ctx_len
         j = torch.arange(len(keys), device=q.device)[None]
         sees = j <= i
         if window:
             sees = sees & (i - j < window)
-        weights = F.dropout(scores.masked_fill(~sees, float("-inf")).softmax(-1), dropout)
-        out.append((weights @ vv).transpose(0, 1))
+        queries = q[:, q_start : q_start + q_len]
+        kk = k[:, keys]
+        vv = v[:, keys]
+        heads = _masked_attention(queries, kk, vv, sees, scaling, dropout, softcap)
+        out.append(heads.transpose(0, 1))
     return torch.cat(out)
+
+
+def _masked_attention(q, k, v, sees, scaling, dropout, softcap) -> Tensor:
+    """softmax(x) v, dropout on the weights, with x = softcap tanh(q k^T scaling / softcap) where
+    a query `sees` a key, else -inf; heads at dim -3, each KV head repeated for its queries."""
+    copies = q.shape[-3] // k.shape[-3]
+    k = k.repeat_interleave(copies, -3)
+    v = v.repeat_interleave(copies, -3)
+    scores = q @ k.transpose(-1, -2) * scaling
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    weights = F.dropout(scores.masked_fill(~sees, float("-inf")).softmax(-1), dropout)
+    return weights @ v
 
 
 def segment_attention(
@@ -307,22 +324,20 @@ def segment_attention(
     if layout.path == "varlen":
         k, v = (x.transpose(0, 1).index_select(0, layout.k_index) for x in (k, v))
         return layout.kernel(q.transpose(0, 1), k, v, layout, *args)
-    outs = []
-    for b in layout.buckets:
-        part = slice(b.first, b.first + b.rows * b.width)
-        pos = layout.pos[part].view(b.rows, b.width)
-        outs.append(_padded_attention(q, k, v, layout.grid[part], pos, b, *args))
+    outs = [_padded_attention(q, k, v, layout, b, *args) for b in layout.buckets]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.index_select(0, layout.out)
 
 
-def _padded_attention(q, k, v, grid, pos, b: Bucket, scaling, dropout, window, softcap):
-    """One bucket's rows of slots (`grid`: slot -> token, `pos` [rows, slots]) -> [rows * slots,
-    H, D]; no query in the `lead` slots (zeros there)."""
-    rows, width = pos.shape
+def _padded_attention(q, k, v, layout: Layout, b: Bucket, scaling, dropout, window, softcap):
+    """One bucket's rows of slots -> [rows * slots, H, D]; no query in the `lead` slots (zeros
+    there)."""
+    part = slice(b.first, b.first + b.rows * b.width)
+    grid = layout.grid[part]
+    pos = layout.pos[part].view(b.rows, b.width)
     # [h, T, D] -> [rows, h, slots, D]
     q, k, v = (
-        x.transpose(0, 1).index_select(0, grid).unflatten(0, (rows, width)).transpose(1, 2)
+        x.transpose(0, 1).index_select(0, grid).unflatten(0, pos.shape).transpose(1, 2)
         for x in (q, k, v)
     )
     if window is None and softcap is None:
@@ -339,16 +354,12 @@ def _padded_attention(q, k, v, grid, pos, b: Bucket, scaling, dropout, window, s
         out = F.pad(out, (0, 0, b.lead, 0))
     else:  # a window is a band of positions: a query at p sees keys at p - window < p' <= p
         if b.mask is None:
-            keep = q.new_ones(width, width, dtype=torch.bool).tril()
+            keep = q.new_ones(b.width, b.width, dtype=torch.bool).tril()
         else:
             keep = F.pad(b.mask, (0, 0, b.lead, 0), value=True)  # lead rows: never read
         if window is not None:
             keep = keep & (pos[:, None, :, None] - pos[:, None, None, :] < window)
-        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
-        scores = (q @ k.transpose(-1, -2)) * scaling
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores / softcap)
-        out = F.dropout(scores.masked_fill(~keep, float("-inf")).softmax(-1), dropout) @ v
+        out = _masked_attention(q, k, v, keep, scaling, dropout, softcap)
     return out.transpose(1, 2).flatten(0, 1)
 
 
@@ -379,10 +390,13 @@ def packed_attention(
     n = dist.get_world_size(group)
     # too few KV heads to split: repeat each, every rank gets the ones it needs
     if k.shape[1] % n:
-        k, v = (x.repeat_interleave(n // math.gcd(x.shape[1], n), 1) for x in (k, v))
+        copies = n // math.gcd(k.shape[1], n)
+        k = k.repeat_interleave(copies, 1)
+        v = v.repeat_interleave(copies, 1)
     q, k, v = (_Swap.apply(x, group, 1, 2) for x in (q, k, v))
     out = segment_attention(q[0], k[0], v[0], layout, *args)  # [S, H/N, D]
-    return _Swap.apply(out.transpose(0, 1)[None], group, 2, 1).transpose(1, 2), None
+    out = _Swap.apply(out.transpose(0, 1)[None], group, 2, 1)  # [1, H, S/N, D]
+    return out.transpose(1, 2), None
 
 
 # -----------------------------------------------------------------------------
@@ -422,7 +436,9 @@ def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
     if k.shape[1] != q.shape[1]:
         gqa = varlen_gqa(q.device, q.dtype)
     if gqa is None:  # this torch's kernel takes equal head counts alone: repeat the KV heads
-        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+        copies = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(copies, 1)
+        v = v.repeat_interleave(copies, 1)
         gqa = {}
     window_size = (window - 1 if window else -1, 0)
     return varlen_attn(
@@ -476,22 +492,17 @@ def choose_attention(
         return requested, KERNELS.get(requested), "as requested"
     path = next((p for p in KERNELS if p not in reasons), "sdpa")
     skipped = {} if path == "flash_attn" else reasons  # only paths before `path` have reasons
+    why = "; ".join(f"not {k}: {v}" for k, v in skipped.items())
     # one reason for all: say it once
     if len(skipped) > 1 and len(set(skipped.values())) == 1:
-        return (
-            path,
-            KERNELS.get(path),
-            f"not {' nor '.join(skipped)}: {reasons['flash_attn']}",
-        )
-    why = "; ".join(f"not {k}: {v}" for k, v in skipped.items())
+        why = f"not {' nor '.join(skipped)}: {reasons['flash_attn']}"
     return path, KERNELS.get(path), why
 
 
 def _kernel_problems(device: torch.device, half: bool, softcap: bool) -> dict[str, str]:
     """Why each varlen kernel cannot run here (none: it can)."""
     if device.type != "cuda" or not half:
-        reason = "it needs bf16/fp16 compute on a GPU"
-        return {"flash_attn": reason, "torch_varlen": reason}
+        return dict.fromkeys(KERNELS, "it needs bf16/fp16 compute on a GPU")
     reasons = {}
     try:
         import flash_attn
@@ -524,11 +535,8 @@ class _Swap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, split: int, join: int):
         ctx.args = group, join, split
-        x = (
-            x.unflatten(split, (dist.get_world_size(group), -1))
-            .movedim(split, 0)
-            .contiguous()
-        )
+        n = dist.get_world_size(group)
+        x = x.unflatten(split, (n, -1)).movedim(split, 0).contiguous()
         out = torch.empty_like(x)  # x contiguous first: empty_like copies a view's strides
         dist.all_to_all_single(out, x, group=group)
         return out.movedim(0, join).flatten(join, join + 1)
@@ -544,7 +552,8 @@ class GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group, x = group, x.contiguous()
+        ctx.group = group
+        x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x, group=group)
         return torch.cat(parts, -1)
@@ -553,37 +562,42 @@ class GatherSequence(torch.autograd.Function):
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
-        return grad.chunk(dist.get_world_size(ctx.group), -1)[dist.get_rank(ctx.group)], None
+        parts = grad.chunk(dist.get_world_size(ctx.group), -1)
+        return parts[dist.get_rank(ctx.group)], None
 
 
 def row_inputs(
     ids, pos, targets, segments, device, kernel=None, group=None, plain=False
-) -> tuple[dict, Layout]:
-    """A packed row -> (policy_logprobs' ids, positions [1, T], targets [T] and scored index on
-    `device`, the row's layout), built on the host. A CP `group` (Ulysses): this rank's contiguous
-    1/N of the row, padded to a multiple of N by a segment of its own (gather_row cuts). A target
-    of -1 is read by nothing: not scored (a prompt's prefix), so the head skips it."""
-    T, n, r = len(ids), 1, 0
-    if group is not None:
-        n, r = dist.get_world_size(group), dist.get_rank(group)
+) -> dict:
+    """A packed row -> policy_logprobs' keywords: ids, positions [1, T], targets [T] and scored
+    index on `device`, and the row's layout, built on the host. A CP `group` (Ulysses): this
+    rank's contiguous 1/N of the row, padded to a multiple of N by a segment of its own
+    (gather_row cuts). A target of -1 is read by nothing: not scored (a prompt's prefix), so the
+    head skips it."""
+    T = len(ids)
+    n = 1 if group is None else dist.get_world_size(group)
+    r = 0 if group is None else dist.get_rank(group)
     pad = -T % n
-    ids, targets = F.pad(ids, (0, pad)), F.pad(targets, (0, pad), value=-1)
-    pos = torch.cat([pos, torch.arange(pad)])
-    if pad:
+    size = T + pad
+    if pad:  # a sequence of its own, scored nowhere
+        ids = F.pad(ids, (0, pad))
+        pos = torch.cat([pos, torch.arange(pad)])
+        targets = F.pad(targets, (0, pad), value=-1)
         segments = torch.cat([segments, segments.new_tensor([[T, pad, 0, 0]])])
-    mine = slice(r * (T + pad) // n, (r + 1) * (T + pad) // n)
+    mine = slice(r * size // n, (r + 1) * size // n)
+    targets = targets[mine]
     chunk = {
-        "input_ids": ids[mine][None],
-        "position_ids": pos[mine][None],
-        "targets": targets[mine],
-        "scored": (targets[mine] >= 0).nonzero()[:, 0],
+        "input_ids": ids[None, mine],
+        "position_ids": pos[None, mine],
+        "targets": targets,
+        "scored": (targets >= 0).nonzero()[:, 0],
     }
-    layout = attention_layout(segments, T + pad, device, kernel, group, plain)
-    return {k: v.to(device) for k, v in chunk.items()}, layout
+    inputs = {k: v.to(device) for k, v in chunk.items()}
+    inputs["layout"] = attention_layout(segments, size, device, kernel, group, plain)
+    return inputs
 
 
 def gather_row(logprobs, entropy, group, num_tokens: int) -> tuple:
     """Every CP rank's chunk of log-probs and entropies -> the whole row's, on every CP rank."""
-    return GatherSequence.apply(torch.stack([logprobs, entropy]), group)[
-        :, :num_tokens
-    ].unbind()
+    row = GatherSequence.apply(torch.stack([logprobs, entropy]), group)
+    return row[:, :num_tokens].unbind()

@@ -30,9 +30,11 @@ _step = lambda path: int(path.name.removeprefix("step_"))
 
 def atomic_write_text(path: Path, text: str) -> None:
     """path.tmp, fsynced, renamed over `path`: readers see the old file or the new, never a part."""
-    with open(tmp := path.with_name(path.name + ".tmp"), "w") as f:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
         f.write(text)
-        f.flush(), os.fsync(f.fileno())
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -86,24 +88,29 @@ def unreadable(path: Path) -> str | None:
     for name, end in sorted(ends.items()):
         if not (path / name).is_file():
             return f"{name} is missing"
-        if (size := (path / name).stat().st_size) < end:
+        size = (path / name).stat().st_size
+        if size < end:
             return f"{name} is truncated ({size} of {end} bytes)"
     return None if (path / "rng_rank0.pt").is_file() else "rng_rank0.pt is missing"
+
+
+def set_aside(path: Path, suffix: str, first: int = 0) -> Path:
+    """`path` renamed to the first free name of path + suffix + "", "-1", "-2", ... (from
+    -`first`); returns it."""
+    for n in itertools.count(first):
+        aside = path.with_name(path.name + suffix + (f"-{n}" if n else ""))
+        if not aside.exists():
+            path.rename(aside)
+            return aside
 
 
 def newest_usable(run_dir: str | Path, say=print) -> Path | None:
     """The newest loadable checkpoint; an unreadable one is said and set aside as step_N.broken."""
     for path in reversed(complete_checkpoints(run_dir)):
-        if (problem := unreadable(path)) is None:
+        problem = unreadable(path)
+        if problem is None:
             return path
-        aside = next(
-            a
-            for n in itertools.count()
-            if not (
-                a := path.with_name(path.name + ".broken" + (f"-{n}" if n else ""))
-            ).exists()
-        )
-        path.rename(aside)
+        aside = set_aside(path, ".broken")
         say(f"warning: checkpoint {path} is unreadable ({problem}); moved it to {aside.name}")
     return None
 
@@ -120,8 +127,10 @@ def choose_resume(run_dir: str | Path, resume: str, resuming: bool) -> str | Non
     for stale in (Path(run_dir) / "checkpoints").glob("*.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
     if resume in ("auto", "fresh"):
-        return str(found) if resuming and (found := newest_usable(run_dir)) else None
-    if problem := unreadable(Path(resume)):
+        found = newest_usable(run_dir) if resuming else None
+        return None if found is None else str(found)
+    problem = unreadable(Path(resume))
+    if problem:
         raise UserError(f"--resume {resume}: unreadable checkpoint ({problem})")
     step = int(json.loads((Path(resume) / "meta.json").read_text())["step"])
     for path in (p for p in complete_checkpoints(run_dir) if _step(p) > step):
@@ -142,12 +151,7 @@ def claim_run_dir(
     root = Path(run_dir)
     results = [p for p in ("metrics.jsonl", "checkpoints", "final") if (root / p).exists()]
     if results and fresh:
-        aside = next(
-            a
-            for n in itertools.count(1)
-            if not (a := root.with_name(f"{root.name}.old-{n}")).exists()
-        )
-        root.rename(aside)
+        aside = set_aside(root, ".old", first=1)
         print(f"moved the run in {root} to {aside}", flush=True)
     if not results or fresh:
         return False
@@ -200,7 +204,8 @@ class Interrupted(Stopped):
     """Stopped on a signal at `step`: says where a rerun resumes; exit code 128 + the signal."""
 
     def __init__(self, run_dir: str | Path, step: int, signum: int):
-        at = _step(last[-1]) if (last := complete_checkpoints(run_dir)) else 0
+        last = complete_checkpoints(run_dir)
+        at = _step(last[-1]) if last else 0
         saved = f"saved {last[-1]}" if at == step else f"the last good checkpoint is {at}"
         super().__init__(
             f"interrupted by {signal.Signals(signum).name} at step {step}: {saved}; "
@@ -219,7 +224,8 @@ def save_checkpoint(
 ) -> Path:
     """Collective: each rank's DCP shards, RNG states and batches generated ahead into step_N.tmp/,
     then rank 0's meta.json ({"step": step} | meta), the rename to step_N/ and old ones deleted."""
-    rank, final = dist.get_rank(), Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+    rank = dist.get_rank()
+    final = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
@@ -233,14 +239,17 @@ def save_checkpoint(
         if obj:
             with open(tmp / f"{name}_rank{rank}.pt", "wb") as f:
                 torch.save(obj, f)
-                f.flush(), os.fsync(f.fileno())
+                f.flush()
+                os.fsync(f.fileno())
     dist.barrier()  # every rank's files are written
     if rank == 0:
         write_meta(tmp, {"step": step} | meta)
         # only there when resumed from an older checkpoint
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        os.fsync(fd := os.open(final.parent, os.O_RDONLY))  # the rename survives a power loss
+        # the rename survives a power loss
+        fd = os.open(final.parent, os.O_RDONLY)
+        os.fsync(fd)
         os.close(fd)
         older = [p for p in complete_checkpoints(run_dir) if _step(p) < step]
         if KEEP_CHECKPOINTS > 0:  # this one and the KEEP_CHECKPOINTS - 1 newest before it
@@ -271,29 +280,26 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        return _load(path, model, optimizer)
+        meta = json.loads((path / "meta.json").read_text())
+        sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+        dcp.load(sd, storage_reader=safe_dcp_reader(path), planner=safe_dcp_planner())
+        set_state_dict(
+            model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        )
+        # absent on more ranks than saved: rank 0's
+        rng = path / f"rng_rank{dist.get_rank()}.pt"
+        if not rng.exists():
+            rng = path / "rng_rank0.pt"
+        set_rng_states(torch.load(rng, weights_only=True))
+        ahead: dict[int, list] = {}
+        for part in sorted(path.glob("ahead_rank*.pt")):
+            for step, batch in torch.load(part, weights_only=True).items():
+                ahead.setdefault(int(step), []).extend(batch)
     except (Exception, CheckpointException) as e:
         raise UserError(
             f"checkpoint {path} cannot be loaded ({cli.why(e)}); move it aside to "
             "resume from the one before it, or check --lora-rank"
         ) from None
-
-
-def _load(path: Path, model, optimizer) -> tuple[dict, dict]:
-    meta = json.loads((path / "meta.json").read_text())
-    sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
-    dcp.load(sd, storage_reader=safe_dcp_reader(path), planner=safe_dcp_planner())
-    set_state_dict(
-        model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
-    )
-    rng = path / f"rng_rank{dist.get_rank()}.pt"  # absent on more ranks than saved: rank 0's
-    set_rng_states(
-        torch.load(rng if rng.exists() else path / "rng_rank0.pt", weights_only=True)
-    )
-    ahead: dict[int, list] = {}
-    for part in sorted(path.glob("ahead_rank*.pt")):
-        for step, batch in torch.load(part, weights_only=True).items():
-            ahead.setdefault(int(step), []).extend(batch)
     return meta, ahead
 
 
@@ -304,7 +310,8 @@ def truncate_metrics(path: Path, step: int) -> None:
     keep = []
     for line in path.read_text().splitlines():
         with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError):  # cut by a kill
-            keep += [line + "\n"] if json.loads(line)["step"] <= step else []
+            if json.loads(line)["step"] <= step:
+                keep.append(line + "\n")
     atomic_write_text(path, "".join(keep))
 
 
@@ -363,12 +370,13 @@ def export_hf(model, adapters: dict | None, tokenizer, src: str, out_dir: Path) 
     if dist.get_rank() != 0:
         return
     adapter = {k: state[k] for k in state if lora.is_adapter(k)}  # final/: the merged model
-    state = dict(lora.merged(state.items(), model))
-    shutil.rmtree(tmp := out_dir.with_name(out_dir.name + ".tmp"), ignore_errors=True)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     # safetensors refuses tied weights (shared storage), from_pretrained re-ties them: keep one
-    seen, tensors = set(), {}
-    for name, t in state.items():
+    seen = set()
+    tensors = {}
+    for name, t in lora.merged(state.items(), model):
         if t.numel() == 0 or t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())
             tensors[name] = t.contiguous()

@@ -53,7 +53,9 @@ class LoraLinear(nn.Module):
         # fp32 adapters at least
         dtype = torch.promote_types(base.weight.dtype, torch.float32)
         kw = {"device": base.weight.device, "dtype": dtype}
-        self.base, self.scale, self.enabled = base, alpha / r, True
+        self.base = base
+        self.scale = alpha / r
+        self.enabled = True
         self.lora_A = nn.Parameter(torch.empty(r, fan_in, **kw))
         self.lora_B = nn.Parameter(torch.zeros(fan_out, r, **kw))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's (and PEFT's) init
@@ -65,9 +67,9 @@ class LoraLinear(nn.Module):
         delta = x.to(self.lora_A.dtype) @ self.lora_A.t() @ self.lora_B.t() * self.scale
         return (y + delta).to(y.dtype)
 
-    def merged(self, weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    def merged(self, weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor):
         """The base weight plus the adapter's delta (full tensors; in fp64, rounded once)."""
-        delta = (B.double() @ A.double()) * self.scale
+        delta = (lora_B.double() @ lora_A.double()) * self.scale
         if is_conv1d(self.base):
             delta = delta.t()
         return (weight.double() + delta).to(weight.dtype)
@@ -93,12 +95,13 @@ def _matches(name: str, spec) -> bool:
     return any(name == t or name.endswith("." + t) for t in spec)
 
 
-def apply(model: nn.Module, r: int, config: dict | None = None) -> str:
+def apply(model: nn.Module, r: int, config: dict | None = None) -> tuple[dict | None, str]:
     """LoRA adapters of rank r put into `model` in place (the base frozen), or those of an adapter
-    directory's config (and its weights, after loading: load_weights). Returns the start-up line's
-    words (one ending "; "), "" for r = 0."""
+    directory's config (and its weights, after loading: load_weights). Returns their config as
+    PEFT writes it (rank, alpha, the layers adapted) and the start-up line's words (one ending
+    "; "); (None, "") for r = 0."""
     if not r:
-        return ""
+        return None, ""
     alpha = LORA_ALPHA if config is None else config["lora_alpha"]
     spec = "all-linear" if config is None else config["target_modules"]
     names = targets(model, spec)
@@ -110,10 +113,12 @@ def apply(model: nn.Module, r: int, config: dict | None = None) -> str:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent)
         setattr(owner, child, LoraLinear(getattr(owner, child), r, alpha))
+    base = [p for n, p in model.named_parameters() if not is_adapter(n)]
     trainable = sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))
-    frozen = sum(p.numel() for n, p in model.named_parameters() if not is_adapter(n))
-    dtype = next(p for n, p in model.named_parameters() if not is_adapter(n)).dtype
-    return (
+    frozen = sum(p.numel() for p in base)
+    dtype = base[0].dtype
+    peft_config = {"r": r, "lora_alpha": alpha, "target_modules": names}
+    return peft_config, (
         f"LoRA r={r} alpha={alpha} on {len(names)} layers: {trainable:,} trainable, "
         f"{frozen:,} frozen in {dtype}; "
     )
@@ -140,10 +145,7 @@ def merged(named, model: nn.Module):
     held: dict[str, dict] = {}
     for name, t in named:
         layer, _, kind = name.rpartition(".")
-        if kind in ("lora_A", "lora_B"):
-            owner = layer
-        else:
-            owner = layer.removesuffix(".base")
+        owner = layer if is_adapter(name) else layer.removesuffix(".base")
         if owner not in adapted:
             yield name, t
         elif kind not in ("lora_A", "lora_B", "weight"):  # the base's bias
@@ -153,10 +155,7 @@ def merged(named, model: nn.Module):
             parts[kind] = t
             if len(parts) == 3:
                 del held[owner]
-                weight = adapted[owner].merged(
-                    parts["weight"], parts["lora_A"], parts["lora_B"]
-                )
-                yield f"{owner}.weight", weight
+                yield f"{owner}.weight", adapted[owner].merged(**parts)
 
 
 def read_config(path: str | Path | None) -> dict | None:
@@ -171,19 +170,18 @@ def read_config(path: str | Path | None) -> dict | None:
         raise UserError(
             f"{file}: not a readable adapter config ({type(e).__name__}: {e})"
         ) from None
+    if not isinstance(config, dict):
+        raise UserError(f"{file}: not a JSON object")
+    if config.get("peft_type") != "LORA":
+        raise UserError(
+            f"{file}: not a PEFT LoRA adapter (peft_type {config.get('peft_type')!r})"
+        )
     needed = {
-        "peft_type": str,
         "r": int,
         "lora_alpha": (int, float),
         "target_modules": (str, list),
         "base_model_name_or_path": str,
     }
-    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        raise UserError(
-            f"{file}: not a PEFT LoRA adapter (peft_type {config.get('peft_type')!r})"
-            if isinstance(config, dict)
-            else f"{file}: not a JSON object"
-        )
     missing = [k for k, kind in needed.items() if not isinstance(config.get(k), kind)]
     if missing:
         raise UserError(
@@ -204,7 +202,7 @@ def save(tensors: dict, config: dict, base: str, out_dir: Path) -> None:
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    peft_names = {PEFT_PREFIX + k + ".weight": v.contiguous() for k, v in tensors.items()}
+    peft_names = {f"{PEFT_PREFIX}{k}.weight": v.contiguous() for k, v in tensors.items()}
     save_file(peft_names, str(out_dir / "adapter_model.safetensors"))
     base = str(Path(base).resolve()) if Path(base).exists() else base
     config = {

@@ -26,7 +26,7 @@ from cli import UserError, why
 
 HALF = (torch.float16, torch.bfloat16)
 # selective checkpointing keeps these ops' outputs (a layer's matmuls and attention kernel)
-KEPT_OPS = tuple(
+KEPT_OPS = [
     getattr(torch.ops.aten, op).default
     for op in (
         "mm",
@@ -37,8 +37,7 @@ KEPT_OPS = tuple(
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",
     )
-    if hasattr(torch.ops.aten, op)
-)
+]
 # model_type prefix -> (the config field that scales its head's logits, whether it divides by it)
 HEAD_SCALES = {
     "granite": ("logits_scaling", True),
@@ -63,7 +62,7 @@ RERUN_FROM = 2**19
 NO_RERUN_UP_TO = 0.8  # a GPU checkpoints no layer while the plan without it is <= this share
 # --compile: decoder layers' parameters; fewer gain less than it costs
 COMPILE_FROM = 5 * 10**7
-_PROBES = itertools.count()  # compile_probe's functions, each compiled anew
+_PROBES = itertools.count()  # compile_verdict's probes, each compiled anew
 
 
 @dataclass
@@ -92,8 +91,10 @@ class Model:
         targets = mb.targets
         if mb.seq_ids is not None:  # a prompt's positions predict nothing read: not scored
             targets = targets.masked_fill(mb.seq_ids < 0, -1)
-        with torch.set_grad_enabled(grad), self.adapters():
-            inputs, layout = attention.row_inputs(
+        # the KL reference (base_only): LoRA's frozen base alone
+        adapters = lora.disabled(self.module) if self.base_only else contextlib.nullcontext()
+        with torch.set_grad_enabled(grad), adapters:
+            inputs = attention.row_inputs(
                 mb.input_ids,
                 mb.position_ids,
                 targets,
@@ -108,19 +109,12 @@ class Model:
                 policy_logprobs,
                 self.module,
                 **inputs,
-                layout=layout,
                 temperature=temperature,
                 entropy_grad=entropy_grad,
             )
         if self.cp_group is None:
             return out
         return attention.gather_row(*out, self.cp_group, len(targets))
-
-    def adapters(self):
-        """Inside: the model as the KL reference sees it (LoRA's base alone if base_only)."""
-        if self.base_only:
-            return lora.disabled(self.module)
-        return contextlib.nullcontext()
 
     def set_grad_sync(self, sync: bool) -> None:
         """FSDP2: reduce-scatter the gradients in this backward (else they stay unsharded)."""
@@ -163,55 +157,54 @@ def load_model(
 
     AttentionInterface.register("packed", torch.compiler.disable(attention.packed_attention))
     mixed = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
-    dtype = {"float64": torch.float64}.get(cfg.dtype, torch.float32)
+    dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
     if cfg.lora_rank and mixed:  # LoRA's frozen base in the compute dtype
         dtype = torch.bfloat16
     adapter = lora.read_config(cfg.lora_adapter)
     cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
-    full = _on_rank0(
-        lambda: _load_checked(
-            cfg.model, dtype, cp_size, trainable, cfg.lora_rank, cfg.lora_adapter, adapter
-        )
-    )
+    full = _on_rank0(_load_checked, cfg, dtype, cp_size, trainable, adapter)
     with torch.device("meta"):
         config = AutoConfig.from_pretrained(cfg.model, use_cache=False)
         module = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation="packed"
         )
-    described = lora.apply(module, cfg.lora_rank, adapter)
+    peft_config, described = lora.apply(module, cfg.lora_rank, adapter)
     tokens = -(-cfg.micro_batch_tokens // cp_size)  # a micro-batch's, on this rank
     model = decide(module, cfg, device, world, tokens, trainable, mixed, memory or {})
-    model.cp_group, model.lora = cp_group, _lora_config(module, cfg.lora_rank, adapter)
+    model.cp_group = cp_group
+    model.lora = peft_config
     model.summary = described + model.summary
     _shard(module, device, world, mixed)
     if model.compiled:
         compile_layers(module)
-    # a CPU's own choice (selective) skips small micro-batches' reruns
     if model.checkpointing:
-        auto = CHECKPOINT_LAYERS is None and model.checkpointing == "selective"
-        checkpoint_layers(
-            module, model.checkpointing == "selective", RERUN_FROM if auto else 0
-        )
+        selective = model.checkpointing == "selective"
+        # a CPU's own choice (selective) skips small micro-batches' reruns
+        auto = CHECKPOINT_LAYERS is None and selective
+        checkpoint_layers(module, selective, RERUN_FROM if auto else 0)
     module.to_empty(device=device).eval().tie_weights()  # to_empty unties a plain model
     state = {} if full is None else full.state_dict()
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(module, state, options=options)
     mine = {} if full is None else dict(full.named_buffers())
     for name, buffer in module.named_buffers():  # some are in no state dict (RoPE's inv_freq)
-        dist.broadcast(buffer.copy_(mine[name]) if mine else buffer, src=0)
+        if mine:
+            buffer.copy_(mine[name])
+        dist.broadcast(buffer, src=0)
     for name, p in module.named_parameters():  # LoRA: the adapters alone
         p.requires_grad_(trainable and (not cfg.lora_rank or lora.is_adapter(name)))
     sum_gradients(module)  # the loss divides by the *global* normaliser: FSDP2 must sum ranks
     return model
 
 
-def _on_rank0(load):
-    """Rank 0's load() (the whole model, on the host), None elsewhere; a UserError on every rank
-    if it raises one."""
-    full, error = None, [None]
+def _on_rank0(load, *args):
+    """Rank 0's load(*args) (the whole model, on the host), None elsewhere; a UserError on every
+    rank if it raises one. (checkpoint.on_rank0 sends its result to every rank.)"""
+    full = None
+    error = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            full = load()
+            full = load(*args)
         except UserError as e:
             error = [str(e)]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -221,19 +214,13 @@ def _on_rank0(load):
     return full
 
 
-def _load_checked(
-    path: str,
-    dtype: torch.dtype,
-    heads_divisor: int,
-    check: bool,
-    rank: int,
-    adapter_path: str | None,
-    adapter: dict | None,
-):
-    """Rank 0's whole model on the host, checked (before its adapters: they start at zero or
-    load after), with its adapters; a UserError if it cannot run here."""
+def _load_checked(cfg, dtype: torch.dtype, heads_divisor: int, check: bool, adapter):
+    """cfg.model whole on the host, checked (before its adapters: they start at zero or load
+    after), with its adapters (`adapter`: cfg.lora_adapter's config); a UserError if it cannot
+    run here."""
     from transformers import AutoModelForCausalLM
 
+    path = cfg.model
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, use_cache=False, attn_implementation="packed"
@@ -249,19 +236,10 @@ def _load_checked(
     problem = check_model(model, text.vocab_size) if check else None
     if problem:
         raise UserError(f"--model {path} ({text.model_type}) is not supported: {problem}")
-    lora.apply(model, rank, adapter)
-    if adapter_path:
-        lora.load_weights(model, adapter_path)
+    lora.apply(model, cfg.lora_rank, adapter)
+    if cfg.lora_adapter:
+        lora.load_weights(model, cfg.lora_adapter)
     return model
-
-
-def _lora_config(module: nn.Module, rank: int, adapter: dict | None) -> dict | None:
-    """The adapters' config as PEFT writes it: their rank, alpha and the layers they adapt."""
-    if not rank:
-        return None
-    layers = [n for n, m in module.named_modules() if isinstance(m, lora.LoraLinear)]
-    alpha = lora.LORA_ALPHA if adapter is None else adapter["lora_alpha"]
-    return {"r": rank, "lora_alpha": alpha, "target_modules": layers}
 
 
 def decide(
@@ -290,12 +268,14 @@ def decide(
     )
     because = f" ({reason})" if reason else ""
     summary = f"attention: {path}{because}; compute: {compute}; {eager or 'layers compiled'}"
-    checkpointing, defer = "", False  # a frozen copy: no backward
+    # a frozen copy: no backward
+    checkpointing = ""
+    defer = False
     if trainable:
         checkpointing, defer, plan = memory_decisions(
             shape_of(module, mixed), world, tokens, eager is None, **memory
         )
-        summary += "\n" + plan
+        summary += f"\n{plan}"
     return Model(
         module,
         device,
@@ -341,7 +321,7 @@ def sum_gradients(module: nn.Module) -> None:
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The blocks FSDP2 shards one by one, innermost first: modules of the classes the model never
     splits (`_no_split_modules`), else the children of its longest ModuleList."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
+    names = set(model._no_split_modules or ())
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     return (blocks or list(max(lists, key=len, default=[])))[::-1]
@@ -364,19 +344,13 @@ def adamw(params: list, **kwargs) -> torch.optim.AdamW:
 # compiled layers and checkpointing (the plain version of both: eager layers, all kept)
 def compile_verdict(module: nn.Module, device: torch.device) -> str | None:
     """None if the decoder layers are to be compiled, else why they run eager: too small to pay,
-    or torch.compile cannot run on this device."""
+    or torch.compile cannot build and run a probe kernel on `device` (inductor needs a C++
+    compiler on a CPU; on a GPU, triton builds its launcher with a C compiler at the first
+    launch). Errors are raised here: under suppress_errors a missing compiler would silently run
+    eager while the memory plan counts compiled layers."""
     size = sum(p.numel() for m in decoder_layers(module) for p in m.parameters())
     if size < COMPILE_FROM:
         return f"eager (decoder layers under {COMPILE_FROM / 1e6:g}M parameters)"
-    problem = compile_probe(device)
-    return None if problem is None else f"eager ({problem})"
-
-
-def compile_probe(device: torch.device) -> str | None:
-    """None if torch.compile builds and runs a kernel on `device`, else why not: inductor needs a
-    C++ compiler on a CPU; on a GPU, triton builds its launcher with a C compiler at the first
-    launch. Errors are raised here: under suppress_errors a missing one would silently run eager
-    while the memory plan counts compiled layers."""
     probe = lambda x: torch.sin(x) * 2 + 1
     # compiled afresh
     probe.__code__ = probe.__code__.replace(co_name=f"probe_{next(_PROBES)}")
@@ -384,7 +358,7 @@ def compile_probe(device: torch.device) -> str | None:
         with torch._dynamo.config.patch(suppress_errors=False):
             torch.compile(probe, dynamic=False)(torch.ones(8, device=device))
     except Exception as e:
-        return f"torch.compile cannot run on this {device.type}: {why(e)}"
+        return f"eager (torch.compile cannot run on this {device.type}: {why(e)})"
     return None
 
 
@@ -405,7 +379,7 @@ def checkpoint_layers(module: nn.Module, selective: bool = False, from_elements:
     every rank alike (equal chunks: row_inputs). A layer input under `from_elements` runs as is."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts as keeping
 
-    kw = {"context_fn": functools.partial(keeping, list(KEPT_OPS))} if selective else {}
+    kw = {"context_fn": functools.partial(keeping, KEPT_OPS)} if selective else {}
     for layer in decoder_layers(module):
         layer.forward = functools.partial(_maybe_rerun, layer.forward, from_elements, kw)
 
@@ -449,16 +423,17 @@ def parameter_count(path: str) -> int:
 
 def shape_of(module: nn.Module, mixed: bool) -> Shape:
     text = module.config.get_text_config()
-    names = [(n, p) for n, p in module.named_parameters()]
-    adapters = [p for n, p in names if lora.is_adapter(n)]
-    trained = adapters or [p for _, p in names]
-    frozen = [p for n, p in names if not lora.is_adapter(n)]
-    heads, hidden = text.num_attention_heads, text.hidden_size
+    params = dict(module.named_parameters())
+    frozen = [p for n, p in params.items() if not lora.is_adapter(n)]
+    # LoRA trains its adapters alone, else every parameter is trained
+    trained = [p for n, p in params.items() if lora.is_adapter(n)] or frozen
+    heads = text.num_attention_heads
+    hidden = text.hidden_size
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     master = trained[0].element_size()
     return Shape(
-        sum(p.numel() for _, p in names),
+        sum(p.numel() for p in params.values()),
         sum(p.numel() for p in trained),
         text.num_hidden_layers,
         hidden,
@@ -497,8 +472,10 @@ def memory_plan(
     root = s.vocab * s.hidden * (1 if s.tied else 2)
     per_token = 8 * s.hidden + c * (5 * s.hidden + 2 * s.kv_dim + 4 * s.intermediate)
     layer = tokens * per_token
-    kept = {"selective": 5 * s.hidden + 2 * s.kv_dim + 2 * s.intermediate}
-    kept = kept.get(checkpointing, s.hidden)
+    # per token, a checkpointed layer keeps its input (selective: and its matmuls' outputs)
+    kept = s.hidden
+    if checkpointing == "selective":
+        kept = 5 * s.hidden + 2 * s.kv_dim + 2 * s.intermediate
     if checkpointing:
         saved = s.layers * tokens * kept * c
     else:
@@ -542,21 +519,22 @@ def memory_decisions(
     while the trainer trains. A UserError if nothing fits."""
     # inductor keeps what selective checkpointing keeps
     plain = "selective" if compiled else ""
-    checkpointing = CHECKPOINT_LAYERS
+    capacity = None if gpu is None else gpu[1]
     kw = {"engine": engine, "others": others}
     raw = memory_plan(shape, world, tokens, plain, grads_unsharded=True, **kw)
-    if checkpointing is None and gpu is None:  # a CPU: selective where a layer input is big
+    checkpointing = CHECKPOINT_LAYERS
+    # decided: on a CPU, selective where a layer input is big; on a GPU, full only where the
+    # plan without it does not fit well
+    if checkpointing is None and capacity is None:
         big = not compiled and tokens * shape.hidden >= SELECTIVE_FROM
         checkpointing = "selective" if big else ""
-    elif checkpointing is None:  # a GPU: only where the plan without it does not fit well
-        checkpointing = "full" if raw["total"] > NO_RERUN_UP_TO * gpu[1] else ""
-    checkpointing = checkpointing or ""
+    elif checkpointing is None:
+        checkpointing = "full" if raw["total"] > NO_RERUN_UP_TO * capacity else ""
     planned = checkpointing or plain
-    deferred = memory_plan(shape, world, tokens, planned, grads_unsharded=True, **kw)
-    synced = memory_plan(shape, world, tokens, planned, **kw)
-    capacity = None if gpu is None else gpu[1]
-    defer = capacity is None or deferred["total"] <= capacity
-    plan = deferred if defer else synced
+    plan = memory_plan(shape, world, tokens, planned, grads_unsharded=True, **kw)
+    defer = capacity is None or plan["total"] <= capacity
+    if not defer:
+        plan = memory_plan(shape, world, tokens, planned, **kw)
     line = _plan_line(plan, raw if checkpointing else None, capacity)
     if capacity is not None and plan["total"] > capacity:
         raise UserError(
@@ -607,18 +585,20 @@ def free_memory(device: torch.device) -> tuple[int, int]:
 
 # -----------------------------------------------------------------------------
 # log-probs: the model's body, then its own head on the scored positions
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or `dtype` if wider (fp64): what the head's logits and sums are computed in."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def head_transform(config) -> tuple[float, float | None]:
     """(scale, softcap) a family's forward applies to its lm_head output: logits * scale, then
     softcap * tanh(logits / softcap). check_model catches a family that applies something else."""
     text = config.get_text_config()
-    kind = getattr(text, "model_type", "") or ""
-    name, divide = next(
-        (v for k, v in HEAD_SCALES.items() if kind.startswith(k)), (None, False)
-    )
-    value = getattr(text, name, None) if name else None
     scale = 1.0
-    if value:
-        scale = 1.0 / value if divide else float(value)
+    for family, (name, divide) in HEAD_SCALES.items():
+        value = getattr(text, name, None)
+        if text.model_type.startswith(family) and value:
+            scale = 1.0 / value if divide else float(value)
     return scale, getattr(text, "final_logit_softcapping", None) or None
 
 
@@ -675,7 +655,7 @@ def plain_head(
     """The head as written: x = softcap(scale (hW^T + b)) / T in fp32 at least for every row at
     once, log p = log_softmax(x), (log p(target), H = -sum_v p_v log p_v); autograd's backward.
     HeadLogprobs computes the same in chunks, in less memory and fewer GEMMs."""
-    up = torch.promote_types(hidden.dtype, torch.float32)
+    up = at_least_fp32(hidden.dtype)
     logits = F.linear(hidden.to(up), weight.to(up), None if bias is None else bias.to(up))
     logits = logits * scale
     if softcap:
@@ -699,11 +679,13 @@ class HeadLogprobs(torch.autograd.Function):
         ctx, hidden, weight, bias, targets, temp, scale, softcap, chunk, h_grad, keep
     ):
         ctx.set_materialize_grads(False)
-        up = torch.promote_types(hidden.dtype, torch.float32)
+        up = at_least_fp32(hidden.dtype)
         kept = None  # x stays for backward when it fits `keep`: one chunk of every row
         if len(hidden) * len(weight) * up.itemsize <= keep:
-            kept, chunk = [], max(len(hidden), 1)
-        ctx.kept, ctx.args = kept, (temp, scale, softcap, chunk)
+            kept = []
+            chunk = max(len(hidden), 1)
+        ctx.kept = kept
+        ctx.args = (temp, scale, softcap, chunk)
         lp_out = hidden.new_empty(len(hidden), dtype=up)
         entropy = hidden.new_empty(len(hidden), dtype=up)
         for rows, x in _head_blocks(hidden, weight, bias, *ctx.args, kept=kept):
@@ -720,20 +702,17 @@ class HeadLogprobs(torch.autograd.Function):
     def backward(ctx, g_lp, g_h):
         hidden, weight, bias, targets, entropy = ctx.saved_tensors
         temperature, scale, softcap, chunk = ctx.args
-        need = ctx.needs_input_grad
-        if g_lp is not None:
-            g_lp = g_lp * (scale / temperature)
-        if g_h is not None:
-            g_h = g_h * (scale / temperature)
+        # d/dz is d/dx times scale / T
+        g_lp, g_h = (g if g is None else g * (scale / temperature) for g in (g_lp, g_h))
         # d weight and d bias sum over chunks: in fp32 at least, rounded once (a half sum rounds
         # at every chunk); one chunk writes them in their own dtype
-        up = torch.promote_types(hidden.dtype, torch.float32)
-        sums = len(hidden) > chunk
-        grads = []
-        for i, (x, n) in enumerate(zip((hidden, weight, bias), need)):
-            grads.append(
-                torch.zeros_like(x, dtype=up if sums and i else x.dtype) if n else None
-            )
+        up = at_least_fp32(hidden.dtype)
+        inputs = (hidden, weight, bias)
+        grads = [None, None, None]
+        for i, x in enumerate(inputs):
+            summed = i > 0 and len(hidden) > chunk
+            if ctx.needs_input_grad[i]:
+                grads[i] = torch.zeros_like(x, dtype=up if summed else x.dtype)
         for rows, x in _head_blocks(hidden, weight, bias, *ctx.args, grads, ctx.kept):
             cap = 1.0
             if softcap:  # d softcap tanh(u / softcap) / du = 1 - tanh^2
@@ -749,7 +728,6 @@ class HeadLogprobs(torch.autograd.Function):
             if g_lp is not None:
                 p.scatter_add_(-1, targets[rows, None], g_lp[rows, None])
             p.mul_(cap)
-        inputs = (hidden, weight, bias)
         grads = [g if g is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
         return *grads, *[None] * 7
 
@@ -762,7 +740,7 @@ def _head_blocks(
     pops it). With `grads` [hidden, weight, bias]: once the caller overwrote a chunk by d/dz, its
     half GEMMs where they run: d hidden (a sum over V) out in fp32 (cuBLAS may split-K a half
     output in bf16), d weight summed in grads[1]'s dtype."""
-    up = torch.promote_types(hidden.dtype, torch.float32)
+    up = at_least_fp32(hidden.dtype)
     again = not (grads and kept)  # logits to compute (not kept from forward)
     rows = HEAD_ROWS[hidden.device.type != "cpu"]
     buf = None
@@ -777,11 +755,12 @@ def _head_blocks(
         if again and bias is not None:
             z.add_(bias)
         for j in range(0, len(h), rows):
-            x = z[j : j + rows]  # the model's ops, then / T (kept logits had them)
-            if again and softcap:
-                x.mul_(scale).div_(softcap).tanh_().mul_(softcap).div_(temperature)
-            elif again:
-                x.mul_(scale).div_(temperature)
+            x = z[j : j + rows]
+            if again:  # the model's ops, then / T (kept logits had them)
+                x.mul_(scale)
+                if softcap:
+                    x.div_(softcap).tanh_().mul_(softcap)
+                x.div_(temperature)
             yield slice(i + j, i + j + len(x)), x
         if kept is not None and grads is None:
             kept.append(z)  # forward's (one chunk): backward's x
@@ -820,7 +799,7 @@ def _mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
     """a @ b accumulated in fp32 at least, as out_dtype: a half GEMM where it runs, else upcast."""
     if a.dtype == b.dtype and mm_out_dtype_runs(a.device, a.dtype):
         return torch.mm(a, b, out_dtype=out_dtype)
-    up = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    up = at_least_fp32(torch.promote_types(a.dtype, b.dtype))
     return (a.to(up) @ b.to(up)).to(out_dtype)
 
 
@@ -859,7 +838,7 @@ def head_logits(
     if hidden.dtype == weight.dtype == torch.float32:
         logits = linear(hidden, weight, None, packed)
     else:
-        logits = _mm(hidden, weight.t(), torch.promote_types(hidden.dtype, torch.float32))
+        logits = _mm(hidden, weight.t(), at_least_fp32(hidden.dtype))
     return logits if bias is None else logits + bias
 
 
@@ -890,10 +869,8 @@ def check_model_source(name: str) -> None:
     except Exception:  # not a valid repo id either
         raise bad("no such directory, nor a Hugging Face hub id") from None
     where = f"no such directory, and {name!r} is not in the local Hugging Face cache"
-    if {os.environ.get(v, "0") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")} - {
-        "0",
-        "",
-    }:
+    offline = {os.environ.get(v, "0") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    if offline - {"0", ""}:
         raise bad(f"{where} (HF_HUB_OFFLINE is set)")
     host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
     try:
@@ -909,40 +886,33 @@ def check_model(model, vocab_size: int) -> str | None:
         return "its attention does not go through transformers' AttentionInterface"
     window = getattr(model.config.get_text_config(), "sliding_window", None) or 0
     n = min(max(16, window + 8), 64)
-    p, g = n // 2, torch.Generator().manual_seed(0)
+    p = n // 2
+    g = torch.Generator().manual_seed(0)
     prompt = torch.randint(vocab_size, (p,), generator=g).tolist()
     tails = torch.randint(vocab_size, (n,), generator=g).tolist()
     tails = [tails[:p], tails[p:][: n // 3]]
+    # one packed row: the prompt but its last token, then each tail after that token
+    ids = prompt[:-1]
+    pos = list(range(p - 1))
+    targets = prompt[1:]
+    segments = [[0, p - 1, 0, 0]]
+    for t in tails:
+        segments.append([len(ids), len(t), 0, p - 1])
+        ids += prompt[-1:] + t[:-1]
+        pos += range(p - 1, p - 1 + len(t))
+        targets += t
     tensor = functools.partial(torch.tensor, device=next(model.parameters()).device)
-    ids = prompt[:-1] + sum((prompt[-1:] + t[:-1] for t in tails), [])
-    pos = list(range(p - 1)) + sum((list(range(p - 1, p - 1 + len(t))) for t in tails), [])
-    segments = torch.tensor(
-        [
-            [0, p - 1, 0, 0],
-            [p - 1, len(tails[0]), 0, p - 1],
-            [p - 1 + len(tails[0]), len(tails[1]), 0, p - 1],
-        ]
-    )
     try:
         with torch.no_grad():
-            ours, _ = policy_logprobs(
-                model,
-                tensor([ids]),
-                tensor([pos]),
-                tensor(prompt[1:] + tails[0] + tails[1]),
-                segments=segments,
-            )
+            row = (tensor([ids]), tensor([pos]), tensor(targets))
+            ours, _ = policy_logprobs(model, *row, segments=torch.tensor(segments))
             model.set_attn_implementation("eager")
             theirs = []
             for k, t in enumerate(tails):
                 s = tensor(prompt + t)
-                lp = (
-                    model(input_ids=s[None], use_cache=False)
-                    .logits[0]
-                    .float()
-                    .log_softmax(-1)
-                )
-                lp = lp[:-1].gather(-1, s[1:, None]).squeeze(-1)
+                logits = model(input_ids=s[None], use_cache=False).logits[0].float()
+                lp = logits.log_softmax(-1)[:-1].gather(-1, s[1:, None])[:, 0]
+                # the row holds the prompt once: the first sample's positions only
                 theirs.append(lp[0 if k == 0 else p - 1 :])
     except Exception as e:  # e.g. an attention keyword packed_attention does not implement
         return (
@@ -950,7 +920,7 @@ def check_model(model, vocab_size: int) -> str | None:
         )
     finally:
         model.set_attn_implementation("packed")
-    diff = float((ours.float() - torch.cat(theirs).float()).abs().max())
+    diff = float((ours.float() - torch.cat(theirs)).abs().max())
     tol = 0.1 if next(model.parameters()).dtype in HALF else 1e-4  # bf16 (LoRA's base): ~0.03
     if diff <= tol:  # 1e-4 for fp64 too: eager softmaxes in fp32; NaN fails
         return None
