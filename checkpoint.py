@@ -134,8 +134,11 @@ def choose_resume(run_dir: str | Path, resume: str, resuming: bool) -> str | Non
         raise UserError(f"--resume {resume}: unreadable checkpoint ({problem})")
     step = int(json.loads((Path(resume) / "meta.json").read_text())["step"])
     for path in (p for p in complete_checkpoints(run_dir) if _step(p) > step):
-        path.rename(path.with_name(path.name + ".abandoned"))
-        print(f"set aside {path} (newer than the checkpoint resumed from)", flush=True)
+        # a name taken by an earlier such resume: step_N.abandoned-1, ...
+        aside = set_aside(path, ".abandoned")
+        print(
+            f"set aside {path} as {aside.name} (newer than the one resumed from)", flush=True
+        )
     return resume
 
 

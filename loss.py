@@ -520,8 +520,15 @@ def mismatch_sums(
     gone = active & (_group_sums(rejected.double(), seq_ids) == count)
     log_rho = _group_sums(lr, seq_ids)
     gap = torch.where(active, -log_rho / count.clamp(min=1), 0.0)
-    sums = [d.double().sum(), (lr.abs() * d).sum(), (k3 * d).sum(), active.double().sum()]
-    sums += [gap.sum(), rejected.double().sum(), gone.double().sum()]
+    sums = [
+        d.double().sum(),
+        (lr.abs() * d).sum(),
+        (k3 * d).sum(),
+        active.double().sum(),
+        gap.sum(),
+        rejected.double().sum(),
+        gone.double().sum(),
+    ]
     highest = torch.where(active, log_rho, -math.inf).max()
     lowest = torch.where(active, -log_rho, -math.inf).max()
     return torch.stack(sums), torch.stack([highest, lowest])

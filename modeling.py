@@ -869,8 +869,11 @@ def check_model_source(name: str) -> None:
     except Exception:  # not a valid repo id either
         raise bad("no such directory, nor a Hugging Face hub id") from None
     where = f"no such directory, and {name!r} is not in the local Hugging Face cache"
-    offline = {os.environ.get(v, "0") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    if offline - {"0", ""}:
+    # huggingface_hub's truthy values; "0", "false" or unset: online
+    offline = {
+        os.environ.get(v, "").lower() for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    }
+    if offline & {"1", "on", "yes", "true"}:
         raise bad(f"{where} (HF_HUB_OFFLINE is set)")
     host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
     try:

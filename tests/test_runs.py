@@ -24,6 +24,7 @@ import torch
 import warm
 
 import checkpoint
+import modeling
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(ROOT / "nanoareal.py")
@@ -377,6 +378,19 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(two_checkpoints,
     assert [p.name for p in checkpoint.complete_checkpoints(run_dir)] == ["step_000001"]
 
 
+def test_resuming_the_same_older_checkpoint_twice_keeps_both_abandoned_timelines(
+        two_checkpoints, tmp_path):
+    """The second time, step_N.abandoned is taken: the newer checkpoint becomes .abandoned-1."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run_dir)
+    older = run_dir / "checkpoints" / "step_000001"
+    first = run_dir / "checkpoints" / "step_000002.abandoned"
+    first.mkdir()
+    assert checkpoint.choose_resume(run_dir, str(older), True) == str(older)
+    assert first.is_dir() and (run_dir / "checkpoints" / "step_000002.abandoned-1").is_dir()
+    assert [p.name for p in checkpoint.complete_checkpoints(run_dir)] == ["step_000001"]
+
+
 # -----------------------------------------------------------------------------
 # a LoRA run's checkpoint given without --lora-rank brings its rank (issue 43 item 12)
 
@@ -427,3 +441,18 @@ def test_a_lora_checkpoint_given_without_lora_rank_resumes_as_the_uninterrupted_
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from step 1" in out.stdout and "LoRA r=2 " in out.stdout
     assert metrics(again) == [r for r in metrics(lora_run) if r["step"] == 2]
+
+
+@pytest.mark.parametrize("value, offline", [("1", True), ("TRUE", True), ("yes", True),
+                                            ("0", False), ("false", False), ("", False)])
+def test_hf_offline_is_read_as_huggingface_hub_reads_it(monkeypatch, tmp_path, value, offline):
+    """HF_HUB_OFFLINE=false is online (huggingface_hub's truthy values are 1/on/yes/true)."""
+    from cli import UserError
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache
+    monkeypatch.setenv("HF_HUB_OFFLINE", value)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://127.0.0.1")  # online: refused at once
+    with pytest.raises(UserError) as refused:
+        modeling.check_model_source("nobody/no-such-model")
+    assert ("HF_HUB_OFFLINE is set" in str(refused.value)) == offline
+    assert offline or "cannot be reached" in str(refused.value)
