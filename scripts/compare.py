@@ -11,9 +11,15 @@ of run directories, one run directory (grouped with the others of its name less 
 ./compare): eval.png (every eval/* metric), train.png (reward, response length, of correct and
 of incorrect responses, share cut at --max-new-tokens, tool calls per episode with --env, the
 reward's own reward/* shares; trailing means), offpolicy.png when rollouts were stale (the
-log-prob gap, the importance weights' mean and max, the share a correction capped or masked) and
-compare.md, the table, also printed: final held-out metrics, training metrics averaged over the
-last steps, steps reached and wall time per run (from study.json).
+log-prob gap, the importance weights' mean and max, the share a correction capped or masked),
+eval_cost.png (eval/accuracy against what it cost: the run's summed `time/step`, its rollout,
+teacher and training time with evals and saves left out, and its summed `generated_tokens`; the
+mean over seeds of both axes at each eval) and compare.md, the table, also printed: final held-out
+metrics, training metrics averaged over the last steps, steps reached, wall time per run (from
+study.json) and, for each `--reach` threshold, the steps and summed `time/step` seconds to the
+first eval at or above it (mean over seeds; "n/m" when only n of m seeds got there).
+
+    python scripts/compare.py bench/results/distill --reach 0.6 0.8
 """
 
 from __future__ import annotations
@@ -93,6 +99,32 @@ def wall(run: Path) -> float | None:
     return rec.get("wall_s")
 
 
+def cumulative(rows: list[dict], key: str) -> dict[int, float]:
+    """{step: the sum of `key` over the logged steps up to it} (0 at step 0)."""
+    total, out = 0.0, {0: 0.0}
+    for row in rows:
+        total += row.get(key, 0.0) if row["step"] > 0 else 0.0
+        out[row["step"]] = total
+    return out
+
+
+def reached(rows: list[dict], threshold: float) -> tuple[int, float] | None:
+    """(step, summed time/step) of the first eval/accuracy at or above `threshold`, else None."""
+    spent = cumulative(rows, "time/step")
+    for row in rows:
+        if row.get("eval/accuracy", -math.inf) >= threshold:
+            return row["step"], spent[row["step"]]
+    return None
+
+
+def mean_of_reached(hits: list) -> str:
+    got = [h for h in hits if h is not None]
+    if not got:
+        return "—"
+    text = f"{statistics.mean(got):.0f}"
+    return text if len(got) == len(hits) else f"{text} ({len(got)}/{len(hits)})"
+
+
 def cell(values: list[float | None]) -> str:
     v = [x for x in values if x is not None]
     if not v:
@@ -101,9 +133,10 @@ def cell(values: list[float | None]) -> str:
 
 
 def table(groups: dict[str, list[Path]], runs: dict[str, list[list[dict]]], eval_keys: list[str],
-          train_keys: list[str]) -> str:
+          train_keys: list[str], reach: list[float]) -> str:
     head = ["variant", "runs", "steps", *[f"{k} (final)" for k in eval_keys],
-            *[f"{k} (last {WINDOW} steps)" for k in train_keys], "wall time per run (s)"]
+            *[f"{k} (last {WINDOW} steps)" for k in train_keys], "wall time per run (s)",
+            *[f"steps / s to {t:g}" for t in reach]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, rs in runs.items():
         finals = [[list(series(r, k).values())[-1:] or [None] for r in rs] for k in eval_keys]
@@ -114,6 +147,11 @@ def table(groups: dict[str, list[Path]], runs: dict[str, list[list[dict]]], eval
         cells = [f"`{name}`", str(len(rs)), ", ".join(map(str, steps)),
                  *[cell([v[0] for v in f]) for f in finals], *[cell(v) for v in lasts],
                  ", ".join("—" if w is None else f"{w:.0f}" for w in walls)]
+        for t in reach:
+            hits = [reached(r, t) for r in rs]
+            steps_to = mean_of_reached([h and h[0] for h in hits])
+            seconds_to = mean_of_reached([h and h[1] for h in hits])
+            cells.append(f"{steps_to} / {seconds_to}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -136,7 +174,7 @@ def plot(runs: dict[str, list[list[dict]]], keys: list[str], path: Path, title: 
                 continue
             steps = sorted(set().union(*curves))
             at = [[c[s] for c in curves if s in c] for s in steps]  # runs may end at other steps
-            style = {"color": f"C{i % 10}", "ls": ("-", "--", ":", "-.")[i // 10 % 4]}
+            style = {"color": color(i, len(runs)), "ls": ("-", "--", ":", "-.")[i // 20 % 4]}
             ax.plot(steps, [statistics.mean(v) for v in at], label=name, lw=1.4,
                     marker="o" if smooth == 1 else None, ms=3, **style)
             if len(curves) > 1:
@@ -159,11 +197,49 @@ def plot(runs: dict[str, list[list[dict]]], keys: list[str], path: Path, title: 
     plt.close(fig)
 
 
+def color(i: int, n: int):
+    """Ten colours, or twenty lighter-paired ones for more variants (none repeats under 21)."""
+    import matplotlib
+
+    return f"C{i % 10}" if n <= 10 else matplotlib.colormaps["tab20"](i % 20)
+
+
+def plot_cost(runs: dict[str, list[list[dict]]], path: Path) -> None:
+    """eval/accuracy against summed time/step and summed generated_tokens, each variant's mean
+    over its seeds (of both axes) at each eval step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    axes_keys = [("time/step", "summed time/step (s)"), ("generated_tokens", "generated tokens")]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (key, label) in zip(axes, axes_keys):
+        for i, (name, rs) in enumerate(runs.items()):
+            evals = [series(r, "eval/accuracy") for r in rs]
+            spent = [cumulative(r, key) for r in rs]
+            steps = sorted(set.intersection(*(set(e) for e in evals)))
+            xs = [statistics.mean(c.get(s, math.nan) for c in spent) for s in steps]
+            ys = [statistics.mean(e[s] for e in evals) for s in steps]
+            ax.plot(xs, ys, label=name, lw=1.4, marker="o", ms=3, color=color(i, len(runs)),
+                    ls=("-", "--", ":", "-.")[i // 20 % 4])
+        ax.set_xlabel(label)
+        ax.set_ylabel("eval/accuracy")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("held-out accuracy against its cost: means over each variant's seeds", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="study directories, run directories or NAME=DIR,DIR")
     p.add_argument("--out", type=Path, help="where the plots and compare.md go")
+    p.add_argument("--reach", type=float, nargs="*", default=[],
+                   help="eval/accuracy thresholds: steps and seconds to the first eval at each")
     args = p.parse_args()
     groups = collect(args.runs)
     runs = {name: [read_rows(d) for d in dirs] for name, dirs in groups.items()}
@@ -177,7 +253,7 @@ def main() -> None:
     study_dir = len(args.runs) == 1 and (Path(args.runs[0]) / "study.json").is_file()
     out = args.out or (Path(args.runs[0]) if study_dir else Path("compare"))
     out.mkdir(parents=True, exist_ok=True)
-    text = table(groups, runs, eval_keys, train_keys + offpolicy_keys)
+    text = table(groups, runs, eval_keys, train_keys + offpolicy_keys, args.reach)
     (out / "compare.md").write_text(text + "\n")
     print(text)
     seeds = "mean and min-max over each variant's runs"
@@ -186,11 +262,15 @@ def main() -> None:
     if train_keys:
         plot(runs, train_keys, out / "train.png",
              f"training samples per step: {seeds}, trailing {SMOOTH}-step means", SMOOTH)
+    costs = {"time/step", "generated_tokens"} <= present
+    if "eval/accuracy" in eval_keys and costs:
+        plot_cost(runs, out / "eval_cost.png")
     if offpolicy_keys:
         plot(runs, offpolicy_keys, out / "offpolicy.png", "pi_prox / pi_behave of the tokens "
              f"trained on (stale rollouts): {seeds}, trailing {SMOOTH}-step means", SMOOTH)
     print(f"compare: {out / 'compare.md'}" + "".join(
-        f", {out / f}" for f in ("eval.png", "train.png", "offpolicy.png") if (out / f).exists()))
+        f", {out / f}" for f in ("eval.png", "train.png", "offpolicy.png", "eval_cost.png")
+        if (out / f).exists()))
 
 
 if __name__ == "__main__":
