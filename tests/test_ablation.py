@@ -170,6 +170,17 @@ def test_compare_writes_plots_and_a_table_of_the_runs_final_metrics_mean_and_std
             f"{walls[f'{variant}-s{s}']['wall_s']:.0f}" for s in (0, 1))
 
 
+def test_compare_says_when_each_variant_first_reached_an_accuracy_and_at_what_cost(study):
+    """--reach T: the mean step of the first eval at or above T and the summed time/step up to it
+    (evals at steps 0 and 2: T = 0 is reached at step 0, at no cost; T = 2 never)."""
+    cwd, _ = study
+    proc = script("compare.py", "out", "--out", "reach", "--reach", "0", "2", cwd=cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (cwd / "reach" / "eval_cost.png").read_bytes()[:4] == b"\x89PNG"
+    for cells in table_rows(cwd / "reach" / "compare.md").values():
+        assert cells["steps / s to 0"] == "0 / 0" and cells["steps / s to 2"] == "— / —"
+
+
 def test_compare_groups_run_directories_by_name_or_as_named_groups(study, tmp_path):
     cwd, _ = study
     out = cwd / "out"
