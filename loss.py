@@ -775,7 +775,10 @@ def surrogate_params(
     correction that replaces the clip opens it (r in [1 - 1, 1 + inf]: never clipped)."""
     params = dict(_choice("policy-loss", policy_loss, SURROGATES).params)
     opens = not _choice("correction", correction, CORRECTIONS).clip
-    for flag, given, opened in (("eps_low", eps_low, 1.0), ("eps_high", eps_high, math.inf)):
+    for flag, given, opened in (
+        ("eps_low", eps_low, 1.0),
+        ("eps_high", eps_high, math.inf),
+    ):
         if given is not None and flag not in params:
             raise ValueError(
                 f"--{flag.replace('_', '-')}: {policy_loss} has no such parameter"

@@ -420,7 +420,7 @@ def validate_config(cfg: Config, world: int) -> Config:
         (cfg.top_k != 0, "--top-k 0: use -1 (all) or >= 1"),
         (
             world % cfg.cp_size == 0,
-            f"--cp-size {cfg.cp_size} must divide the ranks ({world})",
+            f"--cp-size {cfg.cp_size} must divide the number of ranks ({world})",
         ),
         (
             not cfg.eval_dataset or cfg.dataset not in tasks.TASKS,

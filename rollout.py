@@ -59,6 +59,7 @@ TORCHRUN_VARS = tuple(
     "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE "
     "ROLE_RANK ROLE_WORLD_SIZE ROLE_NAME MASTER_ADDR MASTER_PORT".split()
 )
+GRAPH_ENV = "SGLANG_MEMORY_SAVER_CUDA_GRAPH"  # set for the in-process engine's start
 _MASK32 = 0xFFFFFFFF
 _SAID: set[str] = set()  # what was said once per process (an env's first failure)
 _DTYPES = {
@@ -680,12 +681,18 @@ def _start_shielded(start: Callable):
     torchrun = [k for k in os.environ if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_")]
     hidden = {k: os.environ.pop(k) for k in torchrun}
     # release_memory_occupation frees CUDA graphs only if this is set when its scheduler
-    # starts (inherited; a bool env, default off, 0.5.10-0.5.23); left set: later engines too
-    os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
+    # starts (inherited; a bool env, default off, 0.5.10-0.5.23); only its processes read it,
+    # so ours is left as it was
+    graphs = os.environ.get(GRAPH_ENV)
+    os.environ[GRAPH_ENV] = "1"
     try:
         return start()
     finally:
         os.environ.update(hidden)
+        if graphs is None:
+            del os.environ[GRAPH_ENV]
+        else:
+            os.environ[GRAPH_ENV] = graphs
         if main:
             signal.signal(signal.SIGINT, old)
 

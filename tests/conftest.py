@@ -1,7 +1,10 @@
 """Test helpers (stand-ins, torchrun workers) live in tests/support/: importable from every test."""
 
+import os
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
@@ -16,3 +19,15 @@ LONGEST_FIRST = ["test_context_parallel.py", "test_ablation.py", "test_checkpoin
 def pytest_collection_modifyitems(items) -> None:
     first = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: files stay whole
+
+
+@pytest.fixture(autouse=True)
+def environment_as_it_was():
+    """Each test leaves os.environ as it found it: a variable set in-process (inductor's, a library
+    reading its own) would turn every later CLI run of this worker cold (tests/support/warm.py
+    runs a command warm only in the environment its zygotes imported under)."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)

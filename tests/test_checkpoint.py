@@ -452,7 +452,7 @@ def _bad_options(tmp: Path) -> list[tuple[list[str], int, str]]:
         (["--cp-size", "3"], 2, "--cp-size 3 must divide the number of ranks"),
         (["--correction", "behave", "--correction-threshold", "2"], 1,
          "--correction-threshold: --correction behave has none"),
-        (["--max-staleness", "-1"], 1, "--max-staleness and --max-resample >= 0"),
+        (["--max-staleness", "-1"], 1, "--max-staleness -1: must be >= 0"),
         (["--resume", str(tmp / "nope")], 1, "--resume .* is not a complete checkpoint"),
         (["--resume", str(tmp / "step_000004.tmp")], 1, "--resume .* is not a complete checkpoint"),
     ]

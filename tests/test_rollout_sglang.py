@@ -947,6 +947,7 @@ def test_colocated_engine_starts_released_says_what_it_holds_and_never_generates
                         (next(free), 80 * GiB))
     eng = SGLangEngine(model_dir, device="cuda")
     assert eng.engine.cuda_graph_env == "1"  # in the environment its processes inherit
+    assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in os.environ  # and only there
     assert eng.held == (50 * GiB, 3 * GiB)
     assert [n for n, _ in reads] == [0, 1, 2]  # before init, after it, after the release
     assert {str(d) for _, d in reads} == {"cuda"}
