@@ -6,6 +6,7 @@ memory and achieved FLOP/s of each phase, the two alternating step by step in on
     python bench/bench_shapes.py --tokens 32 --steps 2 --warmup 1   # one length, quicker
     python bench/bench_shapes.py --smoke                            # the test's tiny run (seconds)
     python bench/bench_shapes.py --baseline /tmp/old   # also another checkout's nanoareal (before)
+    python bench/bench_shapes.py --tokens 512 --baseline /tmp/old --no-trl   # before/after alone
 
 Models: random-init, seeded, built on the fly into a temporary folder with a word-level tokenizer
 of the model's whole vocabulary ("w<id>" words): `smollm2-135m` (Llama, hidden 576, 30 layers,
@@ -525,8 +526,9 @@ def run_config(args, shape: str, tokens: int, model: Path, tmp: Path, peaks: dic
              f"--trl-micro-batch={args.trl_micro_batch}",
              *(f"--nano-set={s}" for s in args.nano_set)]
     # both start at once (memory is per process tree, and only the steps' is sampled)
+    names = [name for name in SIDES if not (args.no_trl and name == "TRL")]
     sides = [Side(name, flags, tmp / f"{shape}_{tokens}_{name}.log", args.threads)
-             for name in SIDES]
+             for name in names]
     if args.baseline:  # the same nanoareal child, from another checkout (before/after a change)
         sides.append(Side("baseline", flags, tmp / f"{shape}_{tokens}_baseline.log",
                           args.threads, Path(args.baseline).resolve()))
@@ -555,10 +557,13 @@ def memory(r: dict) -> str:
 
 
 def print_config(shape: str, tokens: int, res: dict, args) -> None:
-    nano, trl = res["nanoareal"]["facts"], res["TRL"]["facts"]
+    nano = res["nanoareal"]["facts"]
+    trl = ""
+    if "TRL" in res:
+        trl = f"TRL micro-batch {res['TRL']['facts']['micro_batch']} sequences; "
     print(f"\n### {shape}, {args.prompts} prompts x {args.group_size} samples, {args.prompt_len}"
           f"-token prompts, {tokens} new tokens\n\nnanoareal micro-batch budget "
-          f"{nano['micro_batch_tokens']} tokens; TRL micro-batch {trl['micro_batch']} sequences; "
+          f"{nano['micro_batch_tokens']} tokens; {trl}"
           f"matmul weights {nano['n'][0] / 1e6:.1f} M decoder + {nano['n'][1] / 1e6:.1f} M head; "
           f"peaks: fp32 {args.peak_n}^3 matmul {res['peaks']['square'] / 1e9:.1f} GFLOP/s, "
           f"decode-step matmuls {res['peaks']['decode'] / 1e9:.1f} GFLOP/s streamed, "
@@ -587,12 +592,16 @@ def print_summary(results: list, args, loads: list[str]) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     med = statistics.median
     for shape, tokens, prompts, res in results:
-        n, t = res["nanoareal"], res["TRL"]
+        n, t = res["nanoareal"], res.get("TRL")
         cell = lambda r: (f"{spread(r['step'])} ({med(r['gen']):.1f} / {med(r['train']):.1f})")
         share = lambda r: f"{r['train_share']:.0%} / {r['gen_decode_share']:.0%}"
-        print(f"| {shape} ({prompts}x{args.group_size}) | {tokens} | {cell(n)} | {cell(t)} | "
-              f"{med(t['step']) / med(n['step']):.2f}x | {memory(n)} | {memory(t)} | {share(n)} "
-              f"| {share(t)} |")
+        if t is None:  # --no-trl
+            print(f"| {shape} ({prompts}x{args.group_size}) | {tokens} | {cell(n)} | | | "
+                  f"{memory(n)} | | {share(n)} | |")
+        else:
+            print(f"| {shape} ({prompts}x{args.group_size}) | {tokens} | {cell(n)} | {cell(t)} | "
+                  f"{med(t['step']) / med(n['step']):.2f}x | {memory(n)} | {memory(t)} | "
+                  f"{share(n)} | {share(t)} |")
         if "baseline" in res:
             b = res["baseline"]
             print(f"| ... baseline {args.baseline} | {tokens} | {cell(b)} | | "
@@ -633,6 +642,9 @@ def main():
                    help="seconds between samples of a forked rollout process's memory")
     p.add_argument("--peak-n", type=int, default=2048, help="the square matmul of the peak")
     p.add_argument("--smoke", action="store_true", help="tiny model, 2x2, 8+4 tokens, 1 step")
+    p.add_argument("--no-trl", action="store_true",
+                   help="leave TRL out: with --baseline, before/after alone (at 512 tokens three "
+                        "trainers' processes do not fit in 24 GiB)")
     p.add_argument("--baseline", help="a checkout of another nanoareal commit: its nanoareal "
                    "runs as a third side, alternating with the two (before/after a change)")
     p.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)

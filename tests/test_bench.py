@@ -125,6 +125,16 @@ def test_bench_train_phase_prints_time_share_of_peak_and_memory():
     assert "| 8 | " in out
 
 
+def test_bench_shapes_compares_a_baseline_checkout_without_trl():
+    """--baseline DIR --no-trl: this checkout's nanoareal and another's (here the same one) alone,
+    each a row of its own, the summary's TRL cells empty."""
+    out = run_bench("bench_shapes.py", "--smoke", "--baseline", str(ROOT), "--no-trl")
+    names = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| ")]
+    assert "| nanoareal" in names and "| baseline" in names and "| TRL" not in names, out
+    summary = out.split("## Summary")[1]
+    assert "(baseline / nanoareal)" in summary and "x | " not in summary.split("baseline")[0], out
+
+
 def test_bench_shapes_prints_both_trainers_side_by_side():
     """The real-shape bench's own path on a tiny model: two child processes alternating, each
     reporting its peak memory, FLOP/s counted from hooked forwards."""
