@@ -91,15 +91,16 @@ def test_compiled_layers_are_as_exact_as_eager_ones_with_and_without_checkpointi
 def test_lora_adapters_compile_with_their_reference_policy(monkeypatch):
     """LoRA with a KL penalty (train_on_samples): the adapters (lora.py's) inside the compiled
     layers, the reference policy the same layers with the adapters off (a second variant,
-    compiled once); float rounding is all that differs, as above."""
+    compiled once); float rounding is all that differs from the eager layers."""
     import lora
     cfg = N.validate_config(replace(N.Config(), lora_rank=4, kl_coef=0.1, micro_batch_tokens=24,
                                     lr=1e-3), 1)
     samples = [Sample(g, [4 + g, 13, 5], Completion([6 + g, 7, 8 + g, 1][: 2 + g % 3],
                                                     [-0.5] * (2 + g % 3), "stop"),
-                      advantage=(-1.0) ** (g + k)) for g in range(4) for k in range(2)]
+                      advantage=(-1.0) ** g * (1 + k)) for g in range(4) for k in range(2)]
 
     def grads(cfg) -> dict:
+        torch.manual_seed(cfg.seed)  # as main() does: the adapters' initial values
         model, ref, _, _ = N.load_models(cfg, torch.device("cpu"), N.Ranks())
         assert ref.base_only and ref.module is model.module  # the frozen base: no second copy
         capture = GradCapture(model)
@@ -109,9 +110,13 @@ def test_lora_adapters_compile_with_their_reference_policy(monkeypatch):
         assert capture.grads and all(lora.is_adapter(n) for n in capture.grads)
         return capture.grads
     monkeypatch.setattr(modeling, "CHECKPOINT_LAYERS", "")
-    exact, eager = grads(replace(cfg, dtype="float64")), grads(replace(cfg, compile=False))
+    # against eager float32 from the same adapters (float64 would draw other initial values);
+    # a group's two copies of a sample have advantages 1 and 2: a gradient, not a cancellation
+    # (with +1 and -1 the adapters' gradients were rounding noise, 15x their own size)
+    eager = grads(replace(cfg, compile=False))
+    assert max(float(g.abs().max()) for g in eager.values()) > 1e-3
     monkeypatch.setattr(modeling, "COMPILE_FROM", 0)
-    assert rel_error(grads(cfg), exact) < 2 * rel_error(eager, exact)
+    assert rel_error(grads(cfg), eager) < 1e-4
 
 
 def test_a_cpu_adds_no_selective_checkpointing_to_compiled_layers_and_plans_them_as_such(
@@ -140,16 +145,17 @@ def test_layers_stay_eager_where_compiling_cannot_run_or_would_not_pay(monkeypat
     assert why_eager(model) == "eager (decoder layers under 50M parameters)"
     assert "eager (decoder layers under 50M parameters)" in capsys.readouterr().out
     monkeypatch.setattr(modeling, "COMPILE_FROM", 0)
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/g++",))
-    model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
+    # torch's own patch for its config modules: pytest >= 9.2's monkeypatch.undo deletes what it
+    # set there, and the option is then gone for the rest of the process
+    with torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/g++",)}):
+        model = N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]
     assert why_eager(model).startswith("eager (") and "C++ compiler" in why_eager(model)
     assert not hasattr(modeling.decoder_layers(model.module)[0].forward,
                        "_torchdynamo_orig_callable")
-    monkeypatch.undo()  # a compiler again: what dynamo or inductor cannot compile runs eager
-    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", False)
-    monkeypatch.setattr(modeling, "COMPILE_FROM", 0)
-    assert why_eager(N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]) is None
-    assert torch._dynamo.config.suppress_errors
+    # a compiler again: what dynamo or inductor cannot compile runs eager
+    with torch._dynamo.config.patch(suppress_errors=False):
+        assert why_eager(N.load_models(cfg, torch.device("cpu"), N.Ranks())[0]) is None
+        assert torch._dynamo.config.suppress_errors
 
 
 def test_a_toolchain_that_fails_at_the_first_launch_leaves_the_layers_eager_and_says_why(
