@@ -31,3 +31,13 @@ def environment_as_it_was():
     if os.environ != before:
         os.environ.clear()
         os.environ.update(before)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A world of one in this process (load_model shards with FSDP2), gone after the module."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

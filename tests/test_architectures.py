@@ -13,7 +13,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 from reference import GradCapture
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -76,10 +75,9 @@ def samples(seed: int = 0) -> list[Sample]:
     return out
 
 
-def padded_reference_grads(path: str, batch: list[Sample]) -> dict[str, torch.Tensor]:
-    """token_mean PPO at ratio 1 (-A * ratio summed over completion tokens / their count) from a
-    plain padded forward: its gradient is -sum_i A_i sum_t grad log pi(o_it) / sum_i |o_i|."""
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+def token_mean_objective(model, batch: list) -> torch.Tensor:
+    """token_mean PPO at ratio 1 on any model: -sum_i A_i sum_t ratio_it / sum_i |o_i| from a plain
+    right-padded forward; its gradient is -sum_i A_i sum_t grad log pi(o_it) / sum_i |o_i|."""
     seqs = [s.prompt_ids + s.completion.output_ids for s in batch]
     width = max(map(len, seqs))
     ids = torch.tensor([q + [0] * (width - len(q)) for q in seqs])
@@ -89,18 +87,16 @@ def padded_reference_grads(path: str, batch: list[Sample]) -> dict[str, torch.Te
     for b, s in enumerate(batch):
         p, n = len(s.prompt_ids), len(s.completion.output_ids)
         token_logp = logp[b, p - 1 : p - 1 + n].gather(-1, ids[b, p : p + n, None]).squeeze(-1)
-        ratio = torch.exp(token_logp - token_logp.detach())
-        total = total - s.advantage * ratio.sum()
+        total = total - s.advantage * torch.exp(token_logp - token_logp.detach()).sum()
         tokens += n
-    (total / tokens).backward()
+    return total / tokens
+
+
+def padded_reference_grads(path: str, batch: list[Sample]) -> dict[str, torch.Tensor]:
+    """token_mean_objective's gradient from a plain eager model loaded from `path`."""
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    token_mean_objective(model, batch).backward()
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from reference import whole
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
@@ -84,14 +83,6 @@ def exact_rmsnorm(monkeypatch):
                         lambda self, x: self.weight * rms(x, self.variance_epsilon))
     monkeypatch.setattr(Gemma2RMSNorm, "forward",
                         lambda self, x: rms(x, self.eps) * (1 + self.weight))
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """A world of one in this process (load_model shards with FSDP2), gone afterwards."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _reference(q, k, v, cu_q, cu_k, scale, window: tuple[int, int], softcap: float = 0.0):

@@ -34,15 +34,6 @@ CPU = torch.device("cpu")
 # --ppo-epochs: pass after pass over one batch, the clip centred on the weights before the first
 
 
-@pytest.fixture(scope="module")
-def one_rank_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _samples() -> list[Sample]:
     return [Sample(g, [4 + g, 13, 5], Completion([6 + g, 7 + g % 2, 1], [-1.0] * 3, "stop"),
                    advantage=(-1.0) ** g * (1 + g / 4)) for g in range(4)]

@@ -9,7 +9,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 from reference import GradCapture, aggregate
 from test_architectures import FAMILIES, build, samples
 from transformers import AutoModelForCausalLM
@@ -20,13 +19,6 @@ import nanoareal as N
 from rollout import Completion
 
 CAPS = {"truncate": 1.3, "seq_tis": 1.5, "token_mis": 1.3, "seq_mis": 1.6, "geo_mis": 1.08}
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

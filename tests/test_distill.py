@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from reference import GradCapture, aggregate
 from test_architectures import FAMILIES, build, samples
+from test_corrections import plain_logprobs as completion_logprobs
 from transformers import AutoModelForCausalLM
 
 import loss as L
@@ -25,13 +25,6 @@ from rollout import Completion
 
 ROOT = Path(__file__).resolve().parents[1]
 COEF = 0.7
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +54,8 @@ def scored_batch(seed: int) -> list:
 
 def plain_logprobs(path: str, batch: list, grad: bool = False):
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
-    out = []
     with torch.set_grad_enabled(grad):
-        for s in batch:
-            ids = torch.tensor([s.prompt_ids + s.completion.output_ids])
-            logp = model(input_ids=ids, use_cache=False).logits[0].float().log_softmax(-1)
-            p = len(s.prompt_ids)
-            out.append(logp[p - 1 : -1].gather(-1, ids[0, p:, None])[:, 0])
-    return model, out
+        return model, completion_logprobs(model, batch)
 
 
 def reference(paths, batch, mode: str, estimator: str):

@@ -24,15 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--prompts-per-step", "8", "--group-size", "4", "--warmup-steps", "0", "--lr", "1e-3"]
 
 
-@pytest.fixture(scope="module")
-def one_rank_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 class ScriptedEngine:
     """Answers prompt i with a right answer for the first RIGHT[i] of its samples (seed order), and
     greedily right for the even prompts."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from reference import GradCapture, aggregate, policy_token_loss, whole
-from test_architectures import FAMILIES, REFUSED, build, samples
+from test_architectures import FAMILIES, REFUSED, build, samples, token_mean_objective
 from test_checkpoint import assert_same_run, finish, kill_9, start, wait_for
 from test_nanoareal import TINY, _sample, read_metrics, run_cli
 from test_staleness import AFTER_UPDATES, ONE_STEP
@@ -28,15 +28,6 @@ from cli import UserError
 
 F64 = torch.float64
 PEFT_PREFIX = "base_model.model."  # peft's names: ours under it, ".default.weight" after A/B
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def random_adapters(module, seed: int = 0, dtype=F64) -> dict[str, torch.Tensor]:
@@ -282,23 +273,6 @@ def test_lora_needs_no_peft_and_an_adapter_of_another_base_is_one_line(monkeypat
 
 # -----------------------------------------------------------------------------
 # every architecture: LoRA trains exactly what a plain peft model of it trains
-
-
-def token_mean_objective(model, batch: list) -> torch.Tensor:
-    """test_architectures.padded_reference_grads's objective (token_mean PPO at ratio 1) on any
-    model: -sum_i A_i sum_t ratio_it / sum_i |o_i| from a plain right-padded forward."""
-    seqs = [s.prompt_ids + s.completion.output_ids for s in batch]
-    width = max(map(len, seqs))
-    ids = torch.tensor([q + [0] * (width - len(q)) for q in seqs])
-    mask = torch.tensor([[1] * len(q) + [0] * (width - len(q)) for q in seqs])
-    logp = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float().log_softmax(-1)
-    total, tokens = 0.0, 0
-    for b, s in enumerate(batch):
-        p, n = len(s.prompt_ids), len(s.completion.output_ids)
-        token_logp = logp[b, p - 1 : p - 1 + n].gather(-1, ids[b, p : p + n, None]).squeeze(-1)
-        total = total - s.advantage * torch.exp(token_logp - token_logp.detach()).sum()
-        tokens += n
-    return total / tokens
 
 
 def linear_layers_but_the_head(path: str) -> list[str]:

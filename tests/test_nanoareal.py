@@ -384,16 +384,6 @@ def test_config_file_supplies_defaults_and_flags_override(tmp_path):
 # precision and clipping
 
 
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """A world of one in this process (load_model shards with FSDP2), gone afterwards."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _one_step(cfg: N.Config, optimizer_cls=torch.optim.SGD, lr: float = 1.0) -> list[torch.Tensor]:
     """Parameter change of one train_on_samples step on a fixed batch (SGD, lr 1: -gradient)."""
     import loss as L
