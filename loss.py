@@ -74,9 +74,10 @@ def log_ratio(p: Tensor, q: Tensor) -> Tensor:
 
 
 def _group_sums(x: Tensor, ids: Tensor) -> Tensor:
-    """Each element's group total, sum_{j: ids_j = ids_i} x_j (ids: any values, in any order)."""
+    """Each element's group total, sum_{j: ids_j = ids_i} x_j (ids: any values, in any order);
+    x [T] or columns [T, k], summed in one pass (torch.unique syncs a GPU once a call)."""
     unique, g = torch.unique(ids, return_inverse=True)
-    return x.new_zeros(len(unique)).index_add_(0, g, x)[g]
+    return x.new_zeros((len(unique), *x.shape[1:])).index_add_(0, g, x)[g]
 
 
 def _choice(kind: str, name: str, table: Mapping):
@@ -495,11 +496,6 @@ def kl_penalty(logp: Tensor, ref: Tensor, estimator: str = "k3") -> Tensor:
     return _choice("kl-estimator", estimator, KL_ESTIMATORS)(log_ratio(logp, ref))
 
 
-def _behave_log_ratio(logp: Tensor, behave: Tensor, d: Tensor) -> Tensor:
-    """log(pi / pi_behave) of the tokens of d (0 elsewhere), detached, in float64."""
-    return torch.where(d > 0, log_ratio(logp.detach(), behave), 0.0).double()
-
-
 def mismatch_sums(
     logp: Tensor, behave: Tensor, d: Tensor, seq_ids: Tensor, rejected: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -509,16 +505,17 @@ def mismatch_sums(
     responses, their log perplexity gap mean_t (log pi_behave - log pi), the tokens a correction
     `rejected` before the step and the responses it rejected whole. Extremes (reduced by max):
     [max, -min] over responses of log rho_i = sum_t log r_t."""
-    lr = _behave_log_ratio(logp, behave, d)
+    # log(pi / pi_behave) of the tokens of d (0 elsewhere), detached, in float64
+    lr = torch.where(d > 0, log_ratio(logp.detach(), behave), 0.0).double()
     k3 = torch.exp(lr) - 1 - lr
     rejected = torch.zeros_like(d) if rejected is None else rejected
-    count = _group_sums(d.double(), seq_ids)
+    columns = torch.stack([d.double(), rejected.double(), lr], 1)
+    count, rejected_count, log_rho = _group_sums(columns, seq_ids).unbind(1)
     # one token per response: its values counted once
     first = torch.ones_like(d, dtype=torch.bool)
     first[1:] = seq_ids[1:] != seq_ids[:-1]
     active = first & (seq_ids >= 0) & (count > 0)
-    gone = active & (_group_sums(rejected.double(), seq_ids) == count)
-    log_rho = _group_sums(lr, seq_ids)
+    gone = active & (rejected_count == count)
     gap = torch.where(active, -log_rho / count.clamp(min=1), 0.0)
     sums = [
         d.double().sum(),
