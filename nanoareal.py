@@ -951,7 +951,10 @@ class StepMetrics:
 
     def __init__(self, device):
         self.acc = torch.zeros(len(self.NAMES), dtype=torch.float64, device=device)
-        self.most = torch.full((len(self.MAXIMA),), -math.inf, device=device).double()
+        # weights are >= 0: a step with nothing trained logs 0, not -inf (JSON has no -inf)
+        self.most = torch.tensor(
+            [0.0, -math.inf, -math.inf], dtype=torch.float64, device=device
+        )
 
     def add(self, mb, logp, entropy, prox) -> None:
         d, behave = mb.denom_mask, mb.behave_logprobs

@@ -170,3 +170,18 @@ def test_seq_tis_counts_as_capped_only_the_responses_its_cap_cut(cap, model_path
     _, stats = N.train_on_samples(trained, None, GradCapture(trained), L.build_loss(cfg),
                                   batch, cfg, N.Ranks())
     assert stats["policy/behave_capped_frac"] == pytest.approx(cut, abs=1e-9)
+
+
+def test_a_step_with_nothing_trained_logs_valid_json():
+    """No micro-batch added (every group filtered away): the largest importance weight is 0, as
+    before the mismatch metrics, and the extreme sequence ratios are left out; no -inf reaches
+    metrics.jsonl (JSON has none)."""
+    import json
+
+    import logs
+
+    sums = N.StepMetrics(torch.device("cpu")).sums()
+    metrics = logs.step_metrics(sums, {}, {"train": 1.0}, 1e-6, 1)
+    assert metrics["importance_weight/max"] == 0.0
+    assert "mismatch/seq_ratio_max" not in metrics and "mismatch/seq_ratio_min" not in metrics
+    json.dumps(metrics, allow_nan=False)
