@@ -133,7 +133,7 @@ def varlen_layout(segments: Tensor, kernel, cp_group) -> Layout:
         cu_q=F.pad(q_len.cumsum(0), (1, 0)).int(),
         cu_k=F.pad(row_len.cumsum(0), (1, 0)).int(),
         max_q=int(q_len.max()),
-        max_k=int(row_len.max()),
+        max_k=j.shape[1],
     )
 
 

@@ -270,9 +270,7 @@ def saved_config(path: str | Path) -> dict | None:
     try:
         return json.loads(meta.read_text())["config"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(
-            f"{meta}: not a checkpoint's meta.json ({type(e).__name__}: {e})"
-        ) from None
+        raise UserError(f"{meta}: not a checkpoint's meta.json ({cli.why(e)})") from None
 
 
 def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:

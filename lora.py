@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cli import UserError
+from cli import UserError, why
 
 # alpha fixed: alpha / r shrinks as r grows, so one lr suits every rank (with Adam, alpha and lr
 # are one knob); every linear layer, never the head (the log-probs read head.weight: bypassed)
@@ -167,9 +167,7 @@ def read_config(path: str | Path | None) -> dict | None:
     try:
         config = json.loads(file.read_text())
     except (OSError, ValueError) as e:
-        raise UserError(
-            f"{file}: not a readable adapter config ({type(e).__name__}: {e})"
-        ) from None
+        raise UserError(f"{file}: not a readable adapter config ({why(e)})") from None
     if not isinstance(config, dict):
         raise UserError(f"{file}: not a JSON object")
     if config.get("peft_type") != "LORA":

@@ -918,9 +918,7 @@ def check_model(model, vocab_size: int) -> str | None:
                 # the row holds the prompt once: the first sample's positions only
                 theirs.append(lp[0 if k == 0 else p - 1 :])
     except Exception as e:  # e.g. an attention keyword packed_attention does not implement
-        return (
-            f"its forward fails under nanoareal's packed attention ({type(e).__name__}: {e})"
-        )
+        return f"its forward fails under nanoareal's packed attention ({why(e)})"
     finally:
         model.set_attn_implementation("packed")
     diff = float((ours.float() - torch.cat(theirs)).abs().max())

@@ -757,10 +757,9 @@ def set_advantages(
     if teacher is None:
         return
     for s, scores in zip(samples, teacher_logprobs(teacher, samples, cfg, ranks)):
-        c = s.completion
-        policy = torch.tensor(c.policy_mask or [1] * len(c.output_ids), dtype=torch.float32)
+        policy = torch.tensor(packing.loss_mask(s, False))
         distill = loss.distill_advantages(
-            scores, torch.tensor(c.logprobs), policy, cfg.distill_coef
+            scores, torch.tensor(s.completion.logprobs), policy, cfg.distill_coef
         )
         s.token_advantages = (s.advantage + distill).tolist()
 
