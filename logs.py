@@ -124,8 +124,13 @@ def reduce_metrics(sums: dict) -> dict:
     if dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, sums)
+    return merge(gathered)
+
+
+def merge(parts: list[dict]) -> dict:
+    """Counters summed key by key (MAXIMA: max; str: the first)."""
     total = {}
-    for k, v in (item for part in gathered for item in part.items()):
+    for k, v in (item for part in parts for item in part.items()):
         if isinstance(v, str):
             total.setdefault(k, v)
         elif k in MAXIMA:

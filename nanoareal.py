@@ -48,7 +48,7 @@ import rollout
 import tasks
 from checkpoint import on_rank0
 from cli import UserError
-from logs import Logger, print0, reduce_metrics, sample_rows, step_metrics
+from logs import Logger, merge, print0, reduce_metrics, sample_rows, step_metrics
 from rollout import Sample, SamplingParams, mix_seed
 
 ROOT = Path(__file__).resolve().parent
@@ -286,9 +286,8 @@ def main(argv: list[str]) -> None:
             end_step(step + 1, sums, metrics, cfg, model, optimizer, run, rollouts, logger)
     rollouts.close()
     logger.close(run.last_eval)
-    if (
-        cfg.steps > 0
-    ):  # also when resumed with nothing left to train: a save killed mid-export
+    # also when resumed with nothing left to train: a save killed mid-export
+    if cfg.steps > 0:
         final = Path(cfg.run_dir) / "final"
         checkpoint.export_hf(model.module, model.lora, data.tokenizer, cfg.model, final)
     engine.shutdown()
@@ -804,23 +803,22 @@ def train_on_samples(
             minibatch(model, reference, [s for s in samples if s.group in share], cfg, ranks)
         )
     # positions: what the model was fed (fewer than trained_tokens: shared prompts, no last tokens)
-    sums = Counter()
+    sums = {}
     sums["positions"] = sum(len(mb.input_ids) for mbs in packed for mb in mbs)
     sums["trained_tokens"] = sum(
         len(s.prompt_ids) + len(s.completion.output_ids) for s in samples
     )
+    parts = [sums]
     stats, updates = Counter(), packed * cfg.ppo_epochs  # pass after pass
     for i, mbs in enumerate(updates):
         counters, out = train_minibatch(model, optimizer, reduction, mbs, cfg, ranks)
         if i < len(packed):  # later passes see the same tokens again
-            for k, v in counters.items():  # counters summed, extremes (_max) kept
-                sums[k] = (
-                    max(sums.get(k, -math.inf), v) if k.endswith("_max") else sums[k] + v
-                )
+            parts.append(counters)
         stats.update({k: v / len(updates) for k, v in out.items() if k != "updated"})
         stats["updated"] = max(stats["updated"], out["updated"])
     stats["skipped_steps"] *= len(updates)  # a count, not a mean
-    return (dict(sums) if ranks.cp_rank == 0 else {}), dict(stats)  # a CP group counts once
+    sums = merge(parts)  # summed, extremes (logs.MAXIMA) kept
+    return (sums if ranks.cp_rank == 0 else {}), dict(stats)  # a CP group counts once
 
 
 def minibatch(
