@@ -770,7 +770,7 @@ def teacher_logprobs(
     (prefill only), or a frozen Model's forward of the packed samples (every rank forwards the
     same number of micro-batches: FSDP2 gathers per forward)."""
     if isinstance(teacher, rollout.Scorer):
-        return teacher.score(samples, cfg.temperature)
+        return teacher.score(samples)
     mbs = packing.pack_microbatches(samples, "token_mean", None, cfg.micro_batch_tokens)
     out = [[] for _ in samples]
     with torch.no_grad():

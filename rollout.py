@@ -291,9 +291,11 @@ class HFEngine(Engine):
 
     def _quantize(self) -> None:
         """int4: W := round(W / s) s per output channel, s = max |W| / 7 (weight-only 4-bit)."""
+        if not self.int4:
+            return
         # a set: a weight two layers share is rounded once
         weights = {m.weight for m in self.model.modules() if isinstance(m, nn.Linear)}
-        for w in weights if self.int4 else ():
+        for w in weights:
             scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / INT4_MAX
             w.copy_(torch.round(w / scale).clamp(-INT4_MAX, INT4_MAX) * scale)
 
@@ -308,6 +310,7 @@ class HFEngine(Engine):
         theirs = {
             n: p.to_local() if hasattr(p, "to_local") else p
             for n, p in model.named_parameters()
+            if self.share
         }
         key = lambda t: (t.shape, t.dtype, t.device)
         if self.share and all(
@@ -678,21 +681,17 @@ def _start_shielded(start: Callable):
     # (SIG_IGN survives exec, Python keeps it, they set no handler: 0.5.10-0.5.23).
     main = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-    torchrun = [k for k in os.environ if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_")]
-    hidden = {k: os.environ.pop(k) for k in torchrun}
+    names = (*TORCHRUN_VARS, GRAPH_ENV)  # ours are put back as they were
+    saved = [k for k in os.environ if k in names or k.startswith("TORCHELASTIC_")]
+    hidden = {k: os.environ.pop(k) for k in saved}
     # release_memory_occupation frees CUDA graphs only if this is set when its scheduler
-    # starts (inherited; a bool env, default off, 0.5.10-0.5.23); only its processes read it,
-    # so ours is left as it was
-    graphs = os.environ.get(GRAPH_ENV)
+    # starts (inherited; a bool env, default off, 0.5.10-0.5.23); only its processes read it
     os.environ[GRAPH_ENV] = "1"
     try:
         return start()
     finally:
+        os.environ.pop(GRAPH_ENV)
         os.environ.update(hidden)
-        if graphs is None:
-            del os.environ[GRAPH_ENV]
-        else:
-            os.environ[GRAPH_ENV] = graphs
         if main:
             signal.signal(signal.SIGINT, old)
 
@@ -843,11 +842,11 @@ def http_request(
     """POST `payload` (None: GET) to url + path; the JSON (or text) reply. A timeout, connection
     error or 5xx is retried with back-off; another refusal raises HTTPError."""
     last, retries = None, HTTP_RETRIES if retries is None else retries
+    data = None if payload is None else json.dumps(payload).encode()  # POST, else GET
+    req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
     for attempt in range(retries + 1):
         if attempt:
             time.sleep(HTTP_BACKOFF_S * 2 ** (attempt - 1))
-        data = None if payload is None else json.dumps(payload).encode()  # POST, else GET
-        req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=timeout or HTTP_TIMEOUT_S) as r:
                 code, body = None, r.read().decode()
@@ -1352,8 +1351,8 @@ class Scorer:
         self.url = url.rstrip("/")
         self.pool = ThreadPoolExecutor(max_workers=HTTP_THREADS, thread_name_prefix="teacher")
 
-    def score(self, samples: list[Sample], temperature: float = 1.0) -> list[torch.Tensor]:
-        """`temperature` is 1: the trainer refuses another with a served teacher."""
+    def score(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """At temperature 1: the trainer refuses another with a served teacher."""
         return list(self.pool.map(self._score, samples))
 
     def _score(self, sample: Sample) -> torch.Tensor:

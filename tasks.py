@@ -28,7 +28,7 @@ from pathlib import Path
 
 from cli import UserError, why
 from logs import print0, quiet_libraries, reduce_metrics
-from rollout import SamplingParams, Tools, mix_seed, run_episodes
+from rollout import SamplingParams, Tools, is_url, mix_seed, run_episodes
 
 # eval samples' seeds: the same noise at every eval, so only the policy moves
 EVAL_SEED = 0xE7A1
@@ -472,7 +472,7 @@ def check_teacher(teacher: str, model: str, tokenizer, temperature: float) -> No
     vocabulary and chat template), and an SGLang server scores at temperature 1 alone."""
     from transformers import AutoTokenizer
 
-    if teacher.startswith(("http://", "https://")):
+    if is_url(teacher):
         if temperature != 1.0:
             raise UserError(
                 f"--teacher {teacher}: an SGLang server's prompt log-probs are at "
