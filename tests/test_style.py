@@ -30,10 +30,10 @@ def test_trainer_files_are_laid_out_by_ruff_format():
 # docstrings, blank lines free) over the trainer's files (all but tests/, bench/, scripts/, assets/)
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS_PER_LINE, MAX_WIDE_SHARE, WIDE = 10.0, 0.05, 95
-# Issue 44 asks for at most 44,000 tokens; the trainer is not there yet (47,204 on 2026-12-06, the
+# Issue 44 asks for at most 44,000 tokens; the trainer is not there yet (47,141 on 2026-12-06, the
 # GPU-review fixes and the distillation, mismatch and dynamic-sampling features included). The
 # ceiling is today's total so that nothing grows: lower it with every cut, never raise it.
-TOKEN_TARGET, TOKEN_CEILING = 44_000, 47_204
+TOKEN_TARGET, TOKEN_CEILING = 44_000, 47_141
 MAX_FUNCTION_LINES, MAX_FLAGS, LOOP_WITHIN, README_LINES = 60, 55, 300, 280
 
 
