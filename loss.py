@@ -322,17 +322,11 @@ SURROGATES = {
 # versions old, maybe another precision or kernels) differing from pi_prox (the trainer's
 # weights before this step's update). r_t = pi_prox / pi_behave of a token, rho_i = prod_t r_t
 # of a response (t in m), g_i = rho_i^(1/|i|) its geometric mean. A weigh fn(log r [T], seq_ids,
-# m, cap) -> (w, rejected): the importance weight (sg) and tokens out of the numerator only
-def token_truncate(lr: Tensor, seq_ids: Tensor, m: Tensor, cap: float) -> Pair:
-    """Truncated IS (decoupled PPO, Hilton et al. 2022; TIS): w_t = min(r_t, C)."""
-    return torch.exp(lr).clamp(max=cap), torch.zeros_like(lr)
-
-
-def token_mask(lr: Tensor, seq_ids: Tensor, m: Tensor, cap: float) -> Pair:
-    """AReaL's decoupled PPO: w_t = r_t, tokens with r_t > C rejected (m_t = 0, d_t kept)."""
-    w = torch.exp(lr)
-    rejected = (w > cap).to(w.dtype)
-    return w * (1 - rejected), rejected
+# m) -> the uncapped importance weight; the step truncates it at the cap C, or rejects the tokens
+# over C from the numerator alone (Correction.mask)
+def token_ratio(lr: Tensor, seq_ids: Tensor, m: Tensor) -> Tensor:
+    """Per token: w_t = r_t."""
+    return torch.exp(lr)
 
 
 def _log_rho(lr: Tensor, seq_ids: Tensor, m: Tensor) -> Tensor:
@@ -340,11 +334,10 @@ def _log_rho(lr: Tensor, seq_ids: Tensor, m: Tensor) -> Tensor:
     return _group_sums(torch.where(m > 0, lr, 0.0), seq_ids)
 
 
-def seq_truncate(lr: Tensor, seq_ids: Tensor, m: Tensor, cap: float) -> Pair:
-    """Sequence-level truncated IS (seq-TIS): w_t = min(rho_i, C) on every token of response i."""
-    log_rho = _log_rho(lr, seq_ids, m)
-    w = torch.exp(log_rho.clamp(max=LOG_RATIO_BOUND)).clamp(max=cap)
-    return torch.where(seq_ids >= 0, w, 1.0), torch.zeros_like(lr)
+def seq_ratio(lr: Tensor, seq_ids: Tensor, m: Tensor) -> Tensor:
+    """Per response (seq-TIS): w_t = rho_i on every token of response i."""
+    w = torch.exp(_log_rho(lr, seq_ids, m).clamp(max=LOG_RATIO_BOUND))
+    return torch.where(seq_ids >= 0, w, 1.0)
 
 
 def seq_reject(lr: Tensor, seq_ids: Tensor, d: Tensor, cap: float) -> Tensor:
@@ -413,7 +406,8 @@ def m2po_mask(
 class Correction:
     threshold: float | None = None  # the default --correction-threshold (C)
     clip_to_behaviour: bool = False  # the surrogate's ratio against pi_behave, not pi_prox
-    weigh: Callable | None = None  # per token, in the step: (w, rejected from m alone)
+    weigh: Callable | None = None  # per token, in the step: the uncapped weight
+    mask: bool = False  # a weight over the cap: the token out of m (d kept), else w = C
     reject: Callable | None = None  # before the step, from pi_prox: a keep mask for m and d
     # before the step over the mini-batch: a keep mask in m
     global_mask: Callable | None = None
@@ -425,14 +419,15 @@ CORRECTIONS = {
     "none": Correction(),
     # PPO around the policy that sampled (AReaL's)
     "behave": Correction(clip_to_behaviour=True),
-    # token TIS: decoupled PPO, capped
-    "truncate": Correction(2.0, weigh=token_truncate),
-    # AReaL's decoupled PPO: tokens over the cap out
-    "mask": Correction(2.0, weigh=token_mask),
+    # truncated IS (decoupled PPO, Hilton et al. 2022; TIS): w_t = min(r_t, C)
+    "truncate": Correction(2.0, weigh=token_ratio),
+    # AReaL's decoupled PPO: w_t = r_t, tokens with r_t > C out of m (d kept)
+    "mask": Correction(2.0, weigh=token_ratio, mask=True),
     "m2po": Correction(0.04, clip_to_behaviour=True, global_mask=m2po_mask, clip=False),
-    "seq_tis": Correction(2.0, weigh=seq_truncate),
-    "token_mis": Correction(2.0, weigh=token_truncate, reject=token_reject),
-    "seq_mis": Correction(2.0, weigh=seq_truncate, reject=seq_reject),
+    # sequence-level truncated IS (seq-TIS): w_t = min(rho_i, C) on every token of response i
+    "seq_tis": Correction(2.0, weigh=seq_ratio),
+    "token_mis": Correction(2.0, weigh=token_ratio, reject=token_reject),
+    "seq_mis": Correction(2.0, weigh=seq_ratio, reject=seq_reject),
     "geo_mis": Correction(1.01, reject=geo_reject),
 }
 
@@ -470,12 +465,16 @@ def correct(
         return torch.ones_like(prox), m, stats
     behave = torch.where(d > 0, mb.behave_logprobs, prox)
     lr = log_ratio(prox, behave)
-    w, rejected = correction.weigh(lr, mb.seq_ids, m, cap)
-    # capped: weighed below the uncapped weight (a token's ratio, or its response's rho)
-    uncapped, _ = correction.weigh(lr, mb.seq_ids, m, math.inf)
-    capped = (w < uncapped * (1 - 1e-6)) | (rejected > 0)
+    ratio = correction.weigh(lr, mb.seq_ids, m)  # a token's ratio, or its response's rho
+    if correction.mask:
+        over = ratio > cap
+        w, m = torch.where(over, 0.0, ratio), torch.where(over, 0.0, m)
+    else:
+        w = ratio.clamp(max=cap)
+    # capped: weighed below the uncapped weight (a rejected token's is 0)
+    capped = w < ratio * (1 - 1e-6)
     stats[CAPPED] = ((capped * d).sum(), d.sum())
-    return w.detach(), m * (1.0 - rejected), stats
+    return w.detach(), m, stats
 
 
 # -----------------------------------------------------------------------------
