@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -558,8 +558,7 @@ class MicroBatch:
 
     def validate(self) -> None:
         """Rule 4 (m <= d syncs a GPU: begin_step checks it once, before the step)."""
-        given = [(f.name, getattr(self, f.name)) for f in fields(self)[3:]]
-        given = [(k, v) for k, v in given if v is not None]
+        given = [(k, v) for k, v in list(vars(self).items())[3:] if v is not None]
         if not given:
             raise ValueError("micro-batch has no per-token tensors")
         ref_key, ref = given[0]
@@ -579,12 +578,9 @@ class MicroBatch:
             raise ValueError("'loss_mask' > 'denom_mask' somewhere, but m_t <= d_t")
 
     def to(self, device) -> MicroBatch:
-        moved = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is not None and f.name != "segments":
-                moved[f.name] = value.to(device)
-        return replace(self, **moved)
+        """The tensors on `device`; segments stay on the host (attention.check_segments)."""
+        tensors = [(k, v) for k, v in vars(self).items() if k != "segments"]
+        return replace(self, **{k: v.to(device) for k, v in tensors if v is not None})
 
 
 def as_microbatch(mb: MicroBatch | Mapping) -> MicroBatch:
@@ -629,10 +625,7 @@ class LossReduction:
         self.terms = terms
         self.group = group
         self.cp_factor = cp_factor
-        # Z: begin_step's; the rest on device
-        self.Z = {}
-        self._numerators = {}
-        self._stats = {}
+        self.Z = {}  # begin_step's global normalizers; numerators and stats on device
 
     def begin_step(self, microbatches: list) -> None:
         """Every term's normalizer over this rank's micro-batches; one all_reduce -> global Z_k."""
@@ -678,21 +671,16 @@ class LossReduction:
 
     def reported(self) -> dict[str, float]:
         """Each term's global value, 'loss' = sum_k coef_k value_k, the stats; one all_reduce."""
-        stat_names = sorted(self._stats)
-        local = [float(self._numerators.get(name, 0.0)) for name in self.names]
-        local += [float(x) for s in stat_names for x in self._stats[s]]
-        local = torch.tensor(local, dtype=torch.float64)
+        stats = sorted(self._stats)
+        local = [*self._numerators.values(), *(x for s in stats for x in self._stats[s])]
+        local = torch.tensor([float(x) for x in local], dtype=torch.float64)
         vec = all_reduce_vector(local, self.group).tolist()
-        out = {}
-        for name, v in zip(self.names, vec):
-            Z = self.Z.get(name, 0.0)
-            out[name] = v / Z if Z > 0 else 0.0
+        share = lambda total, count: total / count if count > 0 else 0.0
+        out = {name: share(v, Z) for (name, Z), v in zip(self.Z.items(), vec)}
         out["loss"] = sum(t.coef * out[t.name] for t in self.terms)
         k = len(self.terms)
-        totals, counts = vec[k::2], vec[k + 1 :: 2]
-        for s, n, c in zip(stat_names, totals, counts):
-            out[s] = n / c if c > 0 else 0.0
-        return out
+        pairs = zip(stats, vec[k::2], vec[k + 1 :: 2])
+        return out | {s: share(total, count) for s, total, count in pairs}
 
 
 def masked_sum(values: Tensor, mask: Tensor, weight: Tensor | None = None) -> Tensor:
