@@ -149,15 +149,17 @@ REWARDS: dict[str, Callable] = {  # the first four read row["answer"]
 
 # -----------------------------------------------------------------------------
 # built-in tasks: name -> (train rows, held-out rows, default reward)
-def make_arithmetic_task(
-    seed: int = 0, max_operand: int = 50, heldout_size: int = 256
-) -> tuple[list, list]:
-    """All sums a+b with 0 <= a, b < max_operand as {"prompt": "12+34=", "answer": "46"}, split by
-    `seed` alone into (train, heldout): the SFT warm start, every run and test share a held-out."""
-    pairs = [(a, b) for a in range(max_operand) for b in range(max_operand)]
+# each built-in task's held-out rows (its tiny model's README reports on them)
+HELDOUT_SIZE = 256
+
+
+def make_arithmetic_task(seed: int = 0) -> tuple[list, list]:
+    """All sums a+b with 0 <= a, b < 50 as {"prompt": "12+34=", "answer": "46"}, split by `seed`
+    alone into (train, heldout): the SFT warm start, every run and test share a held-out."""
+    pairs = [(a, b) for a in range(50) for b in range(50)]
     random.Random(seed).shuffle(pairs)
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
-    return rows[heldout_size:], rows[:heldout_size]
+    return rows[HELDOUT_SIZE:], rows[:HELDOUT_SIZE]
 
 
 # the chain task's operations; no "*0": it would reset the chain, making every earlier step moot
@@ -165,6 +167,7 @@ CHAIN_OPS = [f"+{d}" for d in range(10)] + [f"*{d}" for d in range(1, 10)]
 CHAIN_MAX_OPS = 8
 # bodies padded to the longest: a scratchpad's j-th value is a fixed distance after the j-th operand
 CHAIN_WIDTH = 2 * CHAIN_MAX_OPS + 1
+CHAIN_PER_LENGTH = 2500  # the most distinct bodies of k operations
 
 
 def chain_values(prompt: str) -> list[int]:
@@ -182,24 +185,18 @@ def chain_scratchpad(prompt: str) -> str:
     return " ".join(map(str, chain_values(prompt)))
 
 
-def make_chain_task(
-    seed: int = 0, heldout_size: int = 256, per_length: int = 2500
-) -> tuple[list, list]:
+def make_chain_task(seed: int = 0) -> tuple[list, list]:
     """Chains of k = 1..8 operations (+d or *d, mod 10) on a start digit, split by `seed` into
     (train, heldout), rows like {"prompt": "3+4*2            =", "answer": "4"} (bodies padded to
-    CHAIN_WIDTH). Per k, min(per_length, 10 * 19^k) distinct bodies, heldout_size / 8 held out,
-    interleaved k = 1..8, 1..8, ...; the rest, shuffled, is train (docs/studies.md: the task)."""
-    if heldout_size % CHAIN_MAX_OPS:
-        raise ValueError(
-            f"heldout_size must be a multiple of {CHAIN_MAX_OPS} (one share per k)"
-        )
-    per_k, rng, train, held_by_k = heldout_size // CHAIN_MAX_OPS, random.Random(seed), [], []
+    CHAIN_WIDTH). Per k, min(CHAIN_PER_LENGTH, 10 * 19^k) >= 190 distinct bodies, HELDOUT_SIZE / 8
+    = 32 held out, interleaved k = 1..8, 1..8, ...; the rest, shuffled, is train (docs/studies.md:
+    the task)."""
+    per_k, rng, train, held_by_k = HELDOUT_SIZE // CHAIN_MAX_OPS, random.Random(seed), [], []
     for k in range(1, CHAIN_MAX_OPS + 1):
         space = 10 * len(CHAIN_OPS) ** k
-        want = min(per_length, space)
-        if per_k >= want:
-            raise ValueError(f"heldout_size {heldout_size} leaves no train rows with {k} ops")
-        if space <= 4 * per_length:  # small: enumerate and shuffle (rejection would crawl)
+        want = min(CHAIN_PER_LENGTH, space)
+        # small: enumerate and shuffle (rejection would crawl)
+        if space <= 4 * CHAIN_PER_LENGTH:
             bodies = ["".join(b) for b in product("0123456789", *[CHAIN_OPS] * k)]
             rng.shuffle(bodies)
         else:  # large: draw until `want` distinct (a dict keeps the order of first draws)
@@ -218,7 +215,7 @@ def make_chain_task(
     return train, [rows[i] for i in range(per_k) for rows in held_by_k]
 
 
-def make_calc_task(seed: int = 0, heldout_size: int = 256) -> tuple[list, list]:
+def make_calc_task(seed: int = 0) -> tuple[list, list]:
     """Every a+b and a*b with 10 <= a, b < 100 as {"prompt": "37*48=", "answer": "1776"}, split by
     `seed` into (train, heldout). Products are beyond a 1M model's head; with --env
     assets/tiny-calc/calculator.py:Calculator it may write "[37*48]" and read the value."""
@@ -229,7 +226,7 @@ def make_calc_task(seed: int = 0, heldout_size: int = 256) -> tuple[list, list]:
         for b in range(10, 100)
     ]
     random.Random(seed).shuffle(rows)
-    return rows[heldout_size:], rows[:heldout_size]
+    return rows[HELDOUT_SIZE:], rows[:HELDOUT_SIZE]
 
 
 @dataclass(frozen=True)
