@@ -81,7 +81,7 @@ def unreadable(path: Path) -> str | None:
         metadata = safe_dcp_reader(path).read_metadata()
     except Exception as e:
         return f".metadata: {type(e).__name__}: {e}"
-    ends: dict[str, int] = {}
+    ends = {}
     for info in getattr(metadata, "storage_data", {}).values():
         name = str(info.relative_path)
         ends[name] = max(ends.get(name, 0), info.offset + info.length)
@@ -132,7 +132,7 @@ def choose_resume(run_dir: str | Path, resume: str, resuming: bool) -> str | Non
     problem = unreadable(Path(resume))
     if problem:
         raise UserError(f"--resume {resume}: unreadable checkpoint ({problem})")
-    step = int(json.loads((Path(resume) / "meta.json").read_text())["step"])
+    step = json.loads((Path(resume) / "meta.json").read_text())["step"]  # an int: unreadable
     for path in (p for p in complete_checkpoints(run_dir) if _step(p) > step):
         # a name taken by an earlier such resume: step_N.abandoned-1, ...
         aside = set_aside(path, ".abandoned")
@@ -147,7 +147,7 @@ def claim_run_dir(
     config: dict,
     volatile: set[str],
     fresh: bool,
-    defaults: dict | None = None,
+    defaults: dict,
 ) -> bool:
     """Rank 0, before any write: True when `run_dir` holds this run (config.json equal but for
     `volatile`, new flags at their `defaults`); another run is refused, or (`fresh`) moved aside."""
@@ -163,7 +163,7 @@ def claim_run_dir(
         changed = sorted(
             k
             for k in set(theirs) | set(config)
-            if k not in volatile and theirs.get(k, (defaults or {}).get(k)) != config.get(k)
+            if k not in volatile and theirs.get(k, defaults.get(k)) != config.get(k)
         )
     except (OSError, ValueError):
         changed = ["(config.json missing or unreadable)"]
@@ -292,7 +292,7 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
         if not rng.exists():
             rng = path / "rng_rank0.pt"
         set_rng_states(torch.load(rng, weights_only=True))
-        ahead: dict[int, list] = {}
+        ahead = {}
         for part in sorted(path.glob("ahead_rank*.pt")):
             for step, batch in torch.load(part, weights_only=True).items():
                 ahead.setdefault(int(step), []).extend(batch)
@@ -386,8 +386,9 @@ def export_hf(model, adapters: dict | None, tokenizer, src: str, out_dir: Path) 
     tokenizer.save_pretrained(tmp)
     if adapter:  # and the adapter in PEFT's format in final/adapter/ (--model takes it too)
         lora.save(adapter, adapters, src, tmp / "adapter")
-    if (Path(src) / "generation_config.json").exists():
-        shutil.copy(Path(src) / "generation_config.json", tmp / "generation_config.json")
+    generation = Path(src) / "generation_config.json"
+    if generation.exists():
+        shutil.copy(generation, tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
 
