@@ -92,9 +92,10 @@ def _choice(kind: str, name: str, table: Mapping):
 # each sample held by `copies` of them (a CP group's)
 def grpo(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
     """A_i = (R_i - mean_g R) / (std_g R + eps), the group's unbiased std (GRPO)."""
-    return (rewards - group_mean(rewards, group_ids)) / (
-        group_std(rewards, group_ids) + ADV_EPS
-    )
+    centered = rewards - group_mean(rewards, group_ids)
+    n = _group_sums(torch.ones_like(rewards), group_ids)
+    std = (_group_sums(centered**2, group_ids) / (n - 1).clamp(min=1)).sqrt()
+    return centered / (std + ADV_EPS)
 
 
 def grpo_batch_std(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
@@ -137,14 +138,6 @@ ADVANTAGES = {
 def group_mean(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """Each sample's group's mean reward."""
     return _group_sums(rewards, group_ids) / _group_sums(torch.ones_like(rewards), group_ids)
-
-
-def group_std(rewards: Tensor, group_ids: Tensor) -> Tensor:
-    """Each sample's group's unbiased reward std."""
-    n = _group_sums(torch.ones_like(rewards), group_ids)
-    deviation = (rewards - group_mean(rewards, group_ids)) ** 2
-    variance = _group_sums(deviation, group_ids) / (n - 1).clamp(min=1)
-    return variance.sqrt()
 
 
 def group_advantages(
@@ -579,8 +572,11 @@ class MicroBatch:
 
     def to(self, device) -> MicroBatch:
         """The tensors on `device`; segments stay on the host (attention.check_segments)."""
-        tensors = [(k, v) for k, v in vars(self).items() if k != "segments"]
-        return replace(self, **{k: v.to(device) for k, v in tensors if v is not None})
+        moved = {}
+        for k, v in vars(self).items():
+            if v is not None and k != "segments":
+                moved[k] = v.to(device)
+        return replace(self, **moved)
 
 
 def as_microbatch(mb: MicroBatch | Mapping) -> MicroBatch:
@@ -599,14 +595,11 @@ class LossTerm:
     coef: float = 1.0
 
 
-def all_reduce_vector(vec: Tensor, group=None, op=None) -> Tensor:
+def all_reduce_vector(vec: Tensor, group=None, op=dist.ReduceOp.SUM) -> Tensor:
     """All-reduce a small host vector (sum by default) over `group`; a no-op in a world of one."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         # NCCL reduces CUDA tensors only, gloo CPU ones
-        nccl = dist.get_backend(group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
-        buf = vec.to(device)
-        op = dist.ReduceOp.SUM if op is None else op
+        buf = vec.to("cuda" if dist.get_backend(group) == "nccl" else "cpu")
         dist.all_reduce(buf, op=op, group=group)
         vec = buf.to(vec.device)
     return vec
