@@ -113,8 +113,9 @@ def apply(model: nn.Module, r: int, config: dict | None = None) -> tuple[dict | 
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent)
         setattr(owner, child, LoraLinear(getattr(owner, child), r, alpha))
-    base = [p for n, p in model.named_parameters() if not is_adapter(n)]
-    trainable = sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))
+    # the adapters, new, are the only parameters that require a gradient
+    base = [p for p in model.parameters() if not p.requires_grad]
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in base)
     dtype = base[0].dtype
     peft_config = {"r": r, "lora_alpha": alpha, "target_modules": names}
@@ -142,7 +143,7 @@ def merged(named, model: nn.Module):
     layer's weight merged with its adapter, its base's other tensors renamed. One layer at a
     time: never a second whole model."""
     adapted = {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
-    held: dict[str, dict] = {}
+    held = {}
     for name, t in named:
         layer, _, kind = name.rpartition(".")
         owner = layer if is_adapter(name) else layer.removesuffix(".base")
@@ -219,11 +220,11 @@ def load_weights(model: nn.Module, path: str) -> None:
     from safetensors.torch import load_file
 
     own = {k: p for k, p in model.named_parameters() if is_adapter(k)}
-    theirs = {}
-    for k, v in load_file(str(Path(path) / "adapter_model.safetensors")).items():
-        theirs[
-            k.removeprefix(PEFT_PREFIX).removesuffix(".weight").replace(".default", "")
-        ] = v
+    peft = load_file(str(Path(path) / "adapter_model.safetensors"))
+    theirs = {
+        k.removeprefix(PEFT_PREFIX).removesuffix(".weight").replace(".default", ""): v
+        for k, v in peft.items()
+    }
     bad = [
         k
         for k in own.keys() | theirs.keys()

@@ -489,7 +489,7 @@ def kl_penalty(logp: Tensor, ref: Tensor, estimator: str = "k3") -> Tensor:
 
 
 def mismatch_sums(
-    logp: Tensor, behave: Tensor, d: Tensor, seq_ids: Tensor, rejected: Tensor | None = None
+    logp: Tensor, behave: Tensor, d: Tensor, seq_ids: Tensor, rejected: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     """The engine-vs-trainer mismatch of a micro-batch over the response tokens d as sampled (a
     correction's rejections included). Sums (reduce_metrics sums them, logs.step_metrics
@@ -518,9 +518,8 @@ def mismatch_sums(
         rejected.double().sum(),
         gone.double().sum(),
     ]
-    highest = torch.where(active, log_rho, -math.inf).max()
-    lowest = torch.where(active, -log_rho, -math.inf).max()
-    return torch.stack(sums), torch.stack([highest, lowest])
+    extremes = torch.where(active, torch.stack([log_rho, -log_rho]), -math.inf).amax(1)
+    return torch.stack(sums), extremes
 
 
 # -----------------------------------------------------------------------------

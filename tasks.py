@@ -442,20 +442,20 @@ def load_data(cfg) -> Data:
     )
     # sequences are never cut: the longest possible one must fit the model and a micro-batch
     prompt = max(map(len, prompts + eval_prompts), default=0)
-    longest, context = prompt + cfg.max_new_tokens, context_length(model)
-    if context is not None and longest > context - SGLANG_CONTEXT_MARGIN:
+    longest, context = prompt + cfg.max_new_tokens, context_length(model) or math.inf
+    if longest > context - SGLANG_CONTEXT_MARGIN:
         raise UserError(
             f"config error: the longest prompt + --max-new-tokens is {longest} tokens, "
             f"over the model's context length ({context}) less "
             f"{SGLANG_CONTEXT_MARGIN}: SGLang refuses or cuts a longer request"
         )
-    if context is not None and prompt > context - SGLANG_PROMPT_MARGIN:
+    if prompt > context - SGLANG_PROMPT_MARGIN:
         raise UserError(
             f"config error: the longest prompt is {prompt} tokens, over the model's "
             f"context length ({context}) less {SGLANG_PROMPT_MARGIN}: SGLang aborts "
             "a longer prompt"
         )
-    if cfg.micro_batch_tokens is not None and longest > cfg.micro_batch_tokens:
+    if longest > (cfg.micro_batch_tokens or math.inf):
         raise UserError(
             f"config error: the longest prompt + --max-new-tokens is {longest} "
             f"tokens, over --micro-batch-tokens ({cfg.micro_batch_tokens})"
