@@ -87,10 +87,10 @@ def _choice(kind: str, name: str, table: Mapping):
 
 
 # -----------------------------------------------------------------------------
-# advantages (--adv-estimator): fn(rewards, group_ids, group, copies) -> each sample's advantage
-# (any group sizes, any order; a group of one gets 0). `group`: the ranks of the step's batch,
+# advantages (--adv-estimator): fn(rewards, group_ids, copies) -> each sample's advantage (any
+# group sizes, any order; a group of one gets 0). Every rank holds a share of the step's batch,
 # each sample held by `copies` of them (a CP group's)
-def grpo(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
+def grpo(rewards: Tensor, group_ids: Tensor, copies: int) -> Tensor:
     """A_i = (R_i - mean_g R) / (std_g R + eps), the group's unbiased std (GRPO)."""
     centered = rewards - group_mean(rewards, group_ids)
     n = _group_sums(torch.ones_like(rewards), group_ids)
@@ -98,30 +98,30 @@ def grpo(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Ten
     return centered / (std + ADV_EPS)
 
 
-def grpo_batch_std(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
+def grpo_batch_std(rewards: Tensor, group_ids: Tensor, copies: int) -> Tensor:
     """A_i = (R_i - mean_g R) / (std R + eps), the whole step's batch std, every rank's (TRL's
     scale_rewards="batch")."""
     count = torch.ones_like(rewards).sum()
     moments = torch.stack([count, rewards.sum(), (rewards**2).sum()])
-    n, s, ss = all_reduce_vector(moments, group) / copies
+    n, s, ss = all_reduce_vector(moments) / copies
     variance = (ss - s * s / n) / (n - 1).clamp(min=1)
     std = variance.clamp(min=0).sqrt()
     return (rewards - group_mean(rewards, group_ids)) / (std + ADV_EPS)
 
 
-def dr_grpo(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
+def dr_grpo(rewards: Tensor, group_ids: Tensor, copies: int) -> Tensor:
     """A_i = R_i - mean_g R: no std (Dr. GRPO; TRL scale_rewards="none")."""
     return rewards - group_mean(rewards, group_ids)
 
 
-def rloo(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
+def rloo(rewards: Tensor, group_ids: Tensor, copies: int) -> Tensor:
     """A_i = R_i - mean of the group's other rewards (REINFORCE leave-one-out)."""
     n = _group_sums(torch.ones_like(rewards), group_ids)
     others = _group_sums(rewards, group_ids) - rewards
     return rewards - others / (n - 1).clamp(min=1)
 
 
-def no_reward(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
+def no_reward(rewards: Tensor, group_ids: Tensor, copies: int) -> Tensor:
     """A_i = 0: the reward teaches nothing (on-policy distillation alone: --teacher)."""
     return torch.zeros_like(rewards)
 
@@ -141,12 +141,12 @@ def group_mean(rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 
 def group_advantages(
-    rewards: Tensor, group_ids: Tensor, estimator: str = "grpo", group=None, copies: int = 1
+    rewards: Tensor, group_ids: Tensor, estimator: str = "grpo", copies: int = 1
 ) -> Tensor:
     """Per-sample advantages of ADVANTAGES[estimator]; a group of one gets 0."""
     fn = _choice("adv-estimator", estimator, ADVANTAGES)
     rewards = rewards.double()
-    adv = fn(rewards, group_ids, group, copies)
+    adv = fn(rewards, group_ids, copies)
     alone = _group_sums(torch.ones_like(rewards), group_ids) < 2
     return torch.where(alone, 0.0, adv).float()
 
