@@ -1,8 +1,6 @@
 """Checkpoints, resume and the final export: a kill at any moment leaves nothing half-written that
 a later run trusts. Prompts and sampling noise are functions of (seed, step): no data to save."""
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import itertools

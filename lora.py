@@ -4,8 +4,6 @@ computes base(x) + (alpha / r) B A x, with A [r, in] random and B [out, r] zero 
 base model's output). Its adapters are the parameters `<layer>.lora_A` and `<layer>.lora_B`:
 `is_adapter` is the one test of what an adapter is; the base is frozen."""
 
-from __future__ import annotations
-
 import json
 import math
 import re

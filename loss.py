@@ -34,8 +34,6 @@ Rules, each tested:
 6. A term's logged value is its global objective (same group, same normalizer).
 7. Entropy bonus and KL penalty are terms of the same reduction (token means)."""
 
-from __future__ import annotations
-
 import math
 import struct
 from collections.abc import Callable, Mapping
@@ -569,7 +567,7 @@ class MicroBatch:
         ):
             raise ValueError("'loss_mask' > 'denom_mask' somewhere, but m_t <= d_t")
 
-    def to(self, device) -> MicroBatch:
+    def to(self, device) -> "MicroBatch":
         """The tensors on `device`; segments stay on the host (attention.check_segments)."""
         moved = {}
         for k, v in vars(self).items():

@@ -6,8 +6,6 @@ its "correct" (a bool) defines accuracy, else equality with the row's "answer" (
 reward never changes what accuracy means. `--reward "exact_match,0.1*format"` sums weighted rewards,
 each logged too. A reward's `random` and numpy are seeded by its sample's (seed, step, slot, k)."""
 
-from __future__ import annotations
-
 import importlib.util
 import inspect
 import json
@@ -137,7 +135,7 @@ def soft_overlong_penalty(n_tokens: int, max_tokens: int, buffer: int) -> float:
     return -OVERLONG_FACTOR * min(1.0, max(0, n_tokens - (max_tokens - buffer)) / buffer)
 
 
-REWARDS: dict[str, Callable] = {  # the first four read row["answer"]
+REWARDS = {  # the first four read row["answer"]
     "exact_match": exact_match,
     "gsm8k": gsm8k,
     "last_number": last_number,
@@ -236,7 +234,7 @@ class Task:
     flags: dict  # its warm start and recommended flags, applied unless the user gives them
 
 
-TASKS: dict[str, Task] = {
+TASKS = {
     "arithmetic": Task(make_arithmetic_task, "exact_match", dict(model="assets/tiny-arith")),
     "chain": Task(
         make_chain_task,
