@@ -196,16 +196,11 @@ MODES = {fn.__name__: fn for fn in (token_mean, seq_mean, prompt_mean, constant)
 def response_weights(
     mode: str, denom_counts: Tensor, group_ids: Tensor, divisor: float | None = None
 ) -> Pair:
-    """Per-response (w_i, nw_i) of `mode`; denom_counts (M_i) cover the WHOLE mini-batch."""
+    """Per-response (w_i, nw_i) of `mode`; denom_counts (M_i) cover the WHOLE mini-batch: sums of
+    the responses' 0/1 d masks, [R] like group_ids (packing.mode_weights makes both from one list
+    of samples), so finite and >= 0; begin_step checks the normalizers they make (rule 4)."""
     fn = _choice("loss-aggregation", mode, MODES)
-    M = denom_counts.to(torch.float64)
-    shaped = M.dim() == 1 and group_ids.shape == M.shape
-    if not (shaped and M.isfinite().all() and (M >= 0).all()):
-        raise ValueError(
-            f"denom_counts {tuple(M.shape)} must be finite, >= 0 and [R] like "
-            f"group_ids {tuple(group_ids.shape)}"
-        )
-    return fn(M, group_ids, divisor)
+    return fn(denom_counts.to(torch.float64), group_ids, divisor)
 
 
 # -----------------------------------------------------------------------------
