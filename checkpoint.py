@@ -80,7 +80,7 @@ def unreadable(path: Path) -> str | None:
     except Exception as e:
         return f".metadata: {type(e).__name__}: {e}"
     ends = {}
-    for info in getattr(metadata, "storage_data", {}).values():
+    for info in metadata.storage_data.values():
         name = str(info.relative_path)
         ends[name] = max(ends.get(name, 0), info.offset + info.length)
     for name, end in sorted(ends.items()):
@@ -185,7 +185,7 @@ class Preemption:
     its step, save and exit; the first wins (torchrun passes Ctrl-C on a second time)."""
 
     def __enter__(self):
-        self.signals: list[int] = []
+        self.signals = []
         self.previous = {
             s: signal.signal(s, lambda signum, _: self.signals.append(signum))
             for s in (signal.SIGINT, signal.SIGTERM)

@@ -706,8 +706,8 @@ def evaluate(
         verdicts = judge([pair for pair in mine for _ in range(k)], cfg.temperature, seeds)
         # j = 2, 4, 8, ... below k, and k itself
         js = [j for j in range(2, k + 1) if j == k or j.bit_count() == 1]
-        for i in range(len(mine)):
-            answers = verdicts[i * k : (i + 1) * k]
+        for i in range(0, len(verdicts), k):  # each prompt's k answers
+            answers = verdicts[i : i + k]
             if None in answers:
                 continue
             c = sum(answers)
@@ -754,7 +754,7 @@ def score_completions(
     completions: list,
     rows: list[dict],
     timeout: float,
-    seeds: list[int] | None = None,
+    seeds: list[int],
     overlong_buffer: int = 0,
     max_tokens: int = 0,
 ) -> list[Score]:
