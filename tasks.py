@@ -777,7 +777,7 @@ def compute_rewards(
     texts: list[str],
     rows: list[dict],
     timeout: float,
-    seeds: list[int] | None = None,
+    seeds: list[int],
 ) -> list[Score]:
     """Score every completion on a daemon worker thread, `random` (and numpy, if imported) seeded
     by its seed first; a call that raises, returns junk or takes over `timeout` s scores 0 with no
@@ -787,10 +787,9 @@ def compute_rewards(
     # calls start.. in order, into its own queue
     def work(start: int, out: queue.Queue) -> None:
         for i in range(start, len(texts)):
-            if seeds is not None:
-                random.seed(seeds[i])
-                if "numpy" in sys.modules:  # if a reward imported it
-                    sys.modules["numpy"].random.seed(seeds[i])
+            random.seed(seeds[i])
+            if "numpy" in sys.modules:  # if a reward imported it
+                sys.modules["numpy"].random.seed(seeds[i])
             try:
                 out.put(score_one(reward_fn, texts[i], rows[i]))
             except Exception as e:
