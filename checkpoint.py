@@ -48,12 +48,12 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
 
 def rng_states() -> dict:
     """Every RNG this process has, as tensors and plain tuples and lists (weights_only loads it)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, *rest = np.random.get_state()  # rest: pos, has_gauss, cached
     return {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached],
+        "numpy": [kind, torch.from_numpy(keys.astype("int64")), *rest],
     }
 
 

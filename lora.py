@@ -78,13 +78,13 @@ def targets(model: nn.Module, spec) -> list[str]:
     head; MoE experts' fused weights are no such layer: they stay frozen), or PEFT's
     target_modules: a list of names or name suffixes, or a regular expression."""
     head = model.get_output_embeddings()
-    names = []
-    for name, layer in model.named_modules():
-        if not (isinstance(layer, nn.Linear) or is_conv1d(layer)) or layer is head:
-            continue
-        if spec == "all-linear" or _matches(name, spec):
-            names.append(name)
-    return names
+    return [
+        name
+        for name, layer in model.named_modules()
+        if (isinstance(layer, nn.Linear) or is_conv1d(layer))
+        and layer is not head
+        and (spec == "all-linear" or _matches(name, spec))
+    ]
 
 
 def _matches(name: str, spec) -> bool:
