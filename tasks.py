@@ -313,11 +313,10 @@ def load_dataset(
 
 def adds_bos(tokenizer) -> bool:
     """Whether the model wants a BOS first: its tokenizer adds one to plain text (Llama, Gemma)."""
-    bos = tokenizer.bos_token_id
+    first = tokenizer("a")["input_ids"][:1]  # a bos_token_id of None is no id
     return (
-        bos is not None
-        and tokenizer("a")["input_ids"][:1]
-        == [bos]
+        first
+        == [tokenizer.bos_token_id]
         != tokenizer("a", add_special_tokens=False)["input_ids"][:1]
     )
 
