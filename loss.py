@@ -599,14 +599,13 @@ def all_reduce_vector(vec: Tensor, group=None, op=dist.ReduceOp.SUM) -> Tensor:
 
 class LossReduction:
     """The contract's reduction. `group`: the ranks whose gradients are summed (None: the default
-    group), which together see each token once; `cp_factor`: rule 5's CP size, else 1."""
+    group), which together see each token once; `cp_factor`: rule 5's CP size (>= 1: --cp-size's
+    range check), else 1."""
 
     def __init__(self, terms: list[LossTerm], group=None, cp_factor: int = 1):
         self.names = [t.name for t in terms]
-        if len(set(self.names)) != len(terms) or cp_factor < 1:
-            raise ValueError(
-                f"need unique term names and cp_factor >= 1, got {self.names} and {cp_factor}"
-            )
+        if len(set(self.names)) != len(terms):
+            raise ValueError(f"need unique term names, got {self.names}")
         self.terms = terms
         self.group = group
         self.cp_factor = cp_factor
