@@ -154,9 +154,10 @@ HELDOUT_SIZE = 256
 def make_arithmetic_task(seed: int = 0) -> tuple[list, list]:
     """All sums a+b with 0 <= a, b < 50 as {"prompt": "12+34=", "answer": "46"}, split by `seed`
     alone into (train, heldout): the SFT warm start, every run and test share a held-out."""
-    pairs = [(a, b) for a in range(50) for b in range(50)]
-    random.Random(seed).shuffle(pairs)
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+    rows = [
+        {"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(50) for b in range(50)
+    ]
+    random.Random(seed).shuffle(rows)
     return rows[HELDOUT_SIZE:], rows[:HELDOUT_SIZE]
 
 
@@ -192,25 +193,24 @@ def make_chain_task(seed: int = 0) -> tuple[list, list]:
     per_k, rng, train, held_by_k = HELDOUT_SIZE // CHAIN_MAX_OPS, random.Random(seed), [], []
     for k in range(1, CHAIN_MAX_OPS + 1):
         space = 10 * len(CHAIN_OPS) ** k
-        want = min(CHAIN_PER_LENGTH, space)
         # small: enumerate and shuffle (rejection would crawl)
         if space <= 4 * CHAIN_PER_LENGTH:
             bodies = ["".join(b) for b in product("0123456789", *[CHAIN_OPS] * k)]
             rng.shuffle(bodies)
-        else:  # large: draw until `want` distinct (a dict keeps the order of first draws)
+        else:  # large: draw CHAIN_PER_LENGTH distinct (a dict keeps the order of first draws)
             bodies = {}
-            while len(bodies) < want:
+            while len(bodies) < CHAIN_PER_LENGTH:
                 digit = str(rng.randrange(10))  # then the ops: the draws of the shipped split
                 bodies[digit + "".join(rng.choice(CHAIN_OPS) for _ in range(k))] = None
-        # the first `want` (the dict holds exactly that many)
+        # the first min(CHAIN_PER_LENGTH, space) (the dict holds exactly that many)
         rows = [
             {"prompt": b.ljust(CHAIN_WIDTH) + "=", "answer": str(chain_values(b)[-1])}
-            for b in list(bodies)[:want]
+            for b in list(bodies)[:CHAIN_PER_LENGTH]
         ]
         held_by_k.append(rows[:per_k])
         train += rows[per_k:]
     random.Random(seed + 1).shuffle(train)
-    return train, [rows[i] for i in range(per_k) for rows in held_by_k]
+    return train, [row for group in zip(*held_by_k) for row in group]
 
 
 def make_calc_task(seed: int = 0) -> tuple[list, list]:
