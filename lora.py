@@ -105,21 +105,19 @@ def apply(model: nn.Module, r: int, config: dict | None = None) -> tuple[dict | 
     names = targets(model, spec)
     if not names:
         raise UserError(f"LoRA: no layer of this model matches target_modules {spec!r}")
-    for p in model.parameters():
+    base = list(model.parameters())
+    for p in base:
         p.requires_grad_(False)
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent)
         setattr(owner, child, LoraLinear(getattr(owner, child), r, alpha))
-    # the adapters, new, are the only parameters that require a gradient
-    base = [p for p in model.parameters() if not p.requires_grad]
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # the adapters, new, are the only parameters besides the base's
     frozen = sum(p.numel() for p in base)
-    dtype = base[0].dtype
-    peft_config = {"r": r, "lora_alpha": alpha, "target_modules": names}
-    return peft_config, (
+    trainable = sum(p.numel() for p in model.parameters()) - frozen
+    return {"r": r, "lora_alpha": alpha, "target_modules": names}, (
         f"LoRA r={r} alpha={alpha} on {len(names)} layers: {trainable:,} trainable, "
-        f"{frozen:,} frozen in {dtype}; "
+        f"{frozen:,} frozen in {base[0].dtype}; "
     )
 
 
