@@ -252,10 +252,10 @@ def save_checkpoint(
         fd = os.open(final.parent, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-        older = [p for p in complete_checkpoints(run_dir) if _step(p) < step]
-        if KEEP_CHECKPOINTS > 0:  # this one and the KEEP_CHECKPOINTS - 1 newest before it
-            for old in older[: max(len(older) + 1 - KEEP_CHECKPOINTS, 0)]:
-                shutil.rmtree(old)
+        # this one and the KEEP_CHECKPOINTS - 1 newest before it ([:-0] is empty: 0 keeps all);
+        # it is the newest: a resume sets aside (choose_resume) or skips (newest_usable) newer ones
+        for old in complete_checkpoints(run_dir)[:-KEEP_CHECKPOINTS]:
+            shutil.rmtree(old)
     dist.barrier()
     return final
 
