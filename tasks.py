@@ -249,8 +249,9 @@ TASKS = {
 
 # -----------------------------------------------------------------------------
 # datasets
-def load_jsonl(path: str, prompt_key: str = "prompt") -> list[dict]:
-    """Rows of {prompt_key: str} or {"messages": [{"role", "content"}, ...]}, other fields kept."""
+def load_jsonl(path: str, prompt_key: str = "prompt", reward: str = "") -> list[dict]:
+    """Rows of {prompt_key: str} or {"messages": [{"role", "content"}, ...]}, other fields kept;
+    each with an "answer" for a built-in `reward`."""
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
@@ -282,6 +283,10 @@ def load_jsonl(path: str, prompt_key: str = "prompt") -> list[dict]:
             raise UserError(f'{path}:{n}: every message needs "role" and "content"')
         if "answer" in row and not isinstance(row["answer"], (str, int, float)):
             raise UserError(f'{path}:{n}: "answer" must be a string or a number')
+        if "answer" not in row and reward in REWARDS:
+            raise UserError(
+                f'{path}: row {n} has no "answer", which --reward {reward} compares with'
+            )
         rows.append(row)
     if not rows:
         raise UserError(f"{path}: no rows")
@@ -299,16 +304,8 @@ def load_dataset(
                 f'task {dataset!r} has "prompt" rows'
             )
         return TASKS[dataset].make()
-    train = load_jsonl(dataset, prompt_key)
-    held = load_jsonl(eval_dataset, prompt_key) if eval_dataset else []
-    for path, rows in ((dataset, train), (eval_dataset, held)):
-        missing = [n for n, row in enumerate(rows, 1) if "answer" not in row]
-        if missing and reward in REWARDS:
-            raise UserError(
-                f'{path}: row {missing[0]} has no "answer", which --reward {reward} '
-                "compares with"
-            )
-    return train, held
+    train = load_jsonl(dataset, prompt_key, reward)
+    return train, load_jsonl(eval_dataset, prompt_key, reward) if eval_dataset else []
 
 
 def adds_bos(tokenizer) -> bool:
@@ -686,11 +683,11 @@ def evaluate(
         """The verdicts (True, False, None: no verdict) of (row, prompt) pairs' answers."""
         if not todo:
             return []
-        rows = [r for r, _ in todo]
+        rows, prompts = map(list, zip(*todo))
         sampling = SamplingParams(
             cfg.max_new_tokens, temperature, stop_token_ids=data.stop_ids
         )
-        outs = run_episodes(engine, [p for _, p in todo], sampling, seeds, data.tools, rows)
+        outs = run_episodes(engine, prompts, sampling, seeds, data.tools, rows)
         scores = score_completions(reward_fn, data.tokenizer, outs, rows, timeout, seeds)
         return [s.correct for s in scores]
 
@@ -710,8 +707,8 @@ def evaluate(
             if None in answers:
                 continue
             c = sum(answers)
-            sums.update({"k_judged": 1, f"mean@{k}": c / k})
-            sums.update({f"pass@{j}": 1 - math.comb(k - c, j) / math.comb(k, j) for j in js})
+            pass_at = {f"pass@{j}": 1 - math.comb(k - c, j) / math.comb(k, j) for j in js}
+            sums.update({"k_judged": 1, f"mean@{k}": c / k} | pass_at)
     sums = reduce_metrics(dict(sums))
     k_judged = max(sums.get("k_judged", 0), 1)
     at_k = {f"eval/{m}": v / k_judged for m, v in sums.items() if "@" in m}
