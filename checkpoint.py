@@ -396,11 +396,11 @@ def on_rank0(fn, *args):
     box = [None]
     if dist.get_rank() == 0:
         try:
-            box = [(fn(*args), None)]
-        except UserError as e:
-            box = [(None, str(e))]
+            box = [fn(*args)]
+        except UserError as e:  # sent as it is (it pickles)
+            box = [e]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
-    if box[0][1] is not None:
-        raise UserError(box[0][1])
-    return box[0][0]
+    if isinstance(box[0], UserError):
+        raise box[0]
+    return box[0]
