@@ -324,21 +324,21 @@ def encode_prompts(
     """Every row's prompt as token ids: its "messages", or its prompt field (a user turn with
     chat_template). A chat is exactly what the template writes (its BOS if any, as HF's
     apply_chat_template(tokenize=True)); plain text gets the BOS once, if the model expects one."""
-    if (chat_template or any("messages" in r for r in rows)) and not tokenizer.chat_template:
-        what = "--chat-template" if chat_template else 'rows with "messages"'
-        raise UserError(
-            f"{name}: {what} need(s) a chat template, and the tokenizer has none; use "
-            f'"{prompt_key}" rows without --chat-template, or a model with one'
-        )
     bos = tokenizer.bos_token_id if adds_bos(tokenizer) else None
     unk = tokenizer.unk_token_id
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
     encoded = []
     for n, row in enumerate(rows, 1):
         chat = "messages" in row or chat_template
+        if chat and not tokenizer.chat_template:
+            what = "--chat-template" if chat_template else 'rows with "messages"'
+            raise UserError(
+                f"{name}: {what} need(s) a chat template, and the tokenizer has none; use "
+                f'"{prompt_key}" rows without --chat-template, or a model with one'
+            )
         text = row.get(prompt_key)
         if chat:
-            msgs = row.get("messages") or [{"role": "user", "content": row[prompt_key]}]
+            msgs = row.get("messages") or [{"role": "user", "content": text}]
             text = tokenizer.apply_chat_template(
                 msgs, add_generation_prompt=True, tokenize=False
             )
