@@ -338,7 +338,7 @@ def safe_dcp_reader(path: Path):
 
     class Reader(dcp.FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            with open(Path(path) / ".metadata", "rb") as f:
+            with open(path / ".metadata", "rb") as f:
                 MetadataUnpickler(f).load()
             return super().read_metadata(*args, **kwargs)
 
@@ -372,14 +372,15 @@ def export_hf(model, adapters: dict | None, tokenizer, src: str, out_dir: Path) 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    # safetensors refuses tied weights (shared storage), from_pretrained re-ties them: keep one
-    seen = set()
+    # safetensors refuses tied weights (shared storage), from_pretrained re-ties them: the first
+    # name of each storage is kept (an empty tensor shares none)
     tensors = {}
     for name, t in lora.merged(state.items(), model):
-        if t.numel() == 0 or t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            tensors[name] = t.contiguous()
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        key = t.untyped_storage().data_ptr() if t.numel() else name
+        tensors.setdefault(key, (name, t.contiguous()))
+    save_file(
+        dict(tensors.values()), str(tmp / "model.safetensors"), metadata={"format": "pt"}
+    )
     AutoConfig.from_pretrained(src).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if adapter:  # and the adapter in PEFT's format in final/adapter/ (--model takes it too)
