@@ -81,7 +81,7 @@ def unreadable(path: Path) -> str | None:
         return f".metadata: {type(e).__name__}: {e}"
     ends = {}
     for info in metadata.storage_data.values():
-        name = str(info.relative_path)
+        name = info.relative_path
         ends[name] = max(ends.get(name, 0), info.offset + info.length)
     for name, end in sorted(ends.items()):
         if not (path / name).is_file():
@@ -119,14 +119,13 @@ def run_dir_name(dataset: str, aggregation: str, seed: int, config: dict) -> str
     return f"runs/{Path(dataset).stem}-{aggregation}-s{seed}-{digest}"
 
 
-def choose_resume(run_dir: str | Path, resume: str, resuming: bool) -> str | None:
+def choose_resume(run_dir: str | Path, resume: str, resuming: bool) -> str | Path | None:
     """Rank 0: --resume's path (this run's newer checkpoints become step_N.abandoned: no auto-resume
     may jump back onto them), or (`resuming`) the newest readable one, or None. Drops *.tmp."""
     for stale in (Path(run_dir) / "checkpoints").glob("*.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
     if resume in ("auto", "fresh"):
-        found = newest_usable(run_dir) if resuming else None
-        return None if found is None else str(found)
+        return newest_usable(run_dir) if resuming else None
     problem = unreadable(Path(resume))
     if problem:
         raise UserError(f"--resume {resume}: unreadable checkpoint ({problem})")
