@@ -435,7 +435,7 @@ def load_data(cfg) -> Data:
         tokenizer, model, chat_template or any("messages" in r for r in rows + eval_rows)
     )
     # sequences are never cut: the longest possible one must fit the model and a micro-batch
-    prompt = max(map(len, prompts + eval_prompts), default=0)
+    prompt = max(map(len, prompts + eval_prompts))  # load_jsonl refuses a file of no rows
     longest, context = prompt + cfg.max_new_tokens, context_length(model) or math.inf
     if longest > context - SGLANG_CONTEXT_MARGIN:
         raise UserError(
@@ -657,8 +657,8 @@ def weighted_reward(terms: list[tuple[float, str, Callable]]) -> Callable:
         scores = [score_one(fn, completion, row) for _, _, fn in terms]
         metrics = {k: v for sc in scores for k, v in sc.metrics.items()}
         metrics |= {name: sc.reward for (_, name, _), sc in zip(terms, scores)}
-        if scores[0].correct is not None:
-            metrics["correct"] = scores[0].correct
+        # None (no verdict) only without an "answer": score_one then leaves it None too
+        metrics["correct"] = scores[0].correct
         return sum(w * sc.reward for (w, _, _), sc in zip(terms, scores)), metrics
 
     return reward
@@ -671,7 +671,6 @@ def evaluate(
     cfg,
     rank: int = 0,
     world: int = 1,
-    timeout: float = 30.0,
 ) -> dict:
     """Held-out metrics (rows split across ranks, one collective): eval/accuracy of greedy answers;
     with cfg.eval_k = k > 0, k samples per prompt at cfg.temperature give eval/mean@k and
@@ -688,7 +687,8 @@ def evaluate(
             cfg.max_new_tokens, temperature, stop_token_ids=data.stop_ids
         )
         outs = run_episodes(engine, prompts, sampling, seeds, data.tools, rows)
-        scores = score_completions(reward_fn, data.tokenizer, outs, rows, timeout, seeds)
+        # a reward call over 30 s scores 0
+        scores = score_completions(reward_fn, data.tokenizer, outs, rows, 30.0, seeds)
         return [s.correct for s in scores]
 
     mine = data.evalset[rank::world]
