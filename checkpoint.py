@@ -280,7 +280,7 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
     try:
         meta = json.loads((path / "meta.json").read_text())
         sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
-        dcp.load(sd, storage_reader=safe_dcp_reader(path), planner=safe_dcp_planner())
+        dcp.load(sd, storage_reader=safe_dcp_reader(path), planner=SafeLoadPlanner())
         set_state_dict(
             model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
         )
@@ -344,16 +344,13 @@ def safe_dcp_reader(path: Path):
     return Reader(path)
 
 
-def safe_dcp_planner():
+class SafeLoadPlanner(dcp.DefaultLoadPlanner):
     """DCP loads non-tensors (param_groups) with weights_only=False: check with True first."""
 
-    class Planner(dcp.DefaultLoadPlanner):
-        def load_bytes(self, read_item, value):
-            torch.load(value, weights_only=True)
-            value.seek(0)
-            super().load_bytes(read_item, value)
-
-    return Planner()
+    def load_bytes(self, read_item, value):
+        torch.load(value, weights_only=True)
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 def export_hf(model, adapters: dict | None, tokenizer, src: str, out_dir: Path) -> None:

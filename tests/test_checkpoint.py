@@ -419,7 +419,7 @@ def test_loading_a_checkpoint_unpickles_nothing_but_plain_data(tmp_path):
     dcp.save(good, checkpoint_id=tmp_path / "good", no_dist=True)
     loaded = {"w": torch.zeros(4), "groups": [{"lr": 0.0, "betas": (0.0, 0.0), "foreach": False}]}
     dcp.load(loaded, storage_reader=checkpoint.safe_dcp_reader(tmp_path / "good"),
-             planner=checkpoint.safe_dcp_planner(),
+             planner=checkpoint.SafeLoadPlanner(),
              no_dist=True)
     assert torch.equal(loaded["w"], good["w"]) and loaded["groups"] == good["groups"]
 
@@ -429,7 +429,7 @@ def test_loading_a_checkpoint_unpickles_nothing_but_plain_data(tmp_path):
     with pytest.raises(BaseException) as refused:
         dcp.load({"w": torch.zeros(4), "groups": [{"lr": 0.0}]},
                  storage_reader=checkpoint.safe_dcp_reader(tmp_path / "evil"),
-                 planner=checkpoint.safe_dcp_planner(), no_dist=True)
+                 planner=checkpoint.SafeLoadPlanner(), no_dist=True)
     assert "Weights only load failed" in str(refused.value) + repr(refused.value)
     (tmp_path / "good" / ".metadata").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(pickle.UnpicklingError, match="refusing to unpickle"):
