@@ -76,7 +76,7 @@ def unreadable(path: Path) -> str | None:
     except (OSError, ValueError) as e:
         return f"meta.json: {type(e).__name__}: {e}"
     try:
-        metadata = safe_dcp_reader(path).read_metadata()
+        metadata = SafeReader(path).read_metadata()
     except Exception as e:
         return f".metadata: {type(e).__name__}: {e}"
     ends = {}
@@ -280,7 +280,7 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
     try:
         meta = json.loads((path / "meta.json").read_text())
         sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
-        dcp.load(sd, storage_reader=safe_dcp_reader(path), planner=SafeLoadPlanner())
+        dcp.load(sd, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
         set_state_dict(
             model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
         )
@@ -313,35 +313,37 @@ def truncate_metrics(path: Path, step: int) -> None:
     atomic_write_text(path, "".join(keep))
 
 
-def safe_dcp_reader(path: Path):
+# what DCP's .metadata may hold besides DCP's metadata classes and torch dtypes
+SAFE_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles SAFE_GLOBALS, DCP's metadata classes and torch dtypes; refuses any other global."""
+
+    def find_class(self, module, name):
+        dcp_meta = module == "torch.distributed.checkpoint.metadata" and (
+            "." not in name and name[:1].isupper() or name == "_MEM_FORMAT_ENCODING"
+        )
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if not (dcp_meta or dtype or (module, name) in SAFE_GLOBALS):
+            # its callers name the checkpoint
+            raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+        return super().find_class(module, name)
+
+
+class SafeReader(dcp.FileSystemReader):
     """DCP's FileSystemReader, but `.metadata` (plain pickle) is first unpickled by an allowlist."""
-    safe = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    }
 
-    class MetadataUnpickler(pickle.Unpickler):
-        def find_class(self, module, name):
-            dcp_meta = module == "torch.distributed.checkpoint.metadata" and (
-                "." not in name and name[:1].isupper() or name == "_MEM_FORMAT_ENCODING"
-            )
-            dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-            if not (dcp_meta or dtype or (module, name) in safe):
-                raise pickle.UnpicklingError(
-                    f"{path}/.metadata: refusing to unpickle {module}.{name}"
-                )
-            return super().find_class(module, name)
-
-    class Reader(dcp.FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            with open(path / ".metadata", "rb") as f:
-                MetadataUnpickler(f).load()
-            return super().read_metadata(*args, **kwargs)
-
-    return Reader(path)
+    def read_metadata(self, *args, **kwargs):
+        with open(self.path / ".metadata", "rb") as f:  # a Path: FileSystem.init_path
+            MetadataUnpickler(f).load()
+        return super().read_metadata(*args, **kwargs)
 
 
 class SafeLoadPlanner(dcp.DefaultLoadPlanner):
