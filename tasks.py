@@ -514,12 +514,7 @@ def load_reward(spec: str) -> Callable:
             raise UserError(
                 f"--reward {spec}: a term names no reward (exact_match,0.1*format)"
             )
-        return weighted_reward(
-            [
-                (w, name.rpartition(":")[2], load_reward(name))
-                for w, name in zip(weights, names)
-            ]
-        )
+        return weighted_reward(weights, names)
     return load_plugin("--reward", spec, f"not a built-in reward ({', '.join(REWARDS)}) nor ")
 
 
@@ -649,17 +644,20 @@ def tool_turn(tokenizer) -> tuple[str, str] | None:
     return (pre, post) if "XQZ7" in head and after.startswith(head) and found else None
 
 
-def weighted_reward(terms: list[tuple[float, str, Callable]]) -> Callable:
-    """sum_k w_k r_k of (w_k, name, reward) terms, each term's value (unweighted) and metrics
-    logged, reward/<name>; "correct" is the first term's (as if it were the reward alone)."""
+def weighted_reward(weights: list[float], specs: list[str]) -> Callable:
+    """sum_k w_k r_k of the rewards r_k that `specs` name, each term's value (unweighted) and
+    metrics logged, reward/<name> (a file's function by its name); "correct" is the first term's
+    (as if it were the reward alone)."""
+    fns = [load_reward(spec) for spec in specs]
+    names = [spec.rpartition(":")[2] for spec in specs]
 
     def reward(completion: str, row: dict) -> tuple[float, dict]:
-        scores = [score_one(fn, completion, row) for _, _, fn in terms]
+        scores = [score_one(fn, completion, row) for fn in fns]
         metrics = {k: v for sc in scores for k, v in sc.metrics.items()}
-        metrics |= {name: sc.reward for (_, name, _), sc in zip(terms, scores)}
+        metrics |= {name: sc.reward for name, sc in zip(names, scores)}
         # None (no verdict) only without an "answer": score_one then leaves it None too
         metrics["correct"] = scores[0].correct
-        return sum(w * sc.reward for (w, _, _), sc in zip(terms, scores)), metrics
+        return sum(w * sc.reward for w, sc in zip(weights, scores)), metrics
 
     return reward
 
