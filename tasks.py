@@ -6,7 +6,6 @@ its "correct" (a bool) defines accuracy, else equality with the row's "answer" (
 reward never changes what accuracy means. `--reward "exact_match,0.1*format"` sums weighted rewards,
 each logged too. A reward's `random` and numpy are seeded by its sample's (seed, step, slot, k)."""
 
-import importlib.util
 import inspect
 import json
 import logging
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from fractions import Fraction
+from importlib.util import module_from_spec, spec_from_file_location
 from itertools import product
 from pathlib import Path
 
@@ -526,9 +526,9 @@ def load_plugin(flag: str, spec: str, builtins: str = "") -> Callable:
     if not Path(path).is_file():
         raise UserError(f"{flag} {spec}: no such file {path}")
     module_name = f"nanoareal_plugin_{abs(hash(str(Path(path).resolve())))}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module_spec = spec_from_file_location(module_name, path)
     # picklable
-    module = sys.modules[module_name] = importlib.util.module_from_spec(module_spec)
+    module = sys.modules[module_name] = module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:
