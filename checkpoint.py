@@ -102,14 +102,16 @@ def set_aside(path: Path, suffix: str, first: int = 0) -> Path:
             return aside
 
 
-def newest_usable(run_dir: str | Path, say=print) -> Path | None:
+def newest_usable(run_dir: str | Path) -> Path | None:
     """The newest loadable checkpoint; an unreadable one is said and set aside as step_N.broken."""
     for path in reversed(complete_checkpoints(run_dir)):
         problem = unreadable(path)
         if problem is None:
             return path
         aside = set_aside(path, ".broken")
-        say(f"warning: checkpoint {path} is unreadable ({problem}); moved it to {aside.name}")
+        print(
+            f"warning: checkpoint {path} is unreadable ({problem}); moved it to {aside.name}"
+        )
     return None
 
 
@@ -252,7 +254,7 @@ def save_checkpoint(
         os.fsync(fd)
         os.close(fd)
         # this one and the KEEP_CHECKPOINTS - 1 newest before it ([:-0] is empty: 0 keeps all);
-        # it is the newest: a resume sets aside (choose_resume) or skips (newest_usable) newer ones
+        # it is the newest: a resume sets any newer one aside (choose_resume, newest_usable)
         for old in complete_checkpoints(run_dir)[:-KEEP_CHECKPOINTS]:
             shutil.rmtree(old)
     dist.barrier()

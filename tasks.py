@@ -667,8 +667,8 @@ def evaluate(
     data: Data,
     reward_fn: Callable,
     cfg,
-    rank: int = 0,
-    world: int = 1,
+    rank: int,
+    world: int,
 ) -> dict:
     """Held-out metrics (rows split across ranks, one collective): eval/accuracy of greedy answers;
     with cfg.eval_k = k > 0, k samples per prompt at cfg.temperature give eval/mean@k and
