@@ -50,12 +50,12 @@ class LoraLinear(nn.Module):
         fan_in, fan_out = base.weight.shape if is_conv1d(base) else base.weight.shape[::-1]
         # fp32 adapters at least
         dtype = torch.promote_types(base.weight.dtype, torch.float32)
-        kw = {"device": base.weight.device, "dtype": dtype}
         self.base = base
         self.scale = alpha / r
         self.enabled = True
-        self.lora_A = nn.Parameter(torch.empty(r, fan_in, **kw))
-        self.lora_B = nn.Parameter(torch.zeros(fan_out, r, **kw))
+        # on base.weight's device
+        self.lora_A = nn.Parameter(base.weight.new_empty(r, fan_in, dtype=dtype))
+        self.lora_B = nn.Parameter(self.lora_A.new_zeros(fan_out, r))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's (and PEFT's) init
 
     def forward(self, x):
