@@ -52,7 +52,7 @@ def rng_states() -> dict:
     return {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state_all(),  # one per device: none without CUDA
         "numpy": [kind, torch.from_numpy(keys.astype("int64")), *rest],
     }
 
