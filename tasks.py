@@ -520,8 +520,8 @@ def load_reward(spec: str) -> Callable:
 
 def load_plugin(flag: str, spec: str, builtins: str = "") -> Callable:
     """`path/to/file.py:name`, a function or class, loaded from that file."""
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path.endswith(".py") or not name:
+    path, _, name = spec.rpartition(":")
+    if not path.endswith(".py") or not name:  # no ":" leaves path empty
         raise UserError(f"{flag} {spec}: {builtins}path/to/file.py:name")
     if not Path(path).is_file():
         raise UserError(f"{flag} {spec}: no such file {path}")
@@ -590,7 +590,7 @@ def env_misfit(make: Callable, name: str) -> str | None:
     read from the signatures only: episodes build their own envs. A factory that is not a class
     is checked itself; the step of what it returns cannot be seen before an episode makes one."""
     sig = refusing_signature(make, {})
-    if sig is not None and getattr(make, "__init__", None) is object.__init__:
+    if sig is not None and make.__init__ is object.__init__:
         return (
             f"{name}(row) must take the dataset row as its one argument: it has no __init__"
         )
