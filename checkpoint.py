@@ -364,8 +364,9 @@ def export_hf(model, adapters: dict | None, tokenizer, src: str, out_dir: Path) 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoConfig
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
+    state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if dist.get_rank() != 0:
         return
     adapter = {k: state[k] for k in state if lora.is_adapter(k)}  # final/: the merged model

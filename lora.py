@@ -93,7 +93,7 @@ def _matches(name: str, spec) -> bool:
     return any(name == t or name.endswith("." + t) for t in spec)
 
 
-def apply(model: nn.Module, r: int, config: dict | None = None) -> tuple[dict | None, str]:
+def apply(model: nn.Module, r: int, config: dict | None) -> tuple[dict | None, str]:
     """LoRA adapters of rank r put into `model` in place (the base frozen), or those of an adapter
     directory's config (and its weights, after loading: load_weights). Returns their config as
     PEFT writes it (rank, alpha, the layers adapted) and the start-up line's words (one ending

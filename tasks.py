@@ -294,7 +294,7 @@ def load_jsonl(path: str, prompt_key: str = "prompt", reward: str = "") -> list[
 
 
 def load_dataset(
-    dataset: str, eval_dataset: str | None, reward: str, prompt_key: str = "prompt"
+    dataset: str, eval_dataset: str | None, reward: str, prompt_key: str
 ) -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows) of a built-in task or of JSONL files."""
     if dataset in TASKS:
@@ -319,7 +319,7 @@ def adds_bos(tokenizer) -> bool:
 
 
 def encode_prompts(
-    rows: list[dict], tokenizer, chat_template: bool, name: str, prompt_key: str = "prompt"
+    rows: list[dict], tokenizer, chat_template: bool, name: str, prompt_key: str
 ) -> list[list[int]]:
     """Every row's prompt as token ids: its "messages", or its prompt field (a user turn with
     chat_template). A chat is exactly what the template writes (its BOS if any, as HF's

@@ -408,7 +408,7 @@ def test_plain_prompts_get_the_bos_the_tokenizer_adds_exactly_once(families, fam
     assert tasks.adds_bos(tok) == (bos is not None)
     text = "Weng earns $12 an hour."
     rows = [{"prompt": text}, {"prompt": (bos or "") + text}]  # one already starts with it
-    for ids in tasks.encode_prompts(rows, tok, False, "d"):
+    for ids in tasks.encode_prompts(rows, tok, False, "d", "prompt"):
         assert tok.decode(ids) == (bos or "") + text
         assert ids.count(tok.bos_token_id) == (bos is not None)
 
@@ -418,12 +418,12 @@ def test_templated_prompts_carry_the_templates_bos_exactly_once(families):
     rows = [{"prompt": "How many clips?"},
             {"messages": [{"role": "system", "content": "Be brief."},
                           {"role": "user", "content": "How many clips?"}]}]
-    for ids in tasks.encode_prompts(rows, tok, True, "d"):
+    for ids in tasks.encode_prompts(rows, tok, True, "d", "prompt"):
         assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
         assert tok.decode(ids).endswith("How many clips?<|eot_id|><|start_header_id|>assistant"
                                         "<|end_header_id|>\n\n")
     qwen = load(families["qwen_base"])  # ChatML writes no BOS, and Qwen has none
-    (ids,) = tasks.encode_prompts(rows[:1], qwen, True, "d")
+    (ids,) = tasks.encode_prompts(rows[:1], qwen, True, "d", "prompt")
     assert qwen.decode(ids).startswith("<|im_start|>system\n")
 
 
@@ -435,7 +435,7 @@ def test_templated_prompts_are_exactly_what_the_template_writes(tmp_path):
     tok = load(build_tokenizer(tmp_path, GEMMA, add_bos="<bos>", template=template,
                                bos_token="<bos>", eos_token="<eos>", config_eos="<eos>"))
     assert tasks.adds_bos(tok)
-    (chat,), (plain,) = (tasks.encode_prompts([{"prompt": "hi"}], tok, c, "d")
+    (chat,), (plain,) = (tasks.encode_prompts([{"prompt": "hi"}], tok, c, "d", "prompt")
                          for c in (True, False))
     assert tok.decode(chat) == "user: hi<eos>assistant: " and tok.decode(plain) == "<bos>hi"
 
