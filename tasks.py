@@ -249,7 +249,7 @@ TASKS = {
 
 # -----------------------------------------------------------------------------
 # datasets
-def load_jsonl(path: str, prompt_key: str = "prompt", reward: str = "") -> list[dict]:
+def load_jsonl(path: str, prompt_key: str, reward: str) -> list[dict]:
     """Rows of {prompt_key: str} or {"messages": [{"role", "content"}, ...]}, other fields kept;
     each with an "answer" for a built-in `reward`."""
     try:
@@ -758,11 +758,11 @@ def score_completions(
         [c.output_ids for c in completions], skip_special_tokens=True
     )
     scores = compute_rewards(reward_fn, texts, rows, timeout, seeds)
-    for sc, c in zip(scores, completions):
-        if overlong_buffer:
-            n = len(c.output_ids)
-            sc.metrics["overlong"] = soft_overlong_penalty(n, max_tokens, overlong_buffer)
-            sc.reward += sc.metrics["overlong"]
+    if overlong_buffer:
+        for sc, c in zip(scores, completions):
+            penalty = soft_overlong_penalty(len(c.output_ids), max_tokens, overlong_buffer)
+            sc.metrics["overlong"] = penalty
+            sc.reward += penalty
     return scores
 
 

@@ -204,7 +204,7 @@ def test_a_row_without_the_prompt_key_names_the_key_and_the_fields_it_has(tmp_pa
     path = write_jsonl(tmp_path / "train.jsonl", GSM8K_ROWS)
     with pytest.raises(UserError, match=r'train.jsonl:1: needs exactly one of "prompt" .*'
                                         r'--prompt-key.*; it has "question", "answer"$'):
-        tasks.load_jsonl(str(path))
+        tasks.load_jsonl(str(path), "prompt", "")
     with pytest.raises(UserError, match=r'train.jsonl:1: needs exactly one of "problem"'):
         tasks.load_dataset(str(path), None, "gsm8k", "problem")
 
@@ -237,8 +237,8 @@ def test_gsm8k_converter_reads_grade_school_math_from_disk(tmp_path):
     proc = convert("--from-dir", str(data), "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     assert "wrote 3 rows" in proc.stdout and "wrote 1 rows" in proc.stdout
-    train = tasks.load_jsonl(str(tmp_path / "out" / "gsm8k_train.jsonl"))
-    test = tasks.load_jsonl(str(tmp_path / "out" / "gsm8k_test.jsonl"))
+    train = tasks.load_jsonl(str(tmp_path / "out" / "gsm8k_train.jsonl"), "prompt", "")
+    test = tasks.load_jsonl(str(tmp_path / "out" / "gsm8k_test.jsonl"), "prompt", "")
     assert [r["answer"] for r in train + test] == ["#### 72", "#### 10", "#### 3", "#### 624"]
     assert train[1]["prompt"].startswith(GSM8K_ROWS[1]["question"] + "\n\n")
     assert "'#### <number>'" in train[1]["prompt"]
