@@ -152,10 +152,11 @@ def claim_run_dir(
     `volatile`, new flags at their `defaults`); another run is refused, or (`fresh`) moved aside."""
     root = Path(run_dir)
     results = [p for p in ("metrics.jsonl", "checkpoints", "final") if (root / p).exists()]
-    if results and fresh:
+    if not results:
+        return False
+    if fresh:
         aside = set_aside(root, ".old", first=1)
         print(f"moved the run in {root} to {aside}", flush=True)
-    if not results or fresh:
         return False
     try:
         theirs = json.loads((root / "config.json").read_text())

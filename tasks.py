@@ -572,9 +572,12 @@ def load_env(spec: str | None, tokenizer, chat: bool) -> Tools | None:
             f"--env {spec}: its .max_turns must be an int >= 1, got {max_turns!r}"
         )
     pre, post = (tool_turn(tokenizer) if chat else None) or ("", "")
-    how = "the chat template's tool turn" if pre or post else "raw text"
-    if chat and not (pre or post):
-        how += " (the template has no tool turn extending the turns before)"
+    if pre or post:
+        how = "the chat template's tool turn"
+    elif chat:
+        how = "raw text (the template has no tool turn extending the turns before)"
+    else:
+        how = "raw text"
     print0(f"--env {spec}: replies as {how}")
     return Tools(
         make,
