@@ -1,8 +1,6 @@
 """Checkpoints, resume and the final export: a kill at any moment leaves nothing half-written that
 a later run trusts. Prompts and sampling noise are functions of (seed, step): no data to save."""
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import itertools
@@ -50,12 +48,12 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
 
 def rng_states() -> dict:
     """Every RNG this process has, as tensors and plain tuples and lists (weights_only loads it)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, *rest = np.random.get_state()  # rest: pos, has_gauss, cached
     return {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached],
+        "cuda": torch.cuda.get_rng_state_all(),  # one per device: none without CUDA
+        "numpy": [kind, torch.from_numpy(keys.astype("int64")), *rest],
     }
 
 
@@ -78,12 +76,12 @@ def unreadable(path: Path) -> str | None:
     except (OSError, ValueError) as e:
         return f"meta.json: {type(e).__name__}: {e}"
     try:
-        metadata = safe_dcp_reader(path).read_metadata()
+        metadata = SafeReader(path).read_metadata()
     except Exception as e:
         return f".metadata: {type(e).__name__}: {e}"
-    ends: dict[str, int] = {}
-    for info in getattr(metadata, "storage_data", {}).values():
-        name = str(info.relative_path)
+    ends = {}
+    for info in metadata.storage_data.values():
+        name = info.relative_path
         ends[name] = max(ends.get(name, 0), info.offset + info.length)
     for name, end in sorted(ends.items()):
         if not (path / name).is_file():
@@ -104,14 +102,16 @@ def set_aside(path: Path, suffix: str, first: int = 0) -> Path:
             return aside
 
 
-def newest_usable(run_dir: str | Path, say=print) -> Path | None:
+def newest_usable(run_dir: str | Path) -> Path | None:
     """The newest loadable checkpoint; an unreadable one is said and set aside as step_N.broken."""
     for path in reversed(complete_checkpoints(run_dir)):
         problem = unreadable(path)
         if problem is None:
             return path
         aside = set_aside(path, ".broken")
-        say(f"warning: checkpoint {path} is unreadable ({problem}); moved it to {aside.name}")
+        print(
+            f"warning: checkpoint {path} is unreadable ({problem}); moved it to {aside.name}"
+        )
     return None
 
 
@@ -121,18 +121,17 @@ def run_dir_name(dataset: str, aggregation: str, seed: int, config: dict) -> str
     return f"runs/{Path(dataset).stem}-{aggregation}-s{seed}-{digest}"
 
 
-def choose_resume(run_dir: str | Path, resume: str, resuming: bool) -> str | None:
+def choose_resume(run_dir: str | Path, resume: str, resuming: bool) -> str | Path | None:
     """Rank 0: --resume's path (this run's newer checkpoints become step_N.abandoned: no auto-resume
     may jump back onto them), or (`resuming`) the newest readable one, or None. Drops *.tmp."""
     for stale in (Path(run_dir) / "checkpoints").glob("*.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
     if resume in ("auto", "fresh"):
-        found = newest_usable(run_dir) if resuming else None
-        return None if found is None else str(found)
+        return newest_usable(run_dir) if resuming else None
     problem = unreadable(Path(resume))
     if problem:
         raise UserError(f"--resume {resume}: unreadable checkpoint ({problem})")
-    step = int(json.loads((Path(resume) / "meta.json").read_text())["step"])
+    step = json.loads((Path(resume) / "meta.json").read_text())["step"]  # an int: unreadable
     for path in (p for p in complete_checkpoints(run_dir) if _step(p) > step):
         # a name taken by an earlier such resume: step_N.abandoned-1, ...
         aside = set_aside(path, ".abandoned")
@@ -147,23 +146,24 @@ def claim_run_dir(
     config: dict,
     volatile: set[str],
     fresh: bool,
-    defaults: dict | None = None,
+    defaults: dict,
 ) -> bool:
     """Rank 0, before any write: True when `run_dir` holds this run (config.json equal but for
     `volatile`, new flags at their `defaults`); another run is refused, or (`fresh`) moved aside."""
     root = Path(run_dir)
     results = [p for p in ("metrics.jsonl", "checkpoints", "final") if (root / p).exists()]
-    if results and fresh:
+    if not results:
+        return False
+    if fresh:
         aside = set_aside(root, ".old", first=1)
         print(f"moved the run in {root} to {aside}", flush=True)
-    if not results or fresh:
         return False
     try:
         theirs = json.loads((root / "config.json").read_text())
         changed = sorted(
             k
             for k in set(theirs) | set(config)
-            if k not in volatile and theirs.get(k, (defaults or {}).get(k)) != config.get(k)
+            if k not in volatile and theirs.get(k, defaults.get(k)) != config.get(k)
         )
     except (OSError, ValueError):
         changed = ["(config.json missing or unreadable)"]
@@ -187,7 +187,7 @@ class Preemption:
     its step, save and exit; the first wins (torchrun passes Ctrl-C on a second time)."""
 
     def __enter__(self):
-        self.signals: list[int] = []
+        self.signals = []
         self.previous = {
             s: signal.signal(s, lambda signum, _: self.signals.append(signum))
             for s in (signal.SIGINT, signal.SIGTERM)
@@ -254,10 +254,10 @@ def save_checkpoint(
         fd = os.open(final.parent, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-        older = [p for p in complete_checkpoints(run_dir) if _step(p) < step]
-        if KEEP_CHECKPOINTS > 0:  # this one and the KEEP_CHECKPOINTS - 1 newest before it
-            for old in older[: max(len(older) + 1 - KEEP_CHECKPOINTS, 0)]:
-                shutil.rmtree(old)
+        # this one and the KEEP_CHECKPOINTS - 1 newest before it ([:-0] is empty: 0 keeps all);
+        # it is the newest: a resume sets any newer one aside (choose_resume, newest_usable)
+        for old in complete_checkpoints(run_dir)[:-KEEP_CHECKPOINTS]:
+            shutil.rmtree(old)
     dist.barrier()
     return final
 
@@ -283,7 +283,7 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
     try:
         meta = json.loads((path / "meta.json").read_text())
         sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
-        dcp.load(sd, storage_reader=safe_dcp_reader(path), planner=safe_dcp_planner())
+        dcp.load(sd, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
         set_state_dict(
             model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
         )
@@ -292,7 +292,7 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
         if not rng.exists():
             rng = path / "rng_rank0.pt"
         set_rng_states(torch.load(rng, weights_only=True))
-        ahead: dict[int, list] = {}
+        ahead = {}
         for part in sorted(path.glob("ahead_rank*.pt")):
             for step, batch in torch.load(part, weights_only=True).items():
                 ahead.setdefault(int(step), []).extend(batch)
@@ -316,47 +316,46 @@ def truncate_metrics(path: Path, step: int) -> None:
     atomic_write_text(path, "".join(keep))
 
 
-def safe_dcp_reader(path: Path):
+# what DCP's .metadata may hold besides DCP's metadata classes and torch dtypes
+SAFE_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles SAFE_GLOBALS, DCP's metadata classes and torch dtypes; refuses any other global."""
+
+    def find_class(self, module, name):
+        dcp_meta = module == "torch.distributed.checkpoint.metadata" and (
+            "." not in name and name[:1].isupper() or name == "_MEM_FORMAT_ENCODING"
+        )
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if not (dcp_meta or dtype or (module, name) in SAFE_GLOBALS):
+            # its callers name the checkpoint
+            raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+        return super().find_class(module, name)
+
+
+class SafeReader(dcp.FileSystemReader):
     """DCP's FileSystemReader, but `.metadata` (plain pickle) is first unpickled by an allowlist."""
-    safe = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    }
 
-    class MetadataUnpickler(pickle.Unpickler):
-        def find_class(self, module, name):
-            dcp_meta = module == "torch.distributed.checkpoint.metadata" and (
-                "." not in name and name[:1].isupper() or name == "_MEM_FORMAT_ENCODING"
-            )
-            dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-            if not (dcp_meta or dtype or (module, name) in safe):
-                raise pickle.UnpicklingError(
-                    f"{path}/.metadata: refusing to unpickle {module}.{name}"
-                )
-            return super().find_class(module, name)
-
-    class Reader(dcp.FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            with open(Path(path) / ".metadata", "rb") as f:
-                MetadataUnpickler(f).load()
-            return super().read_metadata(*args, **kwargs)
-
-    return Reader(path)
+    def read_metadata(self, *args, **kwargs):
+        with open(self.path / ".metadata", "rb") as f:  # a Path: FileSystem.init_path
+            MetadataUnpickler(f).load()
+        return super().read_metadata(*args, **kwargs)
 
 
-def safe_dcp_planner():
+class SafeLoadPlanner(dcp.DefaultLoadPlanner):
     """DCP loads non-tensors (param_groups) with weights_only=False: check with True first."""
 
-    class Planner(dcp.DefaultLoadPlanner):
-        def load_bytes(self, read_item, value):
-            torch.load(value, weights_only=True)
-            value.seek(0)
-            super().load_bytes(read_item, value)
-
-    return Planner()
+    def load_bytes(self, read_item, value):
+        torch.load(value, weights_only=True)
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 def export_hf(model, adapters: dict | None, tokenizer, src: str, out_dir: Path) -> None:
@@ -366,28 +365,31 @@ def export_hf(model, adapters: dict | None, tokenizer, src: str, out_dir: Path) 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoConfig
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
+    state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if dist.get_rank() != 0:
         return
     adapter = {k: state[k] for k in state if lora.is_adapter(k)}  # final/: the merged model
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    # safetensors refuses tied weights (shared storage), from_pretrained re-ties them: keep one
-    seen = set()
+    # safetensors refuses tied weights (shared storage), from_pretrained re-ties them: the first
+    # name of each storage is kept (an empty tensor shares none)
     tensors = {}
     for name, t in lora.merged(state.items(), model):
-        if t.numel() == 0 or t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            tensors[name] = t.contiguous()
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        key = t.untyped_storage().data_ptr() if t.numel() else name
+        tensors.setdefault(key, (name, t.contiguous()))
+    save_file(
+        dict(tensors.values()), str(tmp / "model.safetensors"), metadata={"format": "pt"}
+    )
     AutoConfig.from_pretrained(src).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if adapter:  # and the adapter in PEFT's format in final/adapter/ (--model takes it too)
         lora.save(adapter, adapters, src, tmp / "adapter")
-    if (Path(src) / "generation_config.json").exists():
-        shutil.copy(Path(src) / "generation_config.json", tmp / "generation_config.json")
+    generation = Path(src) / "generation_config.json"
+    if generation.exists():
+        shutil.copy(generation, tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
 
@@ -397,11 +399,11 @@ def on_rank0(fn, *args):
     box = [None]
     if dist.get_rank() == 0:
         try:
-            box = [(fn(*args), None)]
-        except UserError as e:
-            box = [(None, str(e))]
+            box = [fn(*args)]
+        except UserError as e:  # sent as it is (it pickles)
+            box = [e]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
-    if box[0][1] is not None:
-        raise UserError(box[0][1])
-    return box[0][0]
+    if isinstance(box[0], UserError):
+        raise box[0]
+    return box[0]

@@ -68,7 +68,7 @@ def test_split_is_deterministic_disjoint_and_balanced(split):
 
 def test_the_trainer_uses_the_fixed_split_and_its_own_reward(split):
     # load_dataset takes no run seed: every --seed trains and evaluates on this one split
-    assert tasks.load_dataset("chain", None, "auto") == split
+    assert tasks.load_dataset("chain", None, "auto", "prompt") == split
     assert N.Config(dataset="chain").reward == "last_number"
     assert tasks.load_reward("last_number") is last_number
 

@@ -362,7 +362,7 @@ def test_a_reward_call_that_raises_hangs_or_is_not_finite_scores_zero_and_the_re
     t0 = time.monotonic()
     rows = [{"answer": a} for a in ["1", "1", "1", "2", "1", "4"]]
     scores = tasks.compute_rewards(reward, ["1", "raise", "hang", "2", "nan", "3"], rows,
-                                   timeout=0.3)
+                                   timeout=0.3, seeds=range(6))
     assert [s.reward for s in scores] == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
     # a failed call has no verdict, and says why
     assert [s.correct for s in scores] == [True, None, None, True, None, False]
@@ -418,8 +418,8 @@ def test_loading_a_checkpoint_unpickles_nothing_but_plain_data(tmp_path):
     good = {"w": torch.arange(4.0), "groups": [{"lr": 0.1, "betas": (0.9, 0.99), "foreach": None}]}
     dcp.save(good, checkpoint_id=tmp_path / "good", no_dist=True)
     loaded = {"w": torch.zeros(4), "groups": [{"lr": 0.0, "betas": (0.0, 0.0), "foreach": False}]}
-    dcp.load(loaded, storage_reader=checkpoint.safe_dcp_reader(tmp_path / "good"),
-             planner=checkpoint.safe_dcp_planner(),
+    dcp.load(loaded, storage_reader=checkpoint.SafeReader(tmp_path / "good"),
+             planner=checkpoint.SafeLoadPlanner(),
              no_dist=True)
     assert torch.equal(loaded["w"], good["w"]) and loaded["groups"] == good["groups"]
 
@@ -428,12 +428,12 @@ def test_loading_a_checkpoint_unpickles_nothing_but_plain_data(tmp_path):
     # DCP wraps it in a CheckpointException(BaseException)
     with pytest.raises(BaseException) as refused:
         dcp.load({"w": torch.zeros(4), "groups": [{"lr": 0.0}]},
-                 storage_reader=checkpoint.safe_dcp_reader(tmp_path / "evil"),
-                 planner=checkpoint.safe_dcp_planner(), no_dist=True)
+                 storage_reader=checkpoint.SafeReader(tmp_path / "evil"),
+                 planner=checkpoint.SafeLoadPlanner(), no_dist=True)
     assert "Weights only load failed" in str(refused.value) + repr(refused.value)
     (tmp_path / "good" / ".metadata").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(pickle.UnpicklingError, match="refusing to unpickle"):
-        checkpoint.safe_dcp_reader(tmp_path / "good").read_metadata()
+        checkpoint.SafeReader(tmp_path / "good").read_metadata()
 
 
 # -----------------------------------------------------------------------------

@@ -50,7 +50,7 @@ def test_pass_at_k_and_mean_at_k_are_the_unbiased_estimators(one_rank_group):
     rows = [{"prompt": "q", "answer": "right"} for _ in ScriptedEngine.RIGHT]
     data = tasks.Data(tokenizer, [], [], [(r, [i]) for i, r in enumerate(rows)], [0])
     cfg = types.SimpleNamespace(max_new_tokens=8, temperature=1.0, eval_k=n, seed=0)
-    got = tasks.evaluate(ScriptedEngine(), data, tasks.exact_match, cfg)
+    got = tasks.evaluate(ScriptedEngine(), data, tasks.exact_match, cfg, 0, 1)
     assert set(got) == {"eval/accuracy", f"eval/mean@{n}", "eval/pass@2", "eval/pass@4",
                         f"eval/pass@{n}"}
     assert got["eval/accuracy"] == pytest.approx(3 / 5)  # prompts 0, 2, 4

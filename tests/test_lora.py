@@ -149,7 +149,7 @@ def test_merged_weights_equal_the_unmerged_forward_and_the_kl_reference_is_the_b
     AttentionInterface.register("packed", attention.packed_attention)
     load = lambda: AutoModelForCausalLM.from_pretrained(TINY).eval()
     model, base, merged = load(), load(), load()
-    lora.apply(model, 4)
+    lora.apply(model, 4, None)
     random_adapters(model)
     merged.load_state_dict(dict(lora.merged(model.state_dict().items(), model)))
     ids = torch.tensor([[4, 13, 7, 14, 9, 3, 1, 5]])
@@ -252,7 +252,7 @@ def test_lora_needs_no_peft_and_an_adapter_of_another_base_is_one_line(monkeypat
 
     monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError
     other = AutoModelForCausalLM.from_pretrained(save_tiny_llama(tmp_path / "other"))
-    lora.apply(other, 2)
+    lora.apply(other, 2, None)
     saved = random_adapters(other, dtype=torch.float32)
     config = {"r": 2, "lora_alpha": lora.LORA_ALPHA, "target_modules": "all-linear"}
     lora.save(saved, config, str(tmp_path / "other"), tmp_path / "adapter")

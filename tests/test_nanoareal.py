@@ -329,7 +329,7 @@ def test_malformed_jsonl_names_the_file_and_line(tmp_path, line, message):
     path = tmp_path / "data.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n' + line + "\n")
     with pytest.raises(UserError, match=rf"data.jsonl:2: .*{message}"):
-        tasks.load_jsonl(str(path))
+        tasks.load_jsonl(str(path), "prompt", "")
 
 
 def test_jsonl_prompts_and_messages_load():
@@ -339,7 +339,7 @@ def test_jsonl_prompts_and_messages_load():
 
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.write("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    rows = tasks.load_jsonl(f.name)
+    rows = tasks.load_jsonl(f.name, "prompt", "")
     # rows kept whole
     assert rows[0] == {"prompt": "1+1=", "answer": 2} and rows[1]["messages"][0]["content"] == "hi"
 

@@ -342,14 +342,14 @@ CORRUPTIONS = {
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
 def test_each_corruption_of_the_newest_checkpoint_is_named_set_aside_and_skipped(
-        two_checkpoints, tmp_path, corruption):
+        two_checkpoints, tmp_path, corruption, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(two_checkpoints, run_dir)
     corrupt, why = CORRUPTIONS[corruption]
     newest = run_dir / "checkpoints" / "step_000002"
     corrupt(newest)
-    said = []
-    found = checkpoint.newest_usable(run_dir, say=said.append)
+    found = checkpoint.newest_usable(run_dir)
+    said = capsys.readouterr().out.splitlines()
     assert found == run_dir / "checkpoints" / "step_000001"
     assert len(said) == 1 and str(newest) in said[0] and why in said[0], said
     assert not newest.exists() and (run_dir / "checkpoints" / "step_000002.broken").is_dir()

@@ -104,7 +104,7 @@ def test_math_reward_runs_on_the_reward_worker_thread():
     # runs rewards on a worker thread, so the reward must turn them off
     rows = [{"answer": "0.75"}, {"answer": "#### 18"}, {"answer": "5"}]
     texts = ["$\\boxed{\\frac{3}{4}}$", "#### 18", "\\boxed{6}"]
-    scores = tasks.compute_rewards(tasks.load_reward("math"), texts, rows, timeout=60)
+    scores = tasks.compute_rewards(tasks.load_reward("math"), texts, rows, 60, [0, 1, 2])
     assert [(s.reward, s.correct, s.error) for s in scores] == [
         (1.0, True, None), (1.0, True, None), (0.0, False, None)]
 
@@ -204,7 +204,7 @@ def test_a_row_without_the_prompt_key_names_the_key_and_the_fields_it_has(tmp_pa
     path = write_jsonl(tmp_path / "train.jsonl", GSM8K_ROWS)
     with pytest.raises(UserError, match=r'train.jsonl:1: needs exactly one of "prompt" .*'
                                         r'--prompt-key.*; it has "question", "answer"$'):
-        tasks.load_jsonl(str(path))
+        tasks.load_jsonl(str(path), "prompt", "")
     with pytest.raises(UserError, match=r'train.jsonl:1: needs exactly one of "problem"'):
         tasks.load_dataset(str(path), None, "gsm8k", "problem")
 
@@ -237,8 +237,8 @@ def test_gsm8k_converter_reads_grade_school_math_from_disk(tmp_path):
     proc = convert("--from-dir", str(data), "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     assert "wrote 3 rows" in proc.stdout and "wrote 1 rows" in proc.stdout
-    train = tasks.load_jsonl(str(tmp_path / "out" / "gsm8k_train.jsonl"))
-    test = tasks.load_jsonl(str(tmp_path / "out" / "gsm8k_test.jsonl"))
+    train = tasks.load_jsonl(str(tmp_path / "out" / "gsm8k_train.jsonl"), "prompt", "")
+    test = tasks.load_jsonl(str(tmp_path / "out" / "gsm8k_test.jsonl"), "prompt", "")
     assert [r["answer"] for r in train + test] == ["#### 72", "#### 10", "#### 3", "#### 624"]
     assert train[1]["prompt"].startswith(GSM8K_ROWS[1]["question"] + "\n\n")
     assert "'#### <number>'" in train[1]["prompt"]
@@ -408,7 +408,7 @@ def test_plain_prompts_get_the_bos_the_tokenizer_adds_exactly_once(families, fam
     assert tasks.adds_bos(tok) == (bos is not None)
     text = "Weng earns $12 an hour."
     rows = [{"prompt": text}, {"prompt": (bos or "") + text}]  # one already starts with it
-    for ids in tasks.encode_prompts(rows, tok, False, "d"):
+    for ids in tasks.encode_prompts(rows, tok, False, "d", "prompt"):
         assert tok.decode(ids) == (bos or "") + text
         assert ids.count(tok.bos_token_id) == (bos is not None)
 
@@ -418,12 +418,12 @@ def test_templated_prompts_carry_the_templates_bos_exactly_once(families):
     rows = [{"prompt": "How many clips?"},
             {"messages": [{"role": "system", "content": "Be brief."},
                           {"role": "user", "content": "How many clips?"}]}]
-    for ids in tasks.encode_prompts(rows, tok, True, "d"):
+    for ids in tasks.encode_prompts(rows, tok, True, "d", "prompt"):
         assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
         assert tok.decode(ids).endswith("How many clips?<|eot_id|><|start_header_id|>assistant"
                                         "<|end_header_id|>\n\n")
     qwen = load(families["qwen_base"])  # ChatML writes no BOS, and Qwen has none
-    (ids,) = tasks.encode_prompts(rows[:1], qwen, True, "d")
+    (ids,) = tasks.encode_prompts(rows[:1], qwen, True, "d", "prompt")
     assert qwen.decode(ids).startswith("<|im_start|>system\n")
 
 
@@ -435,7 +435,7 @@ def test_templated_prompts_are_exactly_what_the_template_writes(tmp_path):
     tok = load(build_tokenizer(tmp_path, GEMMA, add_bos="<bos>", template=template,
                                bos_token="<bos>", eos_token="<eos>", config_eos="<eos>"))
     assert tasks.adds_bos(tok)
-    (chat,), (plain,) = (tasks.encode_prompts([{"prompt": "hi"}], tok, c, "d")
+    (chat,), (plain,) = (tasks.encode_prompts([{"prompt": "hi"}], tok, c, "d", "prompt")
                          for c in (True, False))
     assert tok.decode(chat) == "user: hi<eos>assistant: " and tok.decode(plain) == "<bos>hi"
 

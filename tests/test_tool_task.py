@@ -52,7 +52,7 @@ def test_split_is_deterministic_disjoint_and_right(split):
     for row in heldout:
         a, b = int(row["prompt"][:2]), int(row["prompt"][3:5])
         assert row["answer"] == str(a + b if row["prompt"][2] == "+" else a * b)
-    assert tasks.load_dataset("calc", None, "auto") == (train, heldout)
+    assert tasks.load_dataset("calc", None, "auto", "prompt") == (train, heldout)
 
 
 def test_the_task_brings_its_model_and_the_config_adds_the_tool():
