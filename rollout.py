@@ -649,31 +649,6 @@ def _succeeded(result, what: str, step: int | None = None, where: str = "") -> N
         raise RuntimeError(f"SGLang {what} failed{at}: {message}")
 
 
-def weight_session(engine) -> tuple[Callable, Callable] | None:
-    """(begin, end) of an in-process engine's weight-update session, or None (< 0.5.21: none).
-    From 0.5.21 tensor updates outside one fail; the Engine's methods wrap its tokenizer manager's,
-    called directly where a branch requires a session but its Engine lacks them."""
-    if hasattr(engine, "begin_weight_update"):
-        return engine.begin_weight_update, engine.end_weight_update
-    manager = getattr(engine, "tokenizer_manager", None)
-    if not hasattr(manager, "begin_weight_update"):
-        return None
-    try:
-        from sglang.srt.managers.io_struct import (
-            BeginWeightUpdateReqInput,
-            EndWeightUpdateReqInput,
-        )
-    except ImportError:
-        return None
-    run = engine.loop.run_until_complete  # as the Engine's own wrappers run them
-    return (
-        lambda: run(
-            manager.begin_weight_update(BeginWeightUpdateReqInput(selector="all"), None)
-        ),
-        lambda: run(manager.end_weight_update(EndWeightUpdateReqInput(), None)),
-    )
-
-
 def _start_shielded(start: Callable):
     """start() (an in-process sglang.Engine) with what its processes inherit set for them."""
     # Its scheduler and detokenizer (spawn: fork + exec) share our process group: a terminal's
@@ -747,7 +722,6 @@ class SGLangEngine(Engine):
         before = free()
         self.engine = _start_shielded(lambda: sglang.Engine(**kw | engine_kwargs))
         running = free()
-        self.session = weight_session(self.engine)
         # its state while the trainer trains; released weights come back uninitialised (without
         # --enable-weights-cpu-backup): version -1 until update_weights pushes them
         self.release_memory()
@@ -806,8 +780,10 @@ class SGLangEngine(Engine):
         """By CUDA IPC in the engine's dtype (NCCL on one GPU fails: "Duplicate GPU detected")."""
         self.version, ok = version, lambda result, what: _succeeded(result, what, version)
         self.resume_memory()
-        if self.session is not None:
-            ok(self.session[0](), "begin_weight_update")
+        # from SGLang 0.5.21 (whose Engine has these) tensor updates outside a session fail
+        session = hasattr(self.engine, "begin_weight_update")
+        if session:
+            ok(self.engine.begin_weight_update(), "begin_weight_update")
         try:
             for bucket, last in iter_buckets(
                 iter_full_tensors(model, self.dtype),
@@ -820,8 +796,8 @@ class SGLangEngine(Engine):
                 )
                 ok(pushed, "update_weights_from_tensor")
         finally:
-            if self.session is not None:
-                ok(self.session[1](), "end_weight_update")
+            if session:
+                ok(self.engine.end_weight_update(), "end_weight_update")
         self._resume(*self.tags)
         # its prefix cache holds the old weights' KV
         ok(self.engine.flush_cache(), "flush_cache")
