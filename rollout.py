@@ -62,13 +62,6 @@ TORCHRUN_VARS = tuple(
 GRAPH_ENV = "SGLANG_MEMORY_SAVER_CUDA_GRAPH"  # set for the in-process engine's start
 _MASK32 = 0xFFFFFFFF
 _SAID: set[str] = set()  # what was said once per process (an env's first failure)
-_DTYPES = {
-    "half": torch.float16,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float": torch.float32,
-    "float32": torch.float32,
-}
 # a batch requested from the forked child, not yet received
 IN_CHILD = "in the rollout process"
 
@@ -153,7 +146,7 @@ class Engine(Protocol):
 
 
 def iter_full_tensors(
-    model: nn.Module, dtype: torch.dtype | None = None
+    model: nn.Module, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) of each parameter and buffer: FSDP2 all-gathers, every rank iterates;
     floats cast to `dtype` before the gather (a bf16 engine's cost half an fp32 gather). A LoRA
@@ -163,7 +156,7 @@ def iter_full_tensors(
     def gathered():
         for name, t in model.state_dict().items():
             layer = name.rpartition(".")[0].removesuffix(".base")
-            if dtype is not None and t.is_floating_point() and layer not in adapted:
+            if t.is_floating_point() and layer not in adapted:
                 t = t.to(dtype)  # a DTensor casts its local shard; adapted layers merge first
             # a DTensor; a mesh of one holds it whole (no gather)
             if hasattr(t, "full_tensor"):
@@ -605,8 +598,8 @@ def engine_dtype(
 ) -> torch.dtype:
     """SGLang's dtype for the weights (a sync rounds them once): `requested` (its --dtype), else the
     config's; an fp32 config runs in `fp32_as`, or SGLang's float16 (Gemma: bfloat16)."""
-    if requested in _DTYPES:
-        return _DTYPES[requested]
+    if requested not in (None, "auto"):  # half, float16, bfloat16, float or float32
+        return getattr(torch, requested)
     from transformers import AutoConfig
 
     # transformers 4.56+: a torch.dtype (from the config's "dtype" or "torch_dtype"), or None
@@ -621,8 +614,8 @@ def engine_dtype(
 def iter_buckets(
     named: Iterator[tuple[str, torch.Tensor]],
     bucket_bytes: int,
-    dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
+    dtype: torch.dtype,
+    device: torch.device | str,
 ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
     """(name, tensor) -> (~`bucket_bytes` bucket, is_last), floats in `dtype`; a big one alone."""
     bucket, size = [], 0
@@ -657,8 +650,11 @@ def _start_shielded(start: Callable):
     main = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     names = (*TORCHRUN_VARS, GRAPH_ENV)  # ours are put back as they were
-    saved = [k for k in os.environ if k in names or k.startswith("TORCHELASTIC_")]
-    hidden = {k: os.environ.pop(k) for k in saved}
+    hidden = {
+        k: os.environ.pop(k)
+        for k in [*os.environ]
+        if k in names or k.startswith("TORCHELASTIC_")
+    }
     # release_memory_occupation frees CUDA graphs only if this is set when its scheduler
     # starts (inherited; a bool env, default off, 0.5.10-0.5.23); only its processes read it
     os.environ[GRAPH_ENV] = "1"
@@ -681,7 +677,6 @@ class SGLangEngine(Engine):
     def __init__(
         self,
         model_path: str,
-        gpu_id: int = 0,
         seed: int = 0,
         device: torch.device | str = "cuda",
         deterministic: bool = False,
@@ -706,7 +701,7 @@ class SGLangEngine(Engine):
             "mem_fraction_static": SGLANG_MEM_FRACTION,
             "enable_memory_saver": True,
             "skip_tokenizer_init": True,
-            "base_gpu_id": gpu_id,
+            "base_gpu_id": self.device.index or 0,
             "tp_size": 1,
             "random_seed": seed,
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -976,7 +971,6 @@ class RemoteSGLangEngine(Engine):
         group_backend: str = "nccl",
         device: torch.device | str | None = None,
     ):
-        assert weight_sync in ("auto", "disk", "nccl"), "servers synced by disk or nccl"
         _check_logprob_env()
         self.urls = [u.rstrip("/") for u in urls]
         self.model_path, self.run_dir = model_path, run_dir
@@ -1303,7 +1297,7 @@ def make_engine(cfg, device: torch.device, share: bool = False) -> Engine:
             device=device,
         )
     if backend.startswith("sglang"):
-        return SGLangEngine(cfg.model, device.index or 0, cfg.seed, device, deterministic)
+        return SGLangEngine(cfg.model, cfg.seed, device, deterministic)
     half = backend == "hf_bf16" or device.type == "cuda"
     dtype = torch.bfloat16 if half else None
     # the trainer's own tensors can serve only the trainer's precision

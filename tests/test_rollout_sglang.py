@@ -819,7 +819,7 @@ def test_colocated_engine_call_sequence_and_buckets(monkeypatch, model_dir, new,
 
     log = install_fake_sglang(monkeypatch, new)
     monkeypatch.setattr(rollout, "SYNC_BUCKET_MB", 0.005)  # ~5 kB buckets: several of them
-    eng = SGLangEngine(model_dir, gpu_id=0, device="cpu")
+    eng = SGLangEngine(model_dir, device="cpu")
     model = perturbed(model_dir, lora)  # LoRA: the plain model's names, merged
 
     eng.update_weights(model, 0)  # nanoareal.resume(): engine.version < 0
@@ -974,7 +974,7 @@ def test_deterministic_rollouts_turn_on_sglang_deterministic_inference_and_send_
 
 def test_iter_buckets_respects_the_budget_and_marks_the_last():
     named = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5, 100])]
-    buckets = list(rollout.iter_buckets(iter(named), bucket_bytes=80))  # 20 float32
+    buckets = list(rollout.iter_buckets(iter(named), 80, torch.float32, "cpu"))  # 20 float32
     assert [[n for n, _ in b] for b, _ in buckets] == [["t0", "t1"], ["t2"], ["t3", "t4"], ["t5"]]
     assert [last for _, last in buckets] == [False, False, False, True]
 
