@@ -37,6 +37,7 @@ from torch import nn
 import lora
 import modeling
 from cli import UserError, rank
+from logs import print0
 
 # a request to a server; a /generate: plus its tokens at the rate below
 HTTP_TIMEOUT_S = 600.0
@@ -613,15 +614,14 @@ def engine_dtype(
 
 def iter_buckets(
     named: Iterator[tuple[str, torch.Tensor]],
-    bucket_bytes: int,
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
-    """(name, tensor) -> (~`bucket_bytes` bucket, is_last), floats in `dtype`; a big one alone."""
+    """(name, tensor) -> (~SYNC_BUCKET_MB bucket, is_last), floats in `dtype`; a big one alone."""
     bucket, size = [], 0
     for name, t in named:
         t = t.to(device=device, dtype=dtype if t.is_floating_point() else None)
-        if bucket and size + t.nbytes > bucket_bytes:
+        if bucket and size + t.nbytes > SYNC_BUCKET_MB * 2**20:
             yield bucket, False  # t is still to come
             bucket, size = [], 0
         bucket.append((name, t))
@@ -773,29 +773,24 @@ class SGLangEngine(Engine):
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
         """By CUDA IPC in the engine's dtype (NCCL on one GPU fails: "Duplicate GPU detected")."""
-        self.version, ok = version, lambda result, what: _succeeded(result, what, version)
+        # engine.call(**kwargs), raising the failure it reports
+        ok = lambda call, **kw: _succeeded(getattr(self.engine, call)(**kw), call, version)
+        self.version = version
         self.resume_memory()
         # from SGLang 0.5.21 (whose Engine has these) tensor updates outside a session fail
         session = hasattr(self.engine, "begin_weight_update")
         if session:
-            ok(self.engine.begin_weight_update(), "begin_weight_update")
+            ok("begin_weight_update")
         try:
-            for bucket, last in iter_buckets(
-                iter_full_tensors(model, self.dtype),
-                SYNC_BUCKET_MB * 2**20,
-                self.dtype,
-                self.device,
-            ):
-                pushed = self.engine.update_weights_from_tensor(
-                    named_tensors=bucket, flush_cache=last
-                )
-                ok(pushed, "update_weights_from_tensor")
+            named = iter_full_tensors(model, self.dtype)
+            for bucket, last in iter_buckets(named, self.dtype, self.device):
+                ok("update_weights_from_tensor", named_tensors=bucket, flush_cache=last)
         finally:
             if session:
-                ok(self.engine.end_weight_update(), "end_weight_update")
+                ok("end_weight_update")
         self._resume(*self.tags)
         # its prefix cache holds the old weights' KV
-        ok(self.engine.flush_cache(), "flush_cache")
+        ok("flush_cache")
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -852,14 +847,14 @@ def groupable(info: dict) -> bool:
 
 
 def weight_group_ranks(url: str, info: dict) -> int:
-    tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
     if not groupable(info):
         raise UserError(
-            f"--weight-sync nccl: the SGLang server {url} runs pp_size={pp}, "
-            f"dp_size={dp}; SGLang's update_weights_from_distributed joins only its "
-            "TP ranks (use --weight-sync disk, or a server per replica)"
+            f"--weight-sync nccl: the SGLang server {url} runs pp_size="
+            f"{info.get('pp_size') or 1}, dp_size={info.get('dp_size') or 1}; SGLang's "
+            "update_weights_from_distributed joins only its TP ranks (use --weight-sync "
+            "disk, or a server per replica)"
         )
-    return tp
+    return int(info.get("tp_size") or 1)
 
 
 def route_address(url: str) -> str:
@@ -977,13 +972,12 @@ class RemoteSGLangEngine(Engine):
         self.group_backend, self.group, self.version = group_backend, None, 0
         self.pool = ThreadPoolExecutor(HTTP_THREADS, thread_name_prefix="sglang-http")
         # servers without sessions (SGLang < 0.5.21)
-        self.sessionless: set[str] = set()
+        self.sessionless = set()
         self.wait_healthy(HEALTH_TIMEOUT_S)
         self.infos = {u: http_request(u, "/server_info") for u in self.urls}
         if weight_sync == "auto":
             weight_sync, why = auto_weight_sync(self.urls, self.infos, group_backend, device)
-            if rank() == 0:
-                print(f"--weight-sync auto: {weight_sync} ({why})", flush=True)
+            print0(f"--weight-sync auto: {weight_sync} ({why})")
         self.weight_sync = weight_sync
         # a server no weight group can include fails now, not at the first sync
         nccl = weight_sync == "nccl"
@@ -999,16 +993,11 @@ class RemoteSGLangEngine(Engine):
                 "runs without deterministic inference; launch it with "
                 "--enable-deterministic-inference"
             )
-        if (
-            self.sync_dtype != torch.float32
-            and not info.get("enable_fp32_lm_head")
-            and not rank()
-        ):
-            print(
+        if self.sync_dtype != torch.float32 and not info.get("enable_fp32_lm_head"):
+            print0(
                 f"warning: the SGLang server {self.urls[0]} computes its lm_head in "
                 f"{self.sync_dtype}: pi/pi_behave != 1 at equal weights (launch it with "
-                "--enable-fp32-lm-head)",
-                flush=True,
+                "--enable-fp32-lm-head)"
             )
 
     def _call(self, url: str, route: str, payload: dict, retries: int | None = None) -> None:
@@ -1045,11 +1034,8 @@ class RemoteSGLangEngine(Engine):
                         f"{timeout:g}s (GET /health_generate: {last}); is it running "
                         "and reachable from here?"
                     )
-                if not said and rank() == 0:
-                    print(
-                        f"waiting for the SGLang server {url} (/health_generate: {last})",
-                        flush=True,
-                    )
+                if not said:
+                    print0(f"waiting for the SGLang server {url} (/health_generate: {last})")
                 said = True
                 time.sleep(min(1.0, timeout / 50))
 
@@ -1179,7 +1165,6 @@ class RemoteSGLangEngine(Engine):
                 self._init_weight_group()
             for bucket, last in iter_buckets(
                 named,
-                SYNC_BUCKET_MB * 2**20,
                 self.sync_dtype,
                 "cuda" if self.group_backend == "nccl" else "cpu",
             ):
