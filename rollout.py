@@ -260,11 +260,8 @@ class HFEngine(Engine):
 
         self.device, self.batch_size, self.share = torch.device(device), batch_size, share
         self.int4 = int4
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=dtype or torch.float32
-        )
-        # no autograd graph
-        self.model = self.model.to(self.device).eval().requires_grad_(False)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32)
+        self.model = model.to(self.device).eval().requires_grad_(False)  # no autograd graph
         # a generate call's packed copies of the linears' weights
         self.packed = {}
         self.weights = []
@@ -273,7 +270,7 @@ class HFEngine(Engine):
                 m.forward = lambda x, m=m: modeling.linear(x, m.weight, m.bias, self.packed)
                 self.weights.append(m.weight)  # a Parameter: update_weights keeps it
         self.overlaps = "thread"
-        self._version = torch.zeros((), dtype=torch.int64)
+        self._version = torch.tensor(0)  # int64
         fork = "fork" in multiprocessing.get_all_start_methods()
         if not share and self.device.type == "cpu" and fork:
             self.overlaps = "process"
@@ -288,8 +285,7 @@ class HFEngine(Engine):
         if not self.int4:
             return
         # a set: a weight two layers share is rounded once
-        weights = {m.weight for m in self.model.modules() if isinstance(m, nn.Linear)}
-        for w in weights:
+        for w in {m.weight for m in self.model.modules() if isinstance(m, nn.Linear)}:
             scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / INT4_MAX
             w.copy_(torch.round(w / scale).clamp(-INT4_MAX, INT4_MAX) * scale)
 
@@ -807,7 +803,7 @@ def http_request(
 ):
     """POST `payload` (None: GET) to url + path; the JSON (or text) reply. A timeout, connection
     error or 5xx is retried with back-off; another refusal raises HTTPError."""
-    last, retries = None, HTTP_RETRIES if retries is None else retries
+    retries = HTTP_RETRIES if retries is None else retries
     data = None if payload is None else json.dumps(payload).encode()  # POST, else GET
     req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
     for attempt in range(retries + 1):
@@ -876,8 +872,7 @@ def on_this_host(url: str) -> bool:
         theirs = {a[4][0].partition("%")[0] for a in socket.getaddrinfo(host, None)}
     except OSError:  # unresolvable: not reachable from here either
         return False
-    addresses = [ipaddress.ip_address(a) for a in theirs]
-    if any(a.is_loopback or a.is_unspecified for a in addresses):
+    if any(a.is_loopback or a.is_unspecified for a in map(ipaddress.ip_address, theirs)):
         return True
     mine = set()
     with suppress(OSError):
@@ -1304,7 +1299,7 @@ class Scorer:
 
     def __init__(self, url: str):
         self.url = url.rstrip("/")
-        self.pool = ThreadPoolExecutor(max_workers=HTTP_THREADS, thread_name_prefix="teacher")
+        self.pool = ThreadPoolExecutor(HTTP_THREADS, thread_name_prefix="teacher")
 
     def score(self, samples: list[Sample]) -> list[torch.Tensor]:
         """At temperature 1: the trainer refuses another with a served teacher."""
