@@ -167,20 +167,17 @@ def iter_full_tensors(
     return lora.merged(gathered(), model)
 
 
-def shared_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of CPU tensors in one anonymous MAP_SHARED mapping: a process forked afterwards sees
-    every later write. Not /dev/shm (torch's share_memory_), which containers cap at 64 MB."""
+def mmap_share(tensors: list[torch.Tensor]) -> None:
+    """Moves CPU tensors' data into one anonymous MAP_SHARED mapping, the same tensor objects (tied
+    weights stay tied): a process forked afterwards sees every later write. Not /dev/shm (torch's
+    share_memory_), which containers cap at 64 MB."""
     # 64-byte aligned, as a SIMD load wants
     sizes = [-(-t.nbytes // 64) * 64 for t in tensors]
     buffer, offsets = mmap.mmap(-1, max(sum(sizes), 1)), itertools.accumulate([0, *sizes])
-    return [
-        torch.frombuffer(buffer, dtype=t.dtype, count=t.numel(), offset=at)
-        .view(t.shape)
-        .copy_(t)
-        if t.numel()
-        else t.clone()
-        for t, at in zip(tensors, offsets)
-    ]
+    for t, at in zip(tensors, offsets):
+        if t.numel():  # an empty one has nothing to share
+            shared = torch.frombuffer(buffer, dtype=t.dtype, count=t.numel(), offset=at)
+            t.data = shared.view(t.shape).copy_(t)
 
 
 # -----------------------------------------------------------------------------
@@ -275,9 +272,7 @@ class HFEngine(Engine):
         if not share and self.device.type == "cpu" and fork:
             self.overlaps = "process"
             # (parameters() and buffers() list a tied tensor once)
-            tensors = [*self.model.parameters(), *self.model.buffers(), self._version]
-            for t, copy in zip(tensors, shared_copies(tensors)):
-                t.data = copy  # the same tensor objects: tied weights stay tied
+            mmap_share([*self.model.parameters(), *self.model.buffers(), self._version])
         self._quantize()
 
     def _quantize(self) -> None:
