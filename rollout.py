@@ -324,18 +324,16 @@ class HFEngine(Engine):
         """A batch runs to its rows' longest limit, each row cut at its own ("length"): the noise
         is keyed by (seed, position), so a row's tokens are those it samples alone."""
         limits = _limits(prompt_ids, sampling, seeds, max_new_tokens)
-        # less padding
-        order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+        # (prompt, seed, limit, index), the shortest prompts first: less padding
+        rows = sorted(
+            zip(prompt_ids, seeds, limits, itertools.count()), key=lambda r: len(r[0])
+        )
         out, n = {}, self.batch_size
         try:  # this call's weights, packed once for its batches' rows; freed when it returns
-            self.packed = modeling.pack_weights(self.weights, min(len(order), n))
-            for idx in (order[i : i + n] for i in range(0, len(order), n)):
-                batch = self._generate_batch(
-                    [prompt_ids[i] for i in idx],
-                    sampling,
-                    [seeds[i] for i in idx],
-                    [limits[i] for i in idx],
-                )
+            self.packed = modeling.pack_weights(self.weights, min(len(rows), n))
+            for i in range(0, len(rows), n):
+                prompts, batch_seeds, batch_limits, idx = zip(*rows[i : i + n])
+                batch = self._generate_batch(prompts, sampling, batch_seeds, batch_limits)
                 out |= zip(idx, batch)
         finally:
             self.packed = {}
@@ -343,7 +341,7 @@ class HFEngine(Engine):
 
     @torch.inference_mode()  # no autograd bookkeeping (version counters) on the decode's tensors
     def _generate_batch(
-        self, prompts: list[list[int]], sampling: SamplingParams, seeds: list, limits: list
+        self, prompts: tuple, sampling: SamplingParams, seeds: tuple, limits: tuple
     ) -> list[Completion]:
         """The batch decodes to its longest limit; each row ends at its first stop ("stop"),
         else at its own limit ("length")."""
