@@ -875,13 +875,13 @@ def on_this_host(url: str) -> bool:
     return bool(theirs & mine)
 
 
-def gpu_neighbours(device: torch.device | str | int | None = None) -> list[int] | None:
+def gpu_neighbours(device: torch.device | str | None) -> list[int] | None:
     """The ids of the processes other than this one on `device`'s GPU, or None where that cannot be
     told. nvidia-smi (wherever the driver is; torch.cuda.list_gpu_processes needs pynvml) by UUID:
     CUDA_VISIBLE_DEVICES renumbers torch's indices. In a container it may list host process ids:
     with our own context on that GPU and our id not among them, one of them may be us."""
     try:
-        index = torch.device("cuda" if device is None else device).index
+        index = torch.device(device or "cuda").index
         index = torch.cuda.current_device() if index is None else index
         # torch's has no "GPU-" prefix
         gpu = str(torch.cuda.get_device_properties(index).uuid)
@@ -908,7 +908,7 @@ def gpu_neighbours(device: torch.device | str | int | None = None) -> list[int] 
 
 
 def auto_weight_sync(
-    urls: list[str], infos: dict, group_backend: str, device: torch.device | str | None = None
+    urls: list[str], infos: dict, group_backend: str, device: torch.device | str | None
 ) -> tuple[str, str]:
     """--weight-sync auto: (nccl or disk, why). nccl wherever a group can form (disk writes the
     whole model and every server reloads it, every step), except with a server that may share
