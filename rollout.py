@@ -389,16 +389,12 @@ class HFEngine(Engine):
                 attention, step_pos = attention[keep], step_pos[keep]
             step_pos = step_pos + 1
             logits = forward(tok[:, None], attention[:, : L + t + 1], step_pos)
-        stops, rows = set(sampling.stop_token_ids), tokens.tolist()
-        # (a row that ran on past its own limit has no stop before it)
-        ends = [
-            next((j + 1 for j, t in enumerate(r[:m]) if t in stops), m)
-            for r, m in zip(rows, limits)
-        ]
-        return [
-            Completion(r[:n], lps[:n], "stop" if set(r[n - 1 : n]) & stops else "length")
-            for r, lps, n in zip(rows, logps.tolist(), ends)
-        ]
+        stops, done = set(sampling.stop_token_ids), []
+        for r, lps, m in zip(tokens.tolist(), logps.tolist(), limits):
+            # its first stop within its own limit (a row that ran on past it has none before it)
+            n = next((j + 1 for j, t in enumerate(r[:m]) if t in stops), None)
+            done.append(Completion(r[: n or m], lps[: n or m], "stop" if n else "length"))
+        return done
 
 
 def _limits(
@@ -672,12 +668,12 @@ class SGLangEngine(Engine):
         **engine_kwargs,
     ):
         import sglang  # lazy: an optional extra
-        from sglang.srt.constants import GPU_MEMORY_TYPE_CUDA_GRAPH
 
         _check_logprob_env()
         self.dtype = engine_dtype(model_path, fp32_as=torch.bfloat16)  # passed to SGLang too
         self.device, self.version, self.released = torch.device(device), -1, set()
-        self.tags = ["kv_cache", "weights", GPU_MEMORY_TYPE_CUDA_GRAPH]
+        # SGLang's GPU_MEMORY_TYPE_* (sglang.srt.constants, the same 0.5.10-0.5.23)
+        self.tags = ["kv_cache", "weights", "cuda_graph"]
         # SGLang probes for free ports, binding them later: engines started together (torchrun's
         # ranks, two jobs on one host) may pick the same. In-process it binds nccl_port (its
         # scheduler's store) and port (DP attention's TCP ZMQ): two free ones, picked by the OS.
