@@ -1367,15 +1367,15 @@ class Rollouts:
         return self.batches
 
     def close(self) -> None:
-        if self.pool is not None:
+        if self.pool:
             self.pool.shutdown(cancel_futures=True)
-        if self.conn is not None:
+        if self.conn:
             self.conn.close()  # the child's recv() ends: it exits
 
     def _start(self, step: int):
-        if self.pool is not None:
+        if self.pool:
             return self.pool.submit(self.make_batch, step)
-        if self.conn is not None:
+        if self.conn:
             with suppress(OSError):  # a dead child: _made makes the batch here
                 self.conn.send(step)
             return IN_CHILD
@@ -1385,7 +1385,7 @@ class Rollouts:
         if batch is not IN_CHILD:
             return batch.result() if isinstance(batch, Future) else batch
         try:  # batches come back in the order they were asked for: this one is the oldest
-            if self.conn is not None:
+            if self.conn:
                 s, batch, error = self.conn.recv()
                 if error:
                     raise RuntimeError(f"the rollout process failed on step {s}:\n{error}")
