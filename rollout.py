@@ -1152,11 +1152,12 @@ class RemoteSGLangEngine(Engine):
                 self.sync_dtype,
                 "cuda" if self.group_backend == "nccl" else "cpu",
             ):
+                names, tensors = zip(*bucket)
                 meta = {
-                    "names": [n for n, _ in bucket],
+                    "names": names,
                     "group_name": self.group_name,
-                    "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket],
+                    "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                    "shapes": [list(t.shape) for t in tensors],
                     "flush_cache": last,
                 }
                 # no retry: a receive re-posted pairs with nothing
@@ -1166,7 +1167,7 @@ class RemoteSGLangEngine(Engine):
                     )
                     for u in self.urls
                 ]
-                for _, t in bucket:  # the servers' receives, posted above, wait for these
+                for t in tensors:  # the servers' receives, posted above, wait for these
                     dist.broadcast(t, src=0, group=self.group)
                 [p.result() for p in posts]
         finally:
