@@ -537,7 +537,7 @@ def env_step(
     counts["env/seconds"] += time.perf_counter() - start
     counts["env/tool_calls"] += 1
     counts["env/errors"] += error is not None
-    if error is not None and "env" not in _SAID:
+    if error and "env" not in _SAID:
         _SAID.add("env")
         print(
             f"warning: an --env step failed ({error}); its episode ends there, scored as it "
