@@ -380,10 +380,10 @@ class HFEngine(Engine):
             tok, lp = sample_tokens(logits, sampling, seeds[live], t)
             tokens[live, t], logps[live, t] = tok.cpu(), lp.cpu()
             running = ~torch.isin(tok, stop)
-            if t + 1 == T or not bool(running.any()):
+            if t + 1 == T or not running.any():
                 tokens, logps = tokens[:, : t + 1], logps[:, : t + 1]
                 break
-            if not bool(running.all()):  # finished rows leave the batch and the cache
+            if not running.all():  # finished rows leave the batch and the cache
                 cache.reorder_cache(keep := running.nonzero().flatten())
                 live, tok = live[keep.cpu()], tok[keep]
                 attention, step_pos = attention[keep], step_pos[keep]
