@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from datetime import timedelta
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -1117,22 +1118,20 @@ class RemoteSGLangEngine(Engine):
             ).contiguous()
             for n, t in named
         }
-        root = os.path.abspath(os.path.join(self.run_dir, "weights_sync"))
-        os.makedirs(root, exist_ok=True)
-        name, tmp = f"step_{self.version:06d}", tempfile.mkdtemp(dir=root)
+        root = Path(self.run_dir, "weights_sync").absolute()
+        root.mkdir(parents=True, exist_ok=True)
+        final, tmp = root / f"step_{self.version:06d}", tempfile.mkdtemp(dir=root)
         weights = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-        for f in os.listdir(self.model_path) if os.path.isdir(self.model_path) else []:
-            src = os.path.join(self.model_path, f)
-            if os.path.isfile(src) and not f.endswith(weights):  # config, tokenizer
+        for src in Path(self.model_path).glob("*"):  # none: a hub name
+            if src.is_file() and not src.name.endswith(weights):  # config, tokenizer
                 shutil.copy2(src, tmp)
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        final = os.path.join(root, name)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        self._all(self._call, "update_weights_from_disk", {"model_path": final})
-        for d in os.listdir(root):
-            if d.startswith("step_") and d != name:  # older syncs
-                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+        self._all(self._call, "update_weights_from_disk", {"model_path": str(final)})
+        for old in root.glob("step_*"):
+            if old != final:  # older syncs
+                shutil.rmtree(old, ignore_errors=True)
 
     def _session(self, url: str, which: str) -> None:
         """From SGLang 0.5.21 distributed updates run only within /begin_ and /end_weight_update."""
