@@ -905,19 +905,20 @@ def gpu_neighbours(device: torch.device | str | None) -> list[int] | None:
 
 
 def auto_weight_sync(
-    urls: list[str], infos: dict, group_backend: str, device: torch.device | str | None
+    infos: dict, group_backend: str, device: torch.device | str | None
 ) -> tuple[str, str]:
     """--weight-sync auto: (nccl or disk, why). nccl wherever a group can form (disk writes the
     whole model and every server reloads it, every step), except with a server that may share
     rank 0's GPU: NCCL between two processes on one GPU fails ("Duplicate GPU detected"), and
     SGLang says nothing of its GPU's identity (/server_info: ids relative to its own
-    CUDA_VISIBLE_DEVICES), so a server on this host is judged by the processes on our GPU."""
+    CUDA_VISIBLE_DEVICES), so a server on this host is judged by the processes on our GPU.
+    `infos`: each server's /server_info, by its URL."""
     if group_backend == "nccl" and not torch.cuda.is_available():
         return "disk", "no CUDA here for an NCCL weight group"
-    bad = [u for u in urls if not groupable(infos[u])]
+    bad = [u for u, info in infos.items() if not groupable(info)]
     if bad:
         return "disk", f"the SGLang server {bad[0]} runs PP stages or DP replicas"
-    local = [u for u in urls if on_this_host(u)] if group_backend == "nccl" else []
+    local = [u for u in infos if on_this_host(u)] if group_backend == "nccl" else []
     others = gpu_neighbours(device) if local else []
     if others is None:
         return "disk", (
@@ -961,7 +962,7 @@ class RemoteSGLangEngine(Engine):
         self.wait_healthy(HEALTH_TIMEOUT_S)
         self.infos = {u: http_request(u, "/server_info") for u in self.urls}
         if weight_sync == "auto":
-            weight_sync, why = auto_weight_sync(self.urls, self.infos, group_backend, device)
+            weight_sync, why = auto_weight_sync(self.infos, group_backend, device)
             print0(f"--weight-sync auto: {weight_sync} ({why})")
         self.weight_sync = weight_sync
         # a server no weight group can include fails now, not at the first sync
@@ -1037,11 +1038,10 @@ class RemoteSGLangEngine(Engine):
         group, shift = {}, rank()
         url = lambda k: self.urls[(group.setdefault(k, len(group)) + shift) % len(self.urls)]
         keys = groups or [tuple(p) for p in prompt_ids]
-        jobs = [
-            self.pool.submit(self._generate_one, url(k), list(p), sampling, s, n)
-            for p, s, k, n in zip(prompt_ids, seeds, keys, limits)
-        ]
-        return [j.result() for j in jobs]
+        # every request in flight at once (the pool outnumbers a batch), results in order
+        same = itertools.repeat(sampling)
+        urls = map(url, keys)  # read here, in the order of the prompts, as map submits
+        return list(self.pool.map(self._generate_one, urls, prompt_ids, same, seeds, limits))
 
     def _generate_one(
         self, url: str, prompt: list[int], sampling: SamplingParams, seed: int, budget: int
@@ -1055,7 +1055,7 @@ class RemoteSGLangEngine(Engine):
         while len(ids) < budget:
             left, rid = budget - len(ids), uuid.uuid4().hex
             payload = {
-                "input_ids": prompt + ids,
+                "input_ids": [*prompt, *ids],
                 "sampling_params": _sampling_dict(sampling, left, seed),
                 "return_logprob": True,
                 "rid": rid,
