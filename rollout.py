@@ -296,7 +296,6 @@ class HFEngine(Engine):
         theirs = {
             n: p.to_local() if hasattr(p, "to_local") else p
             for n, p in model.named_parameters()
-            if self.share
         }
         key = lambda t: (t.shape, t.dtype, t.device)
         if self.share and all(
@@ -779,7 +778,7 @@ class SGLangEngine(Engine):
         ok("flush_cache")
 
     def shutdown(self) -> None:
-        if self.engine is not None:
+        if self.engine:
             self.engine.shutdown()
             self.engine = None
 
@@ -1256,7 +1255,7 @@ def make_engine(cfg, device: torch.device, share: bool = False) -> Engine:
     """The engine --rollout-backend names, for cfg.model on this rank's device."""
     backend = cfg.rollout_backend
     deterministic = backend == "sglang_deterministic"
-    if backend.startswith("sglang") and cfg.rollout_url:
+    if cfg.rollout_url:  # with an sglang backend: check_rollout_config refuses hf
         return RemoteSGLangEngine(
             cfg.rollout_url,
             cfg.model,
