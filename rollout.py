@@ -150,9 +150,10 @@ class Engine(Protocol):
 def iter_full_tensors(
     model: nn.Module, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) of each parameter and buffer: FSDP2 all-gathers, every rank iterates;
-    floats cast to `dtype` before the gather (a bf16 engine's cost half an fp32 gather). A LoRA
-    model's adapted layers come merged (in fp64, from full precision), the plain model's names."""
+    """(name, full tensor) of each parameter and buffer, floats in `dtype`: FSDP2 all-gathers, every
+    rank iterates; floats cast before the gather (a bf16 engine's cost half an fp32 gather). A LoRA
+    model's adapted layers come merged (in fp64, from full precision, then cast), the plain
+    model's names."""
     adapted = {n for n, m in model.named_modules() if isinstance(m, lora.LoraLinear)}
 
     def gathered():
@@ -165,7 +166,8 @@ def iter_full_tensors(
                 t = t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()
             yield name, t.detach()
 
-    return lora.merged(gathered(), model)
+    for name, t in lora.merged(gathered(), model):
+        yield name, t.to(dtype) if t.is_floating_point() else t
 
 
 def mmap_share(tensors: list[torch.Tensor]) -> None:
@@ -598,14 +600,12 @@ def engine_dtype(
 
 
 def iter_buckets(
-    named: Iterator[tuple[str, torch.Tensor]],
-    dtype: torch.dtype,
-    device: torch.device | str,
+    named: Iterator[tuple[str, torch.Tensor]], device: torch.device | str
 ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
-    """(name, tensor) -> (~SYNC_BUCKET_MB bucket, is_last), floats in `dtype`; a big one alone."""
+    """(name, tensor) -> (~SYNC_BUCKET_MB bucket on `device`, is_last); a big one alone."""
     bucket, size = [], 0
     for name, t in named:
-        t = t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+        t = t.to(device)
         if bucket and size + t.nbytes > SYNC_BUCKET_MB * 2**20:
             yield bucket, False  # t is still to come
             bucket, size = [], 0
@@ -768,7 +768,7 @@ class SGLangEngine(Engine):
             ok("begin_weight_update")
         try:
             named = iter_full_tensors(model, self.dtype)
-            for bucket, last in iter_buckets(named, self.dtype, self.device):
+            for bucket, last in iter_buckets(named, self.device):
                 ok("update_weights_from_tensor", named_tensors=bucket, flush_cache=last)
         finally:
             if session:
@@ -1111,12 +1111,7 @@ class RemoteSGLangEngine(Engine):
         from safetensors.torch import save_file
 
         # copies: tied weights share no storage
-        tensors = {
-            n: t.to(
-                "cpu", self.sync_dtype if t.is_floating_point() else None, copy=True
-            ).contiguous()
-            for n, t in named
-        }
+        tensors = {n: t.to("cpu", copy=True).contiguous() for n, t in named}
         root = Path(self.run_dir, "weights_sync").absolute()
         root.mkdir(parents=True, exist_ok=True)
         final, tmp = root / f"step_{self.version:06d}", tempfile.mkdtemp(dir=root)
@@ -1145,11 +1140,8 @@ class RemoteSGLangEngine(Engine):
         try:
             if self.group is None:
                 self._init_weight_group()
-            for bucket, last in iter_buckets(
-                named,
-                self.sync_dtype,
-                "cuda" if self.group_backend == "nccl" else "cpu",
-            ):
+            device = "cuda" if self.group_backend == "nccl" else "cpu"
+            for bucket, last in iter_buckets(named, device):
                 names, tensors = zip(*bucket)
                 meta = {
                     "names": names,

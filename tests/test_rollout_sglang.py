@@ -975,7 +975,7 @@ def test_deterministic_rollouts_turn_on_sglang_deterministic_inference_and_send_
 def test_iter_buckets_respects_the_budget_and_marks_the_last(monkeypatch):
     monkeypatch.setattr(rollout, "SYNC_BUCKET_MB", 80 / 2**20)  # 20 float32
     named = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5, 100])]
-    buckets = list(rollout.iter_buckets(iter(named), torch.float32, "cpu"))
+    buckets = list(rollout.iter_buckets(iter(named), "cpu"))
     assert [[n for n, _ in b] for b, _ in buckets] == [["t0", "t1"], ["t2"], ["t3", "t4"], ["t5"]]
     assert [last for _, last in buckets] == [False, False, False, True]
 
