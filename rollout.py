@@ -57,13 +57,13 @@ INT4_MAX = 7  # hf_int4: weights rounded to the integers -7..7 times a scale per
 ENV_TIMEOUT_S = 30.0  # an --env step that takes longer ends its episode and is counted
 # torchrun's variables, hidden from SGLang's scheduler processes: with them its process group (a
 # tcp:// rendezvous) looks for torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) and waits
-TORCHRUN_VARS = tuple(
+TORCHRUN_VARS = (
     "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE "
     "ROLE_RANK ROLE_WORLD_SIZE ROLE_NAME MASTER_ADDR MASTER_PORT".split()
 )
 GRAPH_ENV = "SGLANG_MEMORY_SAVER_CUDA_GRAPH"  # set for the in-process engine's start
 _MASK32 = 0xFFFFFFFF
-_SAID: set[str] = set()  # what was said once per process (an env's first failure)
+_SAID = set()  # what was said once per process (an env's first failure)
 # a batch requested from the forked child, not yet received
 IN_CHILD = "in the rollout process"
 
@@ -382,8 +382,7 @@ class HFEngine(Engine):
             tok, lp = sample_tokens(logits, sampling, seeds[live], t)
             tokens[live, t], logps[live, t] = tok.cpu(), lp.cpu()
             running = ~torch.isin(tok, stop)
-            if t + 1 == T or not running.any():
-                tokens, logps = tokens[:, : t + 1], logps[:, : t + 1]
+            if t + 1 == T or not running.any():  # every row's cut lies within 0..t
                 break
             if not running.all():  # finished rows leave the batch and the cache
                 cache.reorder_cache(keep := running.nonzero().flatten())
@@ -879,15 +878,14 @@ def gpu_neighbours(device: torch.device | str | None) -> list[int] | None:
     try:
         index = torch.device(device or "cuda").index
         index = torch.cuda.current_device() if index is None else index
-        # torch's has no "GPU-" prefix
-        gpu = str(torch.cuda.get_device_properties(index).uuid)
-        gpu = gpu if gpu.startswith("GPU-") else f"GPU-{gpu}"
+        # nvidia-smi's has a "GPU-" prefix, torch's none
+        gpu = str(torch.cuda.get_device_properties(index).uuid).removeprefix("GPU-")
         out = subprocess.run(
             [
                 "nvidia-smi",
                 "--query-compute-apps=pid",
                 "--format=csv,noheader",
-                f"--id={gpu}",
+                f"--id=GPU-{gpu}",
             ],
             capture_output=True,
             text=True,
@@ -1054,7 +1052,7 @@ class RemoteSGLangEngine(Engine):
         while len(ids) < budget:
             left, rid = budget - len(ids), uuid.uuid4().hex
             payload = {
-                "input_ids": [*prompt, *ids],
+                "input_ids": prompt + ids,
                 "sampling_params": _sampling_dict(sampling, left, seed),
                 "return_logprob": True,
                 "rid": rid,
