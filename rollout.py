@@ -614,14 +614,13 @@ def iter_buckets(
         yield bucket, True
 
 
-def _succeeded(result, what: str, step: int | None = None, where: str = "") -> None:
-    """Raise if an SGLang control call failed: it returns its failures, never raising them."""
+def _succeeded(result, what: str, at: str = "") -> None:
+    """Raise if an SGLang control call failed: it returns its failures, never raising them. `at`:
+    where, as the caller knows it (" at step 3", " at step 3 on http://host:30000")."""
     if isinstance(result, tuple):  # the in-process Engine's (success, message)
         result = {"success": result[0], "message": result[1]}
     get = result.get if isinstance(result, dict) else lambda k, d: getattr(result, k, d)
     if not get("success", True):
-        at = f" at step {step}" if step is not None else ""
-        at += f" on {where}" if where else ""
         message = get("message", "") or "(no message)"
         raise RuntimeError(f"SGLang {what} failed{at}: {message}")
 
@@ -750,7 +749,7 @@ class SGLangEngine(Engine):
             _succeeded(
                 self.engine.resume_memory_occupation(tags=tags),
                 f"resume_memory_occupation({tags})",
-                self.version,
+                f" at step {self.version}",
             )
             self.released.difference_update(tags)
 
@@ -758,7 +757,9 @@ class SGLangEngine(Engine):
     def update_weights(self, model: nn.Module, version: int) -> None:
         """By CUDA IPC in the engine's dtype (NCCL on one GPU fails: "Duplicate GPU detected")."""
         # engine.call(**kwargs), raising the failure it reports
-        ok = lambda call, **kw: _succeeded(getattr(self.engine, call)(**kw), call, version)
+        ok = lambda call, **kw: _succeeded(
+            getattr(self.engine, call)(**kw), call, f" at step {version}"
+        )
         self.version = version
         self.resume_memory()
         # from SGLang 0.5.21 (whose Engine has these) tensor updates outside a session fail
@@ -995,7 +996,7 @@ class RemoteSGLangEngine(Engine):
                 if isinstance(e.body, dict) and "success" in e.body
                 else {"success": False, "message": e.body}
             )
-        _succeeded(out, route, self.version, url)
+        _succeeded(out, route, f" at step {self.version} on {url}")
 
     def _all(self, fn, *args) -> list:
         return list(self.pool.map(lambda u: fn(u, *args), self.urls))
