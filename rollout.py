@@ -1037,9 +1037,9 @@ class RemoteSGLangEngine(Engine):
         url = lambda k: self.urls[(group.setdefault(k, len(group)) + shift) % len(self.urls)]
         keys = groups or [tuple(p) for p in prompt_ids]
         # every request in flight at once (the pool outnumbers a batch), results in order
-        same = itertools.repeat(sampling)
-        urls = map(url, keys)  # read here, in the order of the prompts, as map submits
-        return list(self.pool.map(self._generate_one, urls, prompt_ids, same, seeds, limits))
+        # (the servers read here, in the prompts' order, as map submits)
+        args = map(url, keys), prompt_ids, itertools.repeat(sampling), seeds, limits
+        return list(self.pool.map(self._generate_one, *args))
 
     def _generate_one(
         self, url: str, prompt: list[int], sampling: SamplingParams, seed: int, budget: int
@@ -1118,7 +1118,7 @@ class RemoteSGLangEngine(Engine):
         for src in Path(self.model_path).glob("*"):  # none: a hub name
             if src.is_file() and not src.name.endswith(weights):  # config, tokenizer
                 shutil.copy2(src, tmp)
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        save_file(tensors, f"{tmp}/model.safetensors", metadata={"format": "pt"})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         self._all(self._call, "update_weights_from_disk", {"model_path": str(final)})
