@@ -488,7 +488,9 @@ def run_episodes(
         going, live = live, []
         for i, out in zip(going, outs):
             e, ids = eps[i], out.output_ids
-            _append(e, ids, out.logprobs, 1)
+            e.output_ids += ids
+            e.logprobs += out.logprobs
+            e.policy_mask += [1] * len(ids)  # sampled by the policy
             e.episode["env/turns"] += 1
             e.finish_reason = out.finish_reason
             if out.finish_reason != "stop" or ids[-1] not in tools.stop_ids:
@@ -502,17 +504,13 @@ def run_episodes(
             if len(e.output_ids) + len(reply) >= sampling.max_new_tokens:
                 e.finish_reason = "length"  # no room left for the policy's next turn
             else:
-                _append(e, reply, [0.0] * len(reply), 0)
+                e.output_ids += reply
+                e.logprobs += [0.0] * len(reply)  # env text: no behaviour log-prob
+                e.policy_mask += [0] * len(reply)
                 live.append(i)
         if not live:
             break
     return eps
-
-
-def _append(e: Completion, ids: list[int], logprobs: list[float], policy: int) -> None:
-    e.output_ids += ids
-    e.logprobs += logprobs
-    e.policy_mask += [policy] * len(ids)
 
 
 def env_step(
