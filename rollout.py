@@ -334,16 +334,15 @@ class HFEngine(Engine):
         try:  # this call's weights, packed once for its batches' rows; freed when it returns
             self.packed = modeling.pack_weights(self.weights, min(len(rows), n))
             for i in range(0, len(rows), n):
-                prompts, batch_seeds, batch_limits, idx = zip(*rows[i : i + n])
-                batch = self._generate_batch(prompts, sampling, batch_seeds, batch_limits)
-                out |= zip(idx, batch)
+                *batch, idx = zip(*rows[i : i + n])  # prompts, seeds, limits; indices
+                out |= zip(idx, self._generate_batch(sampling, *batch))
         finally:
             self.packed = {}
         return [out[i] for i in range(len(prompt_ids))]
 
     @torch.inference_mode()  # no autograd bookkeeping (version counters) on the decode's tensors
     def _generate_batch(
-        self, prompts: tuple, sampling: SamplingParams, seeds: tuple, limits: tuple
+        self, sampling: SamplingParams, prompts: tuple, seeds: tuple, limits: tuple
     ) -> list[Completion]:
         """The batch decodes to its longest limit; each row ends at its first stop ("stop"),
         else at its own limit ("length")."""
@@ -377,7 +376,7 @@ class HFEngine(Engine):
         cache.reorder_cache(rows)  # [unique prompts] -> [rows]
         logits, attention, step_pos = logits[rows], attention[rows], position_ids[rows, -1:]
         tokens = torch.zeros(B, T, dtype=torch.long)
-        logps = torch.zeros(B, T, dtype=torch.float32)
+        logps = torch.zeros(B, T)  # float32
         for t in range(T):
             tok, lp = sample_tokens(logits, sampling, seeds[live], t)
             tokens[live, t], logps[live, t] = tok.cpu(), lp.cpu()
@@ -887,7 +886,6 @@ def gpu_neighbours(device: torch.device | str | None) -> list[int] | None:
                 f"--id=GPU-{gpu}",
             ],
             capture_output=True,
-            text=True,
             timeout=60,
         )
     except Exception:  # no CUDA, no driver tools, an old torch: unknown
