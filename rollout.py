@@ -960,8 +960,9 @@ class RemoteSGLangEngine(Engine):
             print0(f"--weight-sync auto: {weight_sync} ({why})")
         self.weight_sync = weight_sync
         # a server no weight group can include fails now, not at the first sync
-        nccl = weight_sync == "nccl"
-        self.group_sizes = [weight_group_ranks(u, self.infos[u]) for u in self.urls if nccl]
+        self.group_sizes = [
+            weight_group_ranks(u, self.infos[u]) for u in self.urls if weight_sync == "nccl"
+        ]
         info = self.infos[self.urls[0]]  # the first server's
         self.sync_dtype = engine_dtype(model_path, info.get("dtype"))
         random = [
@@ -1057,9 +1058,8 @@ class RemoteSGLangEngine(Engine):
             deadline = HTTP_TIMEOUT_S + left / MIN_TOKENS_PER_S
             watchdog = threading.Timer(deadline, self._abort, (url, rid))
             watchdog.start()
-            try:
-                timeout = deadline + ABORT_TIMEOUT_S
-                out = http_request(url, "/generate", payload, retries=0, timeout=timeout)
+            try:  # no retries here: a failed post is aborted there first, below
+                out = http_request(url, "/generate", payload, 0, deadline + ABORT_TIMEOUT_S)
             except HTTPError:  # a refusal: trying again would be refused again
                 raise
             except RuntimeError as e:
