@@ -995,8 +995,10 @@ class RemoteSGLangEngine(Engine):
             )
         _succeeded(out, route, f" at step {self.version} on {url}")
 
-    def _all(self, fn, *args) -> list:
-        return list(self.pool.map(lambda u: fn(u, *args), self.urls))
+    def _all(self, fn, *args) -> Iterator:
+        """fn(url, *args) for every server, all submitted now: their results in order (list()
+        waits for them, raising the first failure)."""
+        return self.pool.map(lambda u: fn(u, *args), self.urls)
 
     def wait_healthy(self, timeout: float) -> None:
         """Poll GET /health_generate until 200 (503: loading), saying once what it waits for."""
@@ -1117,7 +1119,7 @@ class RemoteSGLangEngine(Engine):
         save_file(tensors, f"{tmp}/model.safetensors", metadata={"format": "pt"})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        self._all(self._call, "update_weights_from_disk", {"model_path": str(final)})
+        list(self._all(self._call, "update_weights_from_disk", {"model_path": str(final)}))
         for old in root.glob("step_*"):
             if old != final:  # older syncs
                 shutil.rmtree(old, ignore_errors=True)
@@ -1131,7 +1133,7 @@ class RemoteSGLangEngine(Engine):
                 self.sessionless.add(url)
 
     def _sync_nccl(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self._all(self._session, "begin")
+        list(self._all(self._session, "begin"))
         try:
             if self.group is None:
                 self._init_weight_group()
@@ -1146,17 +1148,12 @@ class RemoteSGLangEngine(Engine):
                     "flush_cache": last,
                 }
                 # no retry: a receive re-posted pairs with nothing
-                posts = [
-                    self.pool.submit(
-                        self._call, u, "update_weights_from_distributed", meta, 0
-                    )
-                    for u in self.urls
-                ]
+                posts = self._all(self._call, "update_weights_from_distributed", meta, 0)
                 for t in tensors:  # the servers' receives, posted above, wait for these
                     dist.broadcast(t, src=0, group=self.group)
-                [p.result() for p in posts]
+                list(posts)
         finally:
-            self._all(self._session, "end")
+            list(self._all(self._session, "end"))
 
     def _init_weight_group(self) -> None:
         """Rank 0 and the servers' GPUs (from their rank_offset), outside the torchrun world, built
