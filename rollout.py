@@ -984,7 +984,7 @@ class RemoteSGLangEngine(Engine):
     def _call(self, url: str, route: str, payload: dict, retries: int | None = None) -> None:
         """POST a control route: a refusal (400, success false) raises naming call, step, server."""
         try:
-            out = http_request(url, f"/{route}", payload, retries=retries)
+            out = http_request(url, f"/{route}", payload, retries)
         except HTTPError as e:
             if e.status == 404:
                 raise
@@ -1250,8 +1250,7 @@ def make_engine(cfg, device: torch.device, share: bool = False) -> Engine:
         )
     if backend.startswith("sglang"):
         return SGLangEngine(cfg.model, cfg.seed, device, deterministic)
-    half = backend == "hf_bf16" or device.type == "cuda"
-    dtype = torch.bfloat16 if half else None
+    dtype = torch.bfloat16 if backend == "hf_bf16" or device.type == "cuda" else None
     # the trainer's own tensors can serve only the trainer's precision
     exact = backend == "hf"
     return HFEngine(
