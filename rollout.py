@@ -786,9 +786,11 @@ def http_request(
     payload: dict | None = None,
     retries: int | None = None,
     timeout: float | None = None,
+    failed: int = 0,
 ):
     """POST `payload` (None: GET) to url + path; the JSON (or text) reply. A timeout, connection
-    error or 5xx is retried with back-off; another refusal raises HTTPError."""
+    error or 5xx is retried with back-off; another refusal raises HTTPError. `failed`: the caller's
+    own failed tries before this call (counted in the error)."""
     retries = HTTP_RETRIES if retries is None else retries
     data = None if payload is None else json.dumps(payload).encode()  # POST, else GET
     req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
@@ -811,7 +813,7 @@ def http_request(
             raise HTTPError(url + path, code, body)
         last = f"HTTP {code}: {body}"
     raise RuntimeError(
-        f"SGLang server {url}{path} failed {retries + 1} times; last error: {last}"
+        f"SGLang server {url}{path} failed {failed + retries + 1} times; last error: {last}"
     )
 
 
@@ -1061,18 +1063,15 @@ class RemoteSGLangEngine(Engine):
             watchdog = threading.Timer(deadline, self._abort, (url, rid))
             watchdog.start()
             try:  # no retries here: a failed post is aborted there first, below
-                out = http_request(url, "/generate", payload, 0, deadline + ABORT_TIMEOUT_S)
+                timeout = deadline + ABORT_TIMEOUT_S
+                out = http_request(url, "/generate", payload, 0, timeout, failures)
             except HTTPError:  # a refusal: trying again would be refused again
                 raise
-            except RuntimeError as e:
+            except RuntimeError:  # its message counts every failed post
                 # it may still run there: abort it, back off, post again
                 failures += 1
                 if failures > HTTP_RETRIES:
-                    last = str(e).rpartition("last error: ")[2]
-                    raise RuntimeError(
-                        f"SGLang server {url}/generate failed {failures} times; "
-                        f"last error: {last}"
-                    ) from None
+                    raise
                 self._abort(url, rid)
                 time.sleep(HTTP_BACKOFF_S * 2 ** (failures - 1))
                 continue
