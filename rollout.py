@@ -942,7 +942,7 @@ class RemoteSGLangEngine(Engine):
         self,
         urls: list[str],
         model_path: str,
-        run_dir: str = "runs/remote",
+        run_dir: str,
         weight_sync: str = "auto",
         deterministic: bool = False,
         group_backend: str = "nccl",
@@ -1034,8 +1034,8 @@ class RemoteSGLangEngine(Engine):
     ) -> list[Completion]:
         limits = _limits(prompt_ids, sampling, seeds, max_new_tokens)
         # group key -> its index: groups round robin, offset by rank
-        group, shift = {}, rank()
-        url = lambda k: self.urls[(group.setdefault(k, len(group)) + shift) % len(self.urls)]
+        group = {}
+        url = lambda k: self.urls[(group.setdefault(k, len(group)) + rank()) % len(self.urls)]
         keys = groups or [tuple(p) for p in prompt_ids]
         # every request in flight at once (the pool outnumbers a batch), results in order
         # (the servers read here, in the prompts' order, as map submits)
@@ -1207,9 +1207,9 @@ BACKENDS = ("hf", "hf_bf16", "hf_int4", "sglang", "sglang_deterministic")
 
 def check_rollout_config(backend: str, urls: list[str], weight_sync: str, cuda: bool) -> None:
     """Every combination of rollout flags and the GPU-only settings, before anything loads."""
-    hf, local = backend.startswith("hf"), backend.startswith("sglang") and not urls
+    local = backend.startswith("sglang") and not urls
     for bad, why in [
-        (hf and urls, "--rollout-url needs --rollout-backend sglang"),
+        (backend.startswith("hf") and urls, "--rollout-url needs --rollout-backend sglang"),
         (
             urls and weight_sync == "tensor",
             "--weight-sync tensor needs an in-process engine (drop --rollout-url)",
@@ -1250,10 +1250,9 @@ def make_engine(cfg, device: torch.device, share: bool = False) -> Engine:
     if backend.startswith("sglang"):
         return SGLangEngine(cfg.model, cfg.seed, device, deterministic)
     dtype = torch.bfloat16 if backend == "hf_bf16" or device.type == "cuda" else None
-    # the trainer's own tensors can serve only the trainer's precision
-    exact = backend == "hf"
+    # the trainer's own tensors can serve only the trainer's precision (hf)
     return HFEngine(
-        cfg.model, device, dtype, share=share and exact, int4=backend == "hf_int4"
+        cfg.model, device, dtype, share=share and backend == "hf", int4=backend == "hf_int4"
     )
 
 
@@ -1331,9 +1330,11 @@ class Rollouts:
     def describe(self) -> str:
         if not self.staleness:
             return "synchronous rollouts"
-        how = f"overlapped with training (a rollout {self.overlap})"
-        if not self.overlap:
-            how = "not overlapped (colocated engine)"
+        how = (
+            f"overlapped with training (a rollout {self.overlap})"
+            if self.overlap
+            else "not overlapped (colocated engine)"
+        )
         return f"rollouts {self.staleness} step(s) ahead, {how}"
 
     def take(self, step: int) -> list:
