@@ -338,7 +338,7 @@ class HFEngine(Engine):
                 out |= zip(idx, self._generate_batch(sampling, *batch))
         finally:
             self.packed = {}
-        return [out[i] for i in range(len(prompt_ids))]
+        return [c for _, c in sorted(out.items())]  # in the prompts' order
 
     @torch.inference_mode()  # no autograd bookkeeping (version counters) on the decode's tensors
     def _generate_batch(
@@ -367,8 +367,9 @@ class HFEngine(Engine):
         scale, softcap = modeling.head_transform(self.model.config)
 
         def forward(ids, mask, pos):  # the last position's fp32 logits, as the trainer's head
-            out = body(input_ids=ids, attention_mask=mask, position_ids=pos, **kw)
-            hidden = out.last_hidden_state[:, -1]
+            hidden = body(
+                input_ids=ids, attention_mask=mask, position_ids=pos, **kw
+            ).last_hidden_state[:, -1]
             logits = modeling.head_logits(hidden, head.weight, bias, self.packed) * scale
             return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
@@ -720,10 +721,10 @@ class SGLangEngine(Engine):
             return []
         self._resume(*self.tags)  # never without a KV cache
         limits = _limits(prompt_ids, sampling, seeds, max_new_tokens)
-        params = [_sampling_dict(sampling, n, s) for n, s in zip(limits, seeds)]
-        inputs = [list(p) for p in prompt_ids]
         outs = self.engine.generate(
-            input_ids=inputs, sampling_params=params, return_logprob=True
+            input_ids=[list(p) for p in prompt_ids],
+            sampling_params=[_sampling_dict(sampling, n, s) for n, s in zip(limits, seeds)],
+            return_logprob=True,
         )
         return [completion_from_sglang(o, sampling.stop_token_ids) for o in outs]
 
@@ -892,7 +893,7 @@ def gpu_neighbours(device: torch.device | str | None) -> list[int] | None:
         )
     except Exception:  # no CUDA, no driver tools, an old torch: unknown
         return None
-    if out.returncode != 0:
+    if out.returncode:
         return None
     pids = {int(w) for w in out.stdout.split() if w.isdigit()}
     if not pids or os.getpid() in pids or not torch._C._cuda_hasPrimaryContext(index):
@@ -1009,7 +1010,7 @@ class RemoteSGLangEngine(Engine):
             said = False
             while True:
                 try:
-                    http_request(url, "/health_generate", retries=0, timeout=HEALTH_POLL_S)
+                    http_request(url, "/health_generate", None, 0, HEALTH_POLL_S)
                     break
                 except RuntimeError as e:  # HTTPError included
                     last = str(e).rpartition("last error: ")[2]
