@@ -260,19 +260,19 @@ class HFEngine(Engine):
 
         self.device, self.batch_size, self.share = torch.device(device), batch_size, share
         self.int4 = int4
+        cpu = self.device.type == "cpu"  # packed linears; a forked generator
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32)
         self.model = model.to(self.device).eval().requires_grad_(False)  # no autograd graph
         # a generate call's packed copies of the linears' weights
         self.packed = {}
         self.weights = []
-        for m in self.model.modules() if self.device.type == "cpu" else ():
+        for m in self.model.modules() if cpu else ():
             if isinstance(m, nn.Linear):  # the head too: read as its weight
                 m.forward = lambda x, m=m: modeling.linear(x, m.weight, m.bias, self.packed)
                 self.weights.append(m.weight)  # a Parameter: update_weights keeps it
         self.overlaps = "thread"
         self._version = torch.tensor(0)  # int64
-        fork = "fork" in multiprocessing.get_all_start_methods()
-        if not share and self.device.type == "cpu" and fork:
+        if cpu and not share and "fork" in multiprocessing.get_all_start_methods():
             self.overlaps = "process"
             # (parameters() and buffers() list a tied tensor once)
             mmap_share([*self.model.parameters(), *self.model.buffers(), self._version])
