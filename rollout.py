@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from datetime import timedelta
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -37,6 +38,7 @@ from torch import nn
 import lora
 import modeling
 from cli import UserError, rank
+from logs import print0
 
 # a request to a server; a /generate: plus its tokens at the rate below
 HTTP_TIMEOUT_S = 600.0
@@ -55,20 +57,13 @@ INT4_MAX = 7  # hf_int4: weights rounded to the integers -7..7 times a scale per
 ENV_TIMEOUT_S = 30.0  # an --env step that takes longer ends its episode and is counted
 # torchrun's variables, hidden from SGLang's scheduler processes: with them its process group (a
 # tcp:// rendezvous) looks for torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) and waits
-TORCHRUN_VARS = tuple(
+TORCHRUN_VARS = (
     "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE "
     "ROLE_RANK ROLE_WORLD_SIZE ROLE_NAME MASTER_ADDR MASTER_PORT".split()
 )
 GRAPH_ENV = "SGLANG_MEMORY_SAVER_CUDA_GRAPH"  # set for the in-process engine's start
 _MASK32 = 0xFFFFFFFF
-_SAID: set[str] = set()  # what was said once per process (an env's first failure)
-_DTYPES = {
-    "half": torch.float16,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float": torch.float32,
-    "float32": torch.float32,
-}
+_SAID = set()  # what was said once per process (an env's first failure)
 # a batch requested from the forked child, not yet received
 IN_CHILD = "in the rollout process"
 
@@ -153,40 +148,39 @@ class Engine(Protocol):
 
 
 def iter_full_tensors(
-    model: nn.Module, dtype: torch.dtype | None = None
+    model: nn.Module, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) of each parameter and buffer: FSDP2 all-gathers, every rank iterates;
-    floats cast to `dtype` before the gather (a bf16 engine's cost half an fp32 gather). A LoRA
-    model's adapted layers come merged (in fp64, from full precision), the plain model's names."""
+    """(name, full tensor) of each parameter and buffer, floats in `dtype`: FSDP2 all-gathers, every
+    rank iterates; floats cast before the gather (a bf16 engine's cost half an fp32 gather). A LoRA
+    model's adapted layers come merged (in fp64, from full precision, then cast), the plain
+    model's names."""
     adapted = {n for n, m in model.named_modules() if isinstance(m, lora.LoraLinear)}
 
     def gathered():
         for name, t in model.state_dict().items():
             layer = name.rpartition(".")[0].removesuffix(".base")
-            if dtype is not None and t.is_floating_point() and layer not in adapted:
+            if t.is_floating_point() and layer not in adapted:
                 t = t.to(dtype)  # a DTensor casts its local shard; adapted layers merge first
             # a DTensor; a mesh of one holds it whole (no gather)
             if hasattr(t, "full_tensor"):
                 t = t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()
             yield name, t.detach()
 
-    return lora.merged(gathered(), model)
+    for name, t in lora.merged(gathered(), model):
+        yield name, t.to(dtype) if t.is_floating_point() else t
 
 
-def shared_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of CPU tensors in one anonymous MAP_SHARED mapping: a process forked afterwards sees
-    every later write. Not /dev/shm (torch's share_memory_), which containers cap at 64 MB."""
+def mmap_share(tensors: list[torch.Tensor]) -> None:
+    """Moves CPU tensors' data into one anonymous MAP_SHARED mapping, the same tensor objects (tied
+    weights stay tied): a process forked afterwards sees every later write. Not /dev/shm (torch's
+    share_memory_), which containers cap at 64 MB."""
     # 64-byte aligned, as a SIMD load wants
     sizes = [-(-t.nbytes // 64) * 64 for t in tensors]
     buffer, offsets = mmap.mmap(-1, max(sum(sizes), 1)), itertools.accumulate([0, *sizes])
-    return [
-        torch.frombuffer(buffer, dtype=t.dtype, count=t.numel(), offset=at)
-        .view(t.shape)
-        .copy_(t)
-        if t.numel()
-        else t.clone()
-        for t, at in zip(tensors, offsets)
-    ]
+    for t, at in zip(tensors, offsets):
+        if t.numel():  # an empty one has nothing to share
+            shared = torch.frombuffer(buffer, dtype=t.dtype, count=t.numel(), offset=at)
+            t.data = shared.view(t.shape).copy_(t)
 
 
 # -----------------------------------------------------------------------------
@@ -266,27 +260,22 @@ class HFEngine(Engine):
 
         self.device, self.batch_size, self.share = torch.device(device), batch_size, share
         self.int4 = int4
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=dtype or torch.float32
-        )
-        # no autograd graph
-        self.model = self.model.to(self.device).eval().requires_grad_(False)
+        cpu = self.device.type == "cpu"  # packed linears; a forked generator
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32)
+        self.model = model.to(self.device).eval().requires_grad_(False)  # no autograd graph
         # a generate call's packed copies of the linears' weights
         self.packed = {}
         self.weights = []
-        for m in self.model.modules() if self.device.type == "cpu" else ():
+        for m in self.model.modules() if cpu else ():
             if isinstance(m, nn.Linear):  # the head too: read as its weight
                 m.forward = lambda x, m=m: modeling.linear(x, m.weight, m.bias, self.packed)
                 self.weights.append(m.weight)  # a Parameter: update_weights keeps it
         self.overlaps = "thread"
-        self._version = torch.zeros((), dtype=torch.int64)
-        fork = "fork" in multiprocessing.get_all_start_methods()
-        if not share and self.device.type == "cpu" and fork:
+        self._version = torch.tensor(0)  # int64
+        if cpu and not share and "fork" in multiprocessing.get_all_start_methods():
             self.overlaps = "process"
             # (parameters() and buffers() list a tied tensor once)
-            tensors = [*self.model.parameters(), *self.model.buffers(), self._version]
-            for t, copy in zip(tensors, shared_copies(tensors)):
-                t.data = copy  # the same tensor objects: tied weights stay tied
+            mmap_share([*self.model.parameters(), *self.model.buffers(), self._version])
         self._quantize()
 
     def _quantize(self) -> None:
@@ -294,8 +283,7 @@ class HFEngine(Engine):
         if not self.int4:
             return
         # a set: a weight two layers share is rounded once
-        weights = {m.weight for m in self.model.modules() if isinstance(m, nn.Linear)}
-        for w in weights:
+        for w in {m.weight for m in self.model.modules() if isinstance(m, nn.Linear)}:
             scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / INT4_MAX
             w.copy_(torch.round(w / scale).clamp(-INT4_MAX, INT4_MAX) * scale)
 
@@ -310,7 +298,6 @@ class HFEngine(Engine):
         theirs = {
             n: p.to_local() if hasattr(p, "to_local") else p
             for n, p in model.named_parameters()
-            if self.share
         }
         key = lambda t: (t.shape, t.dtype, t.device)
         if self.share and all(
@@ -339,26 +326,23 @@ class HFEngine(Engine):
         """A batch runs to its rows' longest limit, each row cut at its own ("length"): the noise
         is keyed by (seed, position), so a row's tokens are those it samples alone."""
         limits = _limits(prompt_ids, sampling, seeds, max_new_tokens)
-        # less padding
-        order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+        # (prompt, seed, limit, index), the shortest prompts first: less padding
+        rows = sorted(
+            zip(prompt_ids, seeds, limits, itertools.count()), key=lambda r: len(r[0])
+        )
         out, n = {}, self.batch_size
         try:  # this call's weights, packed once for its batches' rows; freed when it returns
-            self.packed = modeling.pack_weights(self.weights, min(len(order), n))
-            for idx in (order[i : i + n] for i in range(0, len(order), n)):
-                batch = self._generate_batch(
-                    [prompt_ids[i] for i in idx],
-                    sampling,
-                    [seeds[i] for i in idx],
-                    [limits[i] for i in idx],
-                )
-                out |= zip(idx, batch)
+            self.packed = modeling.pack_weights(self.weights, min(len(rows), n))
+            for i in range(0, len(rows), n):
+                *batch, idx = zip(*rows[i : i + n])  # prompts, seeds, limits; indices
+                out |= zip(idx, self._generate_batch(sampling, *batch))
         finally:
             self.packed = {}
-        return [out[i] for i in range(len(prompt_ids))]
+        return [c for _, c in sorted(out.items())]  # in the prompts' order
 
     @torch.inference_mode()  # no autograd bookkeeping (version counters) on the decode's tensors
     def _generate_batch(
-        self, prompts: list[list[int]], sampling: SamplingParams, seeds: list, limits: list
+        self, sampling: SamplingParams, prompts: tuple, seeds: tuple, limits: tuple
     ) -> list[Completion]:
         """The batch decodes to its longest limit; each row ends at its first stop ("stop"),
         else at its own limit ("length")."""
@@ -383,8 +367,9 @@ class HFEngine(Engine):
         scale, softcap = modeling.head_transform(self.model.config)
 
         def forward(ids, mask, pos):  # the last position's fp32 logits, as the trainer's head
-            out = body(input_ids=ids, attention_mask=mask, position_ids=pos, **kw)
-            hidden = out.last_hidden_state[:, -1]
+            hidden = body(
+                input_ids=ids, attention_mask=mask, position_ids=pos, **kw
+            ).last_hidden_state[:, -1]
             logits = modeling.head_logits(hidden, head.weight, bias, self.packed) * scale
             return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
@@ -392,30 +377,25 @@ class HFEngine(Engine):
         cache.reorder_cache(rows)  # [unique prompts] -> [rows]
         logits, attention, step_pos = logits[rows], attention[rows], position_ids[rows, -1:]
         tokens = torch.zeros(B, T, dtype=torch.long)
-        logps = torch.zeros(B, T, dtype=torch.float32)
+        logps = torch.zeros(B, T)  # float32
         for t in range(T):
             tok, lp = sample_tokens(logits, sampling, seeds[live], t)
             tokens[live, t], logps[live, t] = tok.cpu(), lp.cpu()
             running = ~torch.isin(tok, stop)
-            if t + 1 == T or not bool(running.any()):
-                tokens, logps = tokens[:, : t + 1], logps[:, : t + 1]
+            if t + 1 == T or not running.any():  # every row's cut lies within 0..t
                 break
-            if not bool(running.all()):  # finished rows leave the batch and the cache
+            if not running.all():  # finished rows leave the batch and the cache
                 cache.reorder_cache(keep := running.nonzero().flatten())
                 live, tok = live[keep.cpu()], tok[keep]
                 attention, step_pos = attention[keep], step_pos[keep]
             step_pos = step_pos + 1
             logits = forward(tok[:, None], attention[:, : L + t + 1], step_pos)
-        stops, rows = set(sampling.stop_token_ids), tokens.tolist()
-        # (a row that ran on past its own limit has no stop before it)
-        ends = [
-            next((j + 1 for j, t in enumerate(r[:m]) if t in stops), m)
-            for r, m in zip(rows, limits)
-        ]
-        return [
-            Completion(r[:n], lps[:n], "stop" if set(r[n - 1 : n]) & stops else "length")
-            for r, lps, n in zip(rows, logps.tolist(), ends)
-        ]
+        stops, done = set(sampling.stop_token_ids), []
+        for r, lps, m in zip(tokens.tolist(), logps.tolist(), limits):
+            # its first stop within its own limit (a row that ran on past it has none before it)
+            n = next((j + 1 for j, t in enumerate(r[:m]) if t in stops), None)
+            done.append(Completion(r[: n or m], lps[: n or m], "stop" if n else "length"))
+        return done
 
 
 def _limits(
@@ -508,7 +488,9 @@ def run_episodes(
         going, live = live, []
         for i, out in zip(going, outs):
             e, ids = eps[i], out.output_ids
-            _append(e, ids, out.logprobs, 1)
+            e.output_ids += ids
+            e.logprobs += out.logprobs
+            e.policy_mask += [1] * len(ids)  # sampled by the policy
             e.episode["env/turns"] += 1
             e.finish_reason = out.finish_reason
             if out.finish_reason != "stop" or ids[-1] not in tools.stop_ids:
@@ -522,17 +504,13 @@ def run_episodes(
             if len(e.output_ids) + len(reply) >= sampling.max_new_tokens:
                 e.finish_reason = "length"  # no room left for the policy's next turn
             else:
-                _append(e, reply, [0.0] * len(reply), 0)
+                e.output_ids += reply
+                e.logprobs += [0.0] * len(reply)  # env text: no behaviour log-prob
+                e.policy_mask += [0] * len(reply)
                 live.append(i)
         if not live:
             break
     return eps
-
-
-def _append(e: Completion, ids: list[int], logprobs: list[float], policy: int) -> None:
-    e.output_ids += ids
-    e.logprobs += logprobs
-    e.policy_mask += [policy] * len(ids)
 
 
 def env_step(
@@ -558,7 +536,7 @@ def env_step(
     counts["env/seconds"] += time.perf_counter() - start
     counts["env/tool_calls"] += 1
     counts["env/errors"] += error is not None
-    if error is not None and "env" not in _SAID:
+    if error and "env" not in _SAID:
         _SAID.add("env")
         print(
             f"warning: an --env step failed ({error}); its episode ends there, scored as it "
@@ -605,8 +583,8 @@ def engine_dtype(
 ) -> torch.dtype:
     """SGLang's dtype for the weights (a sync rounds them once): `requested` (its --dtype), else the
     config's; an fp32 config runs in `fp32_as`, or SGLang's float16 (Gemma: bfloat16)."""
-    if requested in _DTYPES:
-        return _DTYPES[requested]
+    if requested not in (None, "auto"):  # half, float16, bfloat16, float or float32
+        return getattr(torch, requested)
     from transformers import AutoConfig
 
     # transformers 4.56+: a torch.dtype (from the config's "dtype" or "torch_dtype"), or None
@@ -619,16 +597,13 @@ def engine_dtype(
 
 
 def iter_buckets(
-    named: Iterator[tuple[str, torch.Tensor]],
-    bucket_bytes: int,
-    dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
+    named: Iterator[tuple[str, torch.Tensor]], device: torch.device | str
 ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
-    """(name, tensor) -> (~`bucket_bytes` bucket, is_last), floats in `dtype`; a big one alone."""
+    """(name, tensor) -> (~SYNC_BUCKET_MB bucket on `device`, is_last); a big one alone."""
     bucket, size = [], 0
     for name, t in named:
-        t = t.to(device=device, dtype=dtype if t.is_floating_point() else None)
-        if bucket and size + t.nbytes > bucket_bytes:
+        t = t.to(device)
+        if bucket and size + t.nbytes > SYNC_BUCKET_MB * 2**20:
             yield bucket, False  # t is still to come
             bucket, size = [], 0
         bucket.append((name, t))
@@ -637,41 +612,15 @@ def iter_buckets(
         yield bucket, True
 
 
-def _succeeded(result, what: str, step: int | None = None, where: str = "") -> None:
-    """Raise if an SGLang control call failed: it returns its failures, never raising them."""
+def _succeeded(result, what: str, at: str = "") -> None:
+    """Raise if an SGLang control call failed: it returns its failures, never raising them. `at`:
+    where, as the caller knows it (" at step 3", " at step 3 on http://host:30000")."""
     if isinstance(result, tuple):  # the in-process Engine's (success, message)
         result = {"success": result[0], "message": result[1]}
     get = result.get if isinstance(result, dict) else lambda k, d: getattr(result, k, d)
     if not get("success", True):
-        at = f" at step {step}" if step is not None else ""
-        at += f" on {where}" if where else ""
         message = get("message", "") or "(no message)"
         raise RuntimeError(f"SGLang {what} failed{at}: {message}")
-
-
-def weight_session(engine) -> tuple[Callable, Callable] | None:
-    """(begin, end) of an in-process engine's weight-update session, or None (< 0.5.21: none).
-    From 0.5.21 tensor updates outside one fail; the Engine's methods wrap its tokenizer manager's,
-    called directly where a branch requires a session but its Engine lacks them."""
-    if hasattr(engine, "begin_weight_update"):
-        return engine.begin_weight_update, engine.end_weight_update
-    manager = getattr(engine, "tokenizer_manager", None)
-    if not hasattr(manager, "begin_weight_update"):
-        return None
-    try:
-        from sglang.srt.managers.io_struct import (
-            BeginWeightUpdateReqInput,
-            EndWeightUpdateReqInput,
-        )
-    except ImportError:
-        return None
-    run = engine.loop.run_until_complete  # as the Engine's own wrappers run them
-    return (
-        lambda: run(
-            manager.begin_weight_update(BeginWeightUpdateReqInput(selector="all"), None)
-        ),
-        lambda: run(manager.end_weight_update(EndWeightUpdateReqInput(), None)),
-    )
 
 
 def _start_shielded(start: Callable):
@@ -682,8 +631,11 @@ def _start_shielded(start: Callable):
     main = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     names = (*TORCHRUN_VARS, GRAPH_ENV)  # ours are put back as they were
-    saved = [k for k in os.environ if k in names or k.startswith("TORCHELASTIC_")]
-    hidden = {k: os.environ.pop(k) for k in saved}
+    hidden = {
+        k: os.environ.pop(k)
+        for k in [*os.environ]
+        if k in names or k.startswith("TORCHELASTIC_")
+    }
     # release_memory_occupation frees CUDA graphs only if this is set when its scheduler
     # starts (inherited; a bool env, default off, 0.5.10-0.5.23); only its processes read it
     os.environ[GRAPH_ENV] = "1"
@@ -706,19 +658,18 @@ class SGLangEngine(Engine):
     def __init__(
         self,
         model_path: str,
-        gpu_id: int = 0,
         seed: int = 0,
         device: torch.device | str = "cuda",
         deterministic: bool = False,
         **engine_kwargs,
     ):
         import sglang  # lazy: an optional extra
-        from sglang.srt.constants import GPU_MEMORY_TYPE_CUDA_GRAPH
 
         _check_logprob_env()
         self.dtype = engine_dtype(model_path, fp32_as=torch.bfloat16)  # passed to SGLang too
         self.device, self.version, self.released = torch.device(device), -1, set()
-        self.tags = ["kv_cache", "weights", GPU_MEMORY_TYPE_CUDA_GRAPH]
+        # SGLang's GPU_MEMORY_TYPE_* (sglang.srt.constants, the same 0.5.10-0.5.23)
+        self.tags = ["kv_cache", "weights", "cuda_graph"]
         # SGLang probes for free ports, binding them later: engines started together (torchrun's
         # ranks, two jobs on one host) may pick the same. In-process it binds nccl_port (its
         # scheduler's store) and port (DP attention's TCP ZMQ): two free ones, picked by the OS.
@@ -731,7 +682,7 @@ class SGLangEngine(Engine):
             "mem_fraction_static": SGLANG_MEM_FRACTION,
             "enable_memory_saver": True,
             "skip_tokenizer_init": True,
-            "base_gpu_id": gpu_id,
+            "base_gpu_id": self.device.index or 0,
             "tp_size": 1,
             "random_seed": seed,
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -747,7 +698,6 @@ class SGLangEngine(Engine):
         before = free()
         self.engine = _start_shielded(lambda: sglang.Engine(**kw | engine_kwargs))
         running = free()
-        self.session = weight_session(self.engine)
         # its state while the trainer trains; released weights come back uninitialised (without
         # --enable-weights-cpu-backup): version -1 until update_weights pushes them
         self.release_memory()
@@ -771,10 +721,10 @@ class SGLangEngine(Engine):
             return []
         self._resume(*self.tags)  # never without a KV cache
         limits = _limits(prompt_ids, sampling, seeds, max_new_tokens)
-        params = [_sampling_dict(sampling, n, s) for n, s in zip(limits, seeds)]
-        inputs = [list(p) for p in prompt_ids]
         outs = self.engine.generate(
-            input_ids=inputs, sampling_params=params, return_logprob=True
+            input_ids=[list(p) for p in prompt_ids],
+            sampling_params=[_sampling_dict(sampling, n, s) for n, s in zip(limits, seeds)],
+            return_logprob=True,
         )
         return [completion_from_sglang(o, sampling.stop_token_ids) for o in outs]
 
@@ -797,37 +747,36 @@ class SGLangEngine(Engine):
             _succeeded(
                 self.engine.resume_memory_occupation(tags=tags),
                 f"resume_memory_occupation({tags})",
-                self.version,
+                f" at step {self.version}",
             )
             self.released.difference_update(tags)
 
     @torch.no_grad()
     def update_weights(self, model: nn.Module, version: int) -> None:
         """By CUDA IPC in the engine's dtype (NCCL on one GPU fails: "Duplicate GPU detected")."""
-        self.version, ok = version, lambda result, what: _succeeded(result, what, version)
+        # engine.call(**kwargs), raising the failure it reports
+        ok = lambda call, **kw: _succeeded(
+            getattr(self.engine, call)(**kw), call, f" at step {version}"
+        )
+        self.version = version
         self.resume_memory()
-        if self.session is not None:
-            ok(self.session[0](), "begin_weight_update")
+        # from SGLang 0.5.21 (whose Engine has these) tensor updates outside a session fail
+        session = hasattr(self.engine, "begin_weight_update")
+        if session:
+            ok("begin_weight_update")
         try:
-            for bucket, last in iter_buckets(
-                iter_full_tensors(model, self.dtype),
-                SYNC_BUCKET_MB * 2**20,
-                self.dtype,
-                self.device,
-            ):
-                pushed = self.engine.update_weights_from_tensor(
-                    named_tensors=bucket, flush_cache=last
-                )
-                ok(pushed, "update_weights_from_tensor")
+            named = iter_full_tensors(model, self.dtype)
+            for bucket, last in iter_buckets(named, self.device):
+                ok("update_weights_from_tensor", named_tensors=bucket, flush_cache=last)
         finally:
-            if self.session is not None:
-                ok(self.session[1](), "end_weight_update")
+            if session:
+                ok("end_weight_update")
         self._resume(*self.tags)
         # its prefix cache holds the old weights' KV
-        ok(self.engine.flush_cache(), "flush_cache")
+        ok("flush_cache")
 
     def shutdown(self) -> None:
-        if self.engine is not None:
+        if self.engine:
             self.engine.shutdown()
             self.engine = None
 
@@ -838,10 +787,12 @@ def http_request(
     payload: dict | None = None,
     retries: int | None = None,
     timeout: float | None = None,
+    failed: int = 0,
 ):
     """POST `payload` (None: GET) to url + path; the JSON (or text) reply. A timeout, connection
-    error or 5xx is retried with back-off; another refusal raises HTTPError."""
-    last, retries = None, HTTP_RETRIES if retries is None else retries
+    error or 5xx is retried with back-off; another refusal raises HTTPError. `failed`: the caller's
+    own failed tries before this call (counted in the error)."""
+    retries = HTTP_RETRIES if retries is None else retries
     data = None if payload is None else json.dumps(payload).encode()  # POST, else GET
     req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
     for attempt in range(retries + 1):
@@ -863,7 +814,7 @@ def http_request(
             raise HTTPError(url + path, code, body)
         last = f"HTTP {code}: {body}"
     raise RuntimeError(
-        f"SGLang server {url}{path} failed {retries + 1} times; last error: {last}"
+        f"SGLang server {url}{path} failed {failed + retries + 1} times; last error: {last}"
     )
 
 
@@ -881,14 +832,14 @@ def groupable(info: dict) -> bool:
 
 
 def weight_group_ranks(url: str, info: dict) -> int:
-    tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
     if not groupable(info):
         raise UserError(
-            f"--weight-sync nccl: the SGLang server {url} runs pp_size={pp}, "
-            f"dp_size={dp}; SGLang's update_weights_from_distributed joins only its "
-            "TP ranks (use --weight-sync disk, or a server per replica)"
+            f"--weight-sync nccl: the SGLang server {url} runs pp_size="
+            f"{info.get('pp_size') or 1}, dp_size={info.get('dp_size') or 1}; SGLang's "
+            "update_weights_from_distributed joins only its TP ranks (use --weight-sync "
+            "disk, or a server per replica)"
         )
-    return tp
+    return int(info.get("tp_size") or 1)
 
 
 def route_address(url: str) -> str:
@@ -910,8 +861,7 @@ def on_this_host(url: str) -> bool:
         theirs = {a[4][0].partition("%")[0] for a in socket.getaddrinfo(host, None)}
     except OSError:  # unresolvable: not reachable from here either
         return False
-    addresses = [ipaddress.ip_address(a) for a in theirs]
-    if any(a.is_loopback or a.is_unspecified for a in addresses):
+    if any(a.is_loopback or a.is_unspecified for a in map(ipaddress.ip_address, theirs)):
         return True
     mine = set()
     with suppress(OSError):
@@ -921,31 +871,29 @@ def on_this_host(url: str) -> bool:
     return bool(theirs & mine)
 
 
-def gpu_neighbours(device: torch.device | str | int | None = None) -> list[int] | None:
+def gpu_neighbours(device: torch.device | str | None) -> list[int] | None:
     """The ids of the processes other than this one on `device`'s GPU, or None where that cannot be
     told. nvidia-smi (wherever the driver is; torch.cuda.list_gpu_processes needs pynvml) by UUID:
     CUDA_VISIBLE_DEVICES renumbers torch's indices. In a container it may list host process ids:
     with our own context on that GPU and our id not among them, one of them may be us."""
     try:
-        index = torch.device("cuda" if device is None else device).index
+        index = torch.device(device or "cuda").index
         index = torch.cuda.current_device() if index is None else index
-        # torch's has no "GPU-" prefix
-        gpu = str(torch.cuda.get_device_properties(index).uuid)
-        gpu = gpu if gpu.startswith("GPU-") else f"GPU-{gpu}"
+        # nvidia-smi's has a "GPU-" prefix, torch's none
+        gpu = str(torch.cuda.get_device_properties(index).uuid).removeprefix("GPU-")
         out = subprocess.run(
             [
                 "nvidia-smi",
                 "--query-compute-apps=pid",
                 "--format=csv,noheader",
-                f"--id={gpu}",
+                f"--id=GPU-{gpu}",
             ],
             capture_output=True,
-            text=True,
             timeout=60,
         )
     except Exception:  # no CUDA, no driver tools, an old torch: unknown
         return None
-    if out.returncode != 0:
+    if out.returncode:
         return None
     pids = {int(w) for w in out.stdout.split() if w.isdigit()}
     if not pids or os.getpid() in pids or not torch._C._cuda_hasPrimaryContext(index):
@@ -954,19 +902,20 @@ def gpu_neighbours(device: torch.device | str | int | None = None) -> list[int] 
 
 
 def auto_weight_sync(
-    urls: list[str], infos: dict, group_backend: str, device: torch.device | str | None = None
+    infos: dict, group_backend: str, device: torch.device | str | None
 ) -> tuple[str, str]:
     """--weight-sync auto: (nccl or disk, why). nccl wherever a group can form (disk writes the
     whole model and every server reloads it, every step), except with a server that may share
     rank 0's GPU: NCCL between two processes on one GPU fails ("Duplicate GPU detected"), and
     SGLang says nothing of its GPU's identity (/server_info: ids relative to its own
-    CUDA_VISIBLE_DEVICES), so a server on this host is judged by the processes on our GPU."""
+    CUDA_VISIBLE_DEVICES), so a server on this host is judged by the processes on our GPU.
+    `infos`: each server's /server_info, by its URL."""
     if group_backend == "nccl" and not torch.cuda.is_available():
         return "disk", "no CUDA here for an NCCL weight group"
-    bad = [u for u in urls if not groupable(infos[u])]
+    bad = [u for u, info in infos.items() if not groupable(info)]
     if bad:
         return "disk", f"the SGLang server {bad[0]} runs PP stages or DP replicas"
-    local = [u for u in urls if on_this_host(u)] if group_backend == "nccl" else []
+    local = [u for u in infos if on_this_host(u)] if group_backend == "nccl" else []
     others = gpu_neighbours(device) if local else []
     if others is None:
         return "disk", (
@@ -994,30 +943,29 @@ class RemoteSGLangEngine(Engine):
         self,
         urls: list[str],
         model_path: str,
-        run_dir: str = "runs/remote",
+        run_dir: str,
         weight_sync: str = "auto",
         deterministic: bool = False,
         group_backend: str = "nccl",
         device: torch.device | str | None = None,
     ):
-        assert weight_sync in ("auto", "disk", "nccl"), "servers synced by disk or nccl"
         _check_logprob_env()
         self.urls = [u.rstrip("/") for u in urls]
         self.model_path, self.run_dir = model_path, run_dir
         self.group_backend, self.group, self.version = group_backend, None, 0
         self.pool = ThreadPoolExecutor(HTTP_THREADS, thread_name_prefix="sglang-http")
         # servers without sessions (SGLang < 0.5.21)
-        self.sessionless: set[str] = set()
+        self.sessionless = set()
         self.wait_healthy(HEALTH_TIMEOUT_S)
         self.infos = {u: http_request(u, "/server_info") for u in self.urls}
         if weight_sync == "auto":
-            weight_sync, why = auto_weight_sync(self.urls, self.infos, group_backend, device)
-            if rank() == 0:
-                print(f"--weight-sync auto: {weight_sync} ({why})", flush=True)
+            weight_sync, why = auto_weight_sync(self.infos, group_backend, device)
+            print0(f"--weight-sync auto: {weight_sync} ({why})")
         self.weight_sync = weight_sync
         # a server no weight group can include fails now, not at the first sync
-        nccl = weight_sync == "nccl"
-        self.group_sizes = [weight_group_ranks(u, self.infos[u]) for u in self.urls if nccl]
+        self.group_sizes = [
+            weight_group_ranks(u, self.infos[u]) for u in self.urls if weight_sync == "nccl"
+        ]
         info = self.infos[self.urls[0]]  # the first server's
         self.sync_dtype = engine_dtype(model_path, info.get("dtype"))
         random = [
@@ -1029,22 +977,17 @@ class RemoteSGLangEngine(Engine):
                 "runs without deterministic inference; launch it with "
                 "--enable-deterministic-inference"
             )
-        if (
-            self.sync_dtype != torch.float32
-            and not info.get("enable_fp32_lm_head")
-            and not rank()
-        ):
-            print(
+        if self.sync_dtype != torch.float32 and not info.get("enable_fp32_lm_head"):
+            print0(
                 f"warning: the SGLang server {self.urls[0]} computes its lm_head in "
                 f"{self.sync_dtype}: pi/pi_behave != 1 at equal weights (launch it with "
-                "--enable-fp32-lm-head)",
-                flush=True,
+                "--enable-fp32-lm-head)"
             )
 
     def _call(self, url: str, route: str, payload: dict, retries: int | None = None) -> None:
         """POST a control route: a refusal (400, success false) raises naming call, step, server."""
         try:
-            out = http_request(url, f"/{route}", payload, retries=retries)
+            out = http_request(url, f"/{route}", payload, retries)
         except HTTPError as e:
             if e.status == 404:
                 raise
@@ -1053,10 +996,12 @@ class RemoteSGLangEngine(Engine):
                 if isinstance(e.body, dict) and "success" in e.body
                 else {"success": False, "message": e.body}
             )
-        _succeeded(out, route, self.version, url)
+        _succeeded(out, route, f" at step {self.version} on {url}")
 
-    def _all(self, fn, *args) -> list:
-        return list(self.pool.map(lambda u: fn(u, *args), self.urls))
+    def _all(self, fn, *args) -> Iterator:
+        """fn(url, *args) for every server, all submitted now: their results in order (list()
+        waits for them, raising the first failure)."""
+        return self.pool.map(lambda u: fn(u, *args), self.urls)
 
     def wait_healthy(self, timeout: float) -> None:
         """Poll GET /health_generate until 200 (503: loading), saying once what it waits for."""
@@ -1065,7 +1010,7 @@ class RemoteSGLangEngine(Engine):
             said = False
             while True:
                 try:
-                    http_request(url, "/health_generate", retries=0, timeout=HEALTH_POLL_S)
+                    http_request(url, "/health_generate", None, 0, HEALTH_POLL_S)
                     break
                 except RuntimeError as e:  # HTTPError included
                     last = str(e).rpartition("last error: ")[2]
@@ -1075,11 +1020,8 @@ class RemoteSGLangEngine(Engine):
                         f"{timeout:g}s (GET /health_generate: {last}); is it running "
                         "and reachable from here?"
                     )
-                if not said and rank() == 0:
-                    print(
-                        f"waiting for the SGLang server {url} (/health_generate: {last})",
-                        flush=True,
-                    )
+                if not said:
+                    print0(f"waiting for the SGLang server {url} (/health_generate: {last})")
                 said = True
                 time.sleep(min(1.0, timeout / 50))
 
@@ -1093,14 +1035,13 @@ class RemoteSGLangEngine(Engine):
     ) -> list[Completion]:
         limits = _limits(prompt_ids, sampling, seeds, max_new_tokens)
         # group key -> its index: groups round robin, offset by rank
-        group, shift = {}, rank()
-        url = lambda k: self.urls[(group.setdefault(k, len(group)) + shift) % len(self.urls)]
+        group = {}
+        url = lambda k: self.urls[(group.setdefault(k, len(group)) + rank()) % len(self.urls)]
         keys = groups or [tuple(p) for p in prompt_ids]
-        jobs = [
-            self.pool.submit(self._generate_one, url(k), list(p), sampling, s, n)
-            for p, s, k, n in zip(prompt_ids, seeds, keys, limits)
-        ]
-        return [j.result() for j in jobs]
+        # every request in flight at once (the pool outnumbers a batch), results in order
+        # (the servers read here, in the prompts' order, as map submits)
+        args = map(url, keys), prompt_ids, itertools.repeat(sampling), seeds, limits
+        return list(self.pool.map(self._generate_one, *args))
 
     def _generate_one(
         self, url: str, prompt: list[int], sampling: SamplingParams, seed: int, budget: int
@@ -1122,20 +1063,16 @@ class RemoteSGLangEngine(Engine):
             deadline = HTTP_TIMEOUT_S + left / MIN_TOKENS_PER_S
             watchdog = threading.Timer(deadline, self._abort, (url, rid))
             watchdog.start()
-            try:
+            try:  # no retries here: a failed post is aborted there first, below
                 timeout = deadline + ABORT_TIMEOUT_S
-                out = http_request(url, "/generate", payload, retries=0, timeout=timeout)
+                out = http_request(url, "/generate", payload, 0, timeout, failures)
             except HTTPError:  # a refusal: trying again would be refused again
                 raise
-            except RuntimeError as e:
+            except RuntimeError:  # its message counts every failed post
                 # it may still run there: abort it, back off, post again
                 failures += 1
                 if failures > HTTP_RETRIES:
-                    last = str(e).rpartition("last error: ")[2]
-                    raise RuntimeError(
-                        f"SGLang server {url}/generate failed {failures} times; "
-                        f"last error: {last}"
-                    ) from None
+                    raise
                 self._abort(url, rid)
                 time.sleep(HTTP_BACKOFF_S * 2 ** (failures - 1))
                 continue
@@ -1171,28 +1108,21 @@ class RemoteSGLangEngine(Engine):
         from safetensors.torch import save_file
 
         # copies: tied weights share no storage
-        tensors = {
-            n: t.to(
-                "cpu", self.sync_dtype if t.is_floating_point() else None, copy=True
-            ).contiguous()
-            for n, t in named
-        }
-        root = os.path.abspath(os.path.join(self.run_dir, "weights_sync"))
-        os.makedirs(root, exist_ok=True)
-        name, tmp = f"step_{self.version:06d}", tempfile.mkdtemp(dir=root)
+        tensors = {n: t.to("cpu", copy=True).contiguous() for n, t in named}
+        root = Path(self.run_dir, "weights_sync").absolute()
+        root.mkdir(parents=True, exist_ok=True)
+        final, tmp = root / f"step_{self.version:06d}", tempfile.mkdtemp(dir=root)
         weights = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-        for f in os.listdir(self.model_path) if os.path.isdir(self.model_path) else []:
-            src = os.path.join(self.model_path, f)
-            if os.path.isfile(src) and not f.endswith(weights):  # config, tokenizer
+        for src in Path(self.model_path).glob("*"):  # none: a hub name
+            if src.is_file() and not src.name.endswith(weights):  # config, tokenizer
                 shutil.copy2(src, tmp)
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        final = os.path.join(root, name)
+        save_file(tensors, f"{tmp}/model.safetensors", metadata={"format": "pt"})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        self._all(self._call, "update_weights_from_disk", {"model_path": final})
-        for d in os.listdir(root):
-            if d.startswith("step_") and d != name:  # older syncs
-                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+        list(self._all(self._call, "update_weights_from_disk", {"model_path": str(final)}))
+        for old in root.glob("step_*"):
+            if old != final:  # older syncs
+                shutil.rmtree(old, ignore_errors=True)
 
     def _session(self, url: str, which: str) -> None:
         """From SGLang 0.5.21 distributed updates run only within /begin_ and /end_weight_update."""
@@ -1203,35 +1133,27 @@ class RemoteSGLangEngine(Engine):
                 self.sessionless.add(url)
 
     def _sync_nccl(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self._all(self._session, "begin")
+        list(self._all(self._session, "begin"))
         try:
             if self.group is None:
                 self._init_weight_group()
-            for bucket, last in iter_buckets(
-                named,
-                SYNC_BUCKET_MB * 2**20,
-                self.sync_dtype,
-                "cuda" if self.group_backend == "nccl" else "cpu",
-            ):
+            device = "cuda" if self.group_backend == "nccl" else "cpu"
+            for bucket, last in iter_buckets(named, device):
+                names, tensors = zip(*bucket)
                 meta = {
-                    "names": [n for n, _ in bucket],
+                    "names": names,
                     "group_name": self.group_name,
-                    "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket],
+                    "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                    "shapes": [list(t.shape) for t in tensors],
                     "flush_cache": last,
                 }
                 # no retry: a receive re-posted pairs with nothing
-                posts = [
-                    self.pool.submit(
-                        self._call, u, "update_weights_from_distributed", meta, 0
-                    )
-                    for u in self.urls
-                ]
-                for _, t in bucket:  # the servers' receives, posted above, wait for these
+                posts = self._all(self._call, "update_weights_from_distributed", meta, 0)
+                for t in tensors:  # the servers' receives, posted above, wait for these
                     dist.broadcast(t, src=0, group=self.group)
-                [p.result() for p in posts]
+                list(posts)
         finally:
-            self._all(self._session, "end")
+            list(self._all(self._session, "end"))
 
     def _init_weight_group(self) -> None:
         """Rank 0 and the servers' GPUs (from their rank_offset), outside the torchrun world, built
@@ -1286,9 +1208,9 @@ BACKENDS = ("hf", "hf_bf16", "hf_int4", "sglang", "sglang_deterministic")
 
 def check_rollout_config(backend: str, urls: list[str], weight_sync: str, cuda: bool) -> None:
     """Every combination of rollout flags and the GPU-only settings, before anything loads."""
-    hf, local = backend.startswith("hf"), backend.startswith("sglang") and not urls
+    local = backend.startswith("sglang") and not urls
     for bad, why in [
-        (hf and urls, "--rollout-url needs --rollout-backend sglang"),
+        (backend.startswith("hf") and urls, "--rollout-url needs --rollout-backend sglang"),
         (
             urls and weight_sync == "tensor",
             "--weight-sync tensor needs an in-process engine (drop --rollout-url)",
@@ -1317,7 +1239,7 @@ def make_engine(cfg, device: torch.device, share: bool = False) -> Engine:
     """The engine --rollout-backend names, for cfg.model on this rank's device."""
     backend = cfg.rollout_backend
     deterministic = backend == "sglang_deterministic"
-    if backend.startswith("sglang") and cfg.rollout_url:
+    if cfg.rollout_url:  # with an sglang backend: check_rollout_config refuses hf
         return RemoteSGLangEngine(
             cfg.rollout_url,
             cfg.model,
@@ -1327,13 +1249,11 @@ def make_engine(cfg, device: torch.device, share: bool = False) -> Engine:
             device=device,
         )
     if backend.startswith("sglang"):
-        return SGLangEngine(cfg.model, device.index or 0, cfg.seed, device, deterministic)
-    half = backend == "hf_bf16" or device.type == "cuda"
-    dtype = torch.bfloat16 if half else None
-    # the trainer's own tensors can serve only the trainer's precision
-    exact = backend == "hf"
+        return SGLangEngine(cfg.model, cfg.seed, device, deterministic)
+    dtype = torch.bfloat16 if backend == "hf_bf16" or device.type == "cuda" else None
+    # the trainer's own tensors can serve only the trainer's precision (hf)
     return HFEngine(
-        cfg.model, device, dtype, share=share and exact, int4=backend == "hf_int4"
+        cfg.model, device, dtype, share=share and backend == "hf", int4=backend == "hf_int4"
     )
 
 
@@ -1349,7 +1269,7 @@ class Scorer:
 
     def __init__(self, url: str):
         self.url = url.rstrip("/")
-        self.pool = ThreadPoolExecutor(max_workers=HTTP_THREADS, thread_name_prefix="teacher")
+        self.pool = ThreadPoolExecutor(HTTP_THREADS, thread_name_prefix="teacher")
 
     def score(self, samples: list[Sample]) -> list[torch.Tensor]:
         """At temperature 1: the trainer refuses another with a served teacher."""
@@ -1411,9 +1331,11 @@ class Rollouts:
     def describe(self) -> str:
         if not self.staleness:
             return "synchronous rollouts"
-        how = f"overlapped with training (a rollout {self.overlap})"
-        if not self.overlap:
-            how = "not overlapped (colocated engine)"
+        how = (
+            f"overlapped with training (a rollout {self.overlap})"
+            if self.overlap
+            else "not overlapped (colocated engine)"
+        )
         return f"rollouts {self.staleness} step(s) ahead, {how}"
 
     def take(self, step: int) -> list:
@@ -1428,15 +1350,15 @@ class Rollouts:
         return self.batches
 
     def close(self) -> None:
-        if self.pool is not None:
+        if self.pool:
             self.pool.shutdown(cancel_futures=True)
-        if self.conn is not None:
+        if self.conn:
             self.conn.close()  # the child's recv() ends: it exits
 
     def _start(self, step: int):
-        if self.pool is not None:
+        if self.pool:
             return self.pool.submit(self.make_batch, step)
-        if self.conn is not None:
+        if self.conn:
             with suppress(OSError):  # a dead child: _made makes the batch here
                 self.conn.send(step)
             return IN_CHILD
@@ -1446,7 +1368,7 @@ class Rollouts:
         if batch is not IN_CHILD:
             return batch.result() if isinstance(batch, Future) else batch
         try:  # batches come back in the order they were asked for: this one is the oldest
-            if self.conn is not None:
+            if self.conn:
                 s, batch, error = self.conn.recv()
                 if error:
                     raise RuntimeError(f"the rollout process failed on step {s}:\n{error}")

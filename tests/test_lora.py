@@ -322,7 +322,7 @@ def test_lora_on_every_family_trains_and_merges_as_a_plain_peft_model(family, tm
     diff = torch.cat([(got[n] - want[n]).flatten() for n in got]).norm()
     assert diff <= 1e-5 * scale, f"{family}: relative {diff / scale:.2e}"
 
-    ours = dict(rollout.iter_full_tensors(model.module))
+    ours = dict(rollout.iter_full_tensors(model.module, torch.float32))
     with torch.no_grad():
         theirs = ref.merge_and_unload().state_dict()
     assert ours.keys() == theirs.keys(), family

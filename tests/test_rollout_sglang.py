@@ -5,7 +5,6 @@ same checks against the real thing on a GPU."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import inspect
 import json
@@ -680,14 +679,9 @@ def _fake_scheduler(conn, nccl_port: int, timeout_s: float) -> None:
 
 
 def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks: tuple = (),
-                        probe_sigint: bool = False, scheduler: bool = False,
-                        manager_session: bool = False, io_struct: bool = True) -> list:
+                        probe_sigint: bool = False, scheduler: bool = False) -> list:
     """new=True: SGLang >= 0.5.21 (begin/end_weight_update, ServerArgs and SamplingParams
-    msgspec Structs); False: 0.5.10 (dataclass ServerArgs, plain SamplingParams).
-    `manager_session` (with new): a branch whose scheduler asserts a session in
-    update_weights_from_tensor, its Engine without begin/end_weight_update: only its
-    tokenizer_manager's (coroutines run on engine.loop, taking io_struct's request objects;
-    `io_struct` False: a build without those classes). ServerArgs has
+    msgspec Structs); False: 0.5.10 (dataclass ServerArgs, plain SamplingParams). ServerArgs has
     ENGINE_FIELDS but `lacks`, and the Engine, like ServerArgs(**kwargs), refuses other keywords.
     Control calls return (success, message), never raising: `fail` maps a call's name to the
     message it fails with. `probe_sigint`: the Engine spawns a process (multiprocessing spawn, as
@@ -732,8 +726,6 @@ def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks:
             self.released: set[str] = set()
             self.in_session = False
             self.cuda_graph_env = os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH")  # inherited
-            if manager_session:
-                self.loop, self.tokenizer_manager = asyncio.new_event_loop(), Manager(self)
 
         def generate(self, input_ids, sampling_params, return_logprob):
             assert not self.released, f"generate with released memory {self.released}"
@@ -756,8 +748,6 @@ def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks:
 
         def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
             assert "weights" not in self.released, "weights must be resumed before an update"
-            if manager_session:  # that branch's scheduler asserts it
-                assert self.in_session, "update_weights_from_tensor outside a session"
             if new and not self.in_session:  # SGLang >= 0.5.21 refuses, in its result
                 return False, "update outside begin_weight_update/end_weight_update"
             log.append(("update", [(n, tuple(t.shape), t.dtype) for n, t in named_tensors],
@@ -774,25 +764,7 @@ def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks:
                 self.proc.join(10)
                 self.socket.close()
 
-    class Manager:  # the tokenizer manager's session methods: coroutines (obj, request)
-        def __init__(self, engine):
-            self.engine = engine
-
-        async def begin_weight_update(self, obj, request):
-            assert type(obj).__name__ == "BeginWeightUpdateReqInput" and obj.selector == "all"
-            assert request is None and not self.engine.in_session
-            self.engine.in_session = True
-            log.append(("begin",))
-            return result("begin_weight_update")
-
-        async def end_weight_update(self, obj, request):
-            assert type(obj).__name__ == "EndWeightUpdateReqInput" and request is None
-            assert self.engine.in_session
-            self.engine.in_session = False
-            log.append(("end",))
-            return result("end_weight_update")
-
-    if new and not manager_session:
+    if new:
         def begin_weight_update(self, selector="all"):
             assert not self.in_session and selector == "all"
             self.in_session = True
@@ -826,24 +798,10 @@ def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks:
                 pass
 
         sp.SamplingParams = SamplingParams
-    managers = types.ModuleType("sglang.srt.managers.io_struct")
-    if io_struct:
-        @dataclasses.dataclass
-        class BeginWeightUpdateReqInput:
-            selector: str = "all"
-
-        @dataclasses.dataclass
-        class EndWeightUpdateReqInput:
-            pass
-
-        managers.BeginWeightUpdateReqInput = BeginWeightUpdateReqInput
-        managers.EndWeightUpdateReqInput = EndWeightUpdateReqInput
     mods = {"sglang": sglang, "sglang.srt": types.ModuleType("sglang.srt"),
             "sglang.srt.server_args": server_args, "sglang.srt.constants": constants,
             "sglang.srt.sampling": types.ModuleType("sglang.srt.sampling"),
-            "sglang.srt.sampling.sampling_params": sp,
-            "sglang.srt.managers": types.ModuleType("sglang.srt.managers"),
-            "sglang.srt.managers.io_struct": managers}
+            "sglang.srt.sampling.sampling_params": sp}
     for k, v in mods.items():
         monkeypatch.setitem(sys.modules, k, v)
     # the trainer's CUDA cache is emptied right before SGLang maps its memory back
@@ -851,19 +809,17 @@ def install_fake_sglang(monkeypatch, new: bool, fail: dict | None = None, lacks:
     return log
 
 
-@pytest.mark.parametrize("new,lora,manager", [(True, False, False), (False, False, False),
-                                              (True, True, False), (True, False, True)],
-                         ids=["sglang>=0.5.21", "sglang<0.5.21", "lora", "manager-session"])
-def test_colocated_engine_call_sequence_and_buckets(monkeypatch, model_dir, new, lora, manager):
+@pytest.mark.parametrize("new,lora", [(True, False), (False, False), (True, True)],
+                         ids=["sglang>=0.5.21", "sglang<0.5.21", "lora"])
+def test_colocated_engine_call_sequence_and_buckets(monkeypatch, model_dir, new, lora):
     """As nanoareal drives it: made (then left released, holding no weights), weights pushed
     before the first generate (resume()), then each step generate, release, train, resume, push.
-    A session brackets the pushes where SGLang has one: through the Engine (0.5.21+), or its
-    tokenizer manager where a branch requires one but its Engine lacks the methods."""
+    A session brackets the pushes where SGLang has one: through the Engine (0.5.21+)."""
     from transformers import AutoModelForCausalLM
 
-    log = install_fake_sglang(monkeypatch, new, manager_session=manager)
+    log = install_fake_sglang(monkeypatch, new)
     monkeypatch.setattr(rollout, "SYNC_BUCKET_MB", 0.005)  # ~5 kB buckets: several of them
-    eng = SGLangEngine(model_dir, gpu_id=0, device="cpu")
+    eng = SGLangEngine(model_dir, device="cpu")
     model = perturbed(model_dir, lora)  # LoRA: the plain model's names, merged
 
     eng.update_weights(model, 0)  # nanoareal.resume(): engine.version < 0
@@ -899,38 +855,6 @@ def test_colocated_engine_call_sequence_and_buckets(monkeypatch, model_dir, new,
     for name, shape, dtype in sent:
         assert shape == tuple(state[name].shape)
         assert dtype == (torch.bfloat16 if state[name].is_floating_point() else state[name].dtype)
-
-
-@pytest.mark.parametrize("shape", ["none", "engine", "manager", "manager-without-io-struct"])
-def test_the_weight_session_follows_what_each_sglang_shape_offers(monkeypatch, model_dir, shape):
-    """< 0.5.21: no session; 0.5.21+: Engine.begin/end_weight_update(); a branch that asserts a
-    session in update_weights_from_tensor but whose Engine lacks the methods: its tokenizer
-    manager's, run on engine.loop with io_struct's request objects (none without them)."""
-    from transformers import AutoModelForCausalLM
-
-    manager = shape.startswith("manager")
-    log = install_fake_sglang(monkeypatch, new=shape != "none", manager_session=manager,
-                              io_struct=shape != "manager-without-io-struct")
-    eng = SGLangEngine(model_dir, device="cpu")
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    if shape == "manager-without-io-struct":
-        assert eng.session is None
-        with pytest.raises(AssertionError, match="outside a session"):  # as that scheduler fails
-            eng.update_weights(model, 1)
-        return
-    assert (eng.session is None) == (shape == "none")
-    assert hasattr(eng.engine, "begin_weight_update") == (shape == "engine")
-    eng.update_weights(model, 1)
-    kinds = [e[0] for e in log if e[0] in ("begin", "update", "end")]
-    assert kinds[0] == ("update" if shape == "none" else "begin") and "update" in kinds
-    assert kinds[-1] == ("update" if shape == "none" else "end")
-    assert not eng.engine.in_session
-    if shape == "manager":  # a refusal reported by the manager fails the step like the Engine's
-        install_fake_sglang(monkeypatch, new=True, manager_session=True,
-                            fail={"begin_weight_update": "another update is running"})
-        eng = SGLangEngine(model_dir, device="cpu")
-        with pytest.raises(RuntimeError, match="begin_weight_update failed at step 2: another"):
-            eng.update_weights(model, 2)
 
 
 def test_colocated_engine_starts_released_says_what_it_holds_and_never_generates_unpushed(
@@ -1048,9 +972,10 @@ def test_deterministic_rollouts_turn_on_sglang_deterministic_inference_and_send_
     assert "enable_deterministic_inference" not in [e[1] for e in log if e[0] == "init"][-1]
 
 
-def test_iter_buckets_respects_the_budget_and_marks_the_last():
+def test_iter_buckets_respects_the_budget_and_marks_the_last(monkeypatch):
+    monkeypatch.setattr(rollout, "SYNC_BUCKET_MB", 80 / 2**20)  # 20 float32
     named = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5, 100])]
-    buckets = list(rollout.iter_buckets(iter(named), bucket_bytes=80))  # 20 float32
+    buckets = list(rollout.iter_buckets(iter(named), "cpu"))
     assert [[n for n, _ in b] for b, _ in buckets] == [["t0", "t1"], ["t2"], ["t3", "t4"], ["t5"]]
     assert [last for _, last in buckets] == [False, False, False, True]
 

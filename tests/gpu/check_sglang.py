@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     # the engine first: SGLang sizes its KV cache from the free memory at start; it starts
     # released, holding no weights (version -1): the trainer's are pushed before it generates
     rollout.SYNC_BUCKET_MB = 256
-    engine = rollout.SGLangEngine(model_dir, gpu_id=0, device="cuda", mem_fraction_static=0.4)
+    engine = rollout.SGLangEngine(model_dir, device="cuda", mem_fraction_static=0.4)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     model = trainer_model(model)
     engine.update_weights(model.module, 0)
