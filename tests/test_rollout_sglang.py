@@ -76,7 +76,7 @@ def perturbed(model_dir, lora: bool = False):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if lora:
-        lora_adapters.apply(model, 2)
+        lora_adapters.apply(model, 2, None)
     torch.manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
