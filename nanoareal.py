@@ -608,8 +608,11 @@ def rollout_batch(
     rounds = cfg.max_resample if cfg.zero_variance == "resample" else 0
     groups: dict[int, list[Sample]] = {}
     discarded = Counter()  # tokens of the groups a slot threw away
+    gen_s = 0.0  # every round's generation time: the discarded tokens took some of it
     for round_ in range(rounds + 1):
+        start = time.perf_counter()
         drawn = generate(engine, data, todo, step, cfg, round_)
+        gen_s += time.perf_counter() - start
         score(drawn, data, reward_fn, cfg)
         for slot, _ in todo:
             old = groups.get(slot, [])
@@ -624,6 +627,8 @@ def rollout_batch(
         if not todo:
             break
     for slot, group in groups.items():
+        for s in group:
+            s.gen_s = gen_s
         if group:
             group[0].discarded_tokens = discarded[slot]
     return [s for slot in sorted(groups) for s in groups[slot]]
@@ -650,7 +655,7 @@ def generate(
     cfg: Config,
     round_: int = 0,
 ) -> list[Sample]:
-    """group_size completions of each (slot, row) prompt, timed (gen_s; one the engine aborted is
+    """group_size completions of each (slot, row) prompt (one the engine aborted is
     dropped); the slot is the group; seeds (seed, step, slot, k[, round]), not the rank's."""
     sampling = SamplingParams(
         cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, data.stop_ids
@@ -664,9 +669,8 @@ def generate(
     ]
     encoded = [data.prompts[r] for _, r in slots]
     rows = [data.rows[r] for _, r in slots] if data.tools else None
-    version, start = engine.version, time.perf_counter()
+    version = engine.version
     completions = rollout.run_episodes(engine, encoded, sampling, seeds, data.tools, rows)
-    took = time.perf_counter() - start
     return [
         Sample(
             slot,
@@ -675,7 +679,6 @@ def generate(
             row=row,
             version=version,
             seed=seed,
-            gen_s=took,
             round=round_,
         )
         for (slot, row), c, seed in zip(slots, completions, seeds)
