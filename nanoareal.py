@@ -711,11 +711,12 @@ def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:
     generation time (gen_s, a maximum over ranks); a CP group counts its shared batch once."""
     if ranks.cp_rank != 0:
         return {}
-    sums = Counter({"samples": len(samples), "reward": 0.0, "judged": 0, "correct": 0})
+    sums = Counter()
     for s in samples:
         n = len(s.completion.output_ids)
         sums.update(
             {
+                "samples": 1,
                 "reward": s.reward,
                 "response_tokens": n,
                 "version": s.version,
@@ -729,16 +730,10 @@ def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:
         if s.correct is not None:  # response lengths split by correctness: who grows longer
             kind = "correct" if s.correct else "incorrect"
             sums.update({"judged": 1, "correct": s.correct, kind: 1, f"len_{kind}": n})
-        reported = [
-            *((f"reward/{k}", v) for k, v in s.metrics.items()),
-            *s.completion.episode.items(),
-        ]
-        for k, v in reported:  # the reward's and env's: means per reporter
-            sums.update({k: v, f"{k}#n": 1})
+        # the reward's and env's: means per reporter
+        reported = {f"reward/{k}": v for k, v in s.metrics.items()} | s.completion.episode
+        sums.update(reported | {f"{k}#n": 1 for k in reported})
     sums["zero_var_groups"] = len({s.group for s in samples if s.zero_variance})
-    error = next((s.reward_error for s in samples if s.reward_error), None)
-    if error:
-        sums["reward_error_message"] = error
     if samples:
         sums["gen_s"] = max(s.gen_s for s in samples)
     return dict(sums)
