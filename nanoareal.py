@@ -512,12 +512,17 @@ def setup_distributed(cp_size: int = 1) -> tuple[Ranks, torch.device]:
             libc.mallopt(-3, 32 << 20)
         libc.mallopt(-1, 2**31 - 1)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-    cp = cp_size if world % cp_size == 0 else 1  # else: validate_config has said so
+    # validate_config made sure cp_size divides world
     cp_group = None
-    if cp > 1:
-        mesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+    if cp_size > 1:
+        mesh = init_device_mesh(
+            device.type, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp")
+        )
         cp_group = mesh["cp"].get_group()
-    return Ranks(rank, world, rank // cp, world // cp, rank % cp, cp, cp_group), device
+    ranks = Ranks(
+        rank, world, rank // cp_size, world // cp_size, rank % cp_size, cp_size, cp_group
+    )
+    return ranks, device
 
 
 def prepare_run(cfg: Config, device, ranks: Ranks) -> tuple:
@@ -526,8 +531,14 @@ def prepare_run(cfg: Config, device, ranks: Ranks) -> tuple:
     trainer's weight tensors."""
     reward_fn = tasks.load_reward(cfg.reward)
     modeling.check_model_source(cfg.model)
-    claim = (cfg.run_dir, asdict(cfg), VOLATILE, cfg.resume == "fresh", DEFAULTS)
-    resuming = on_rank0(checkpoint.claim_run_dir, *claim)
+    resuming = on_rank0(
+        checkpoint.claim_run_dir,
+        cfg.run_dir,
+        asdict(cfg),
+        VOLATILE,
+        cfg.resume == "fresh",
+        DEFAULTS,
+    )
     torch.manual_seed(cfg.seed)
     data = tasks.load_data(cfg)
     if cfg.teacher:
@@ -606,7 +617,7 @@ def rollout_batch(
     rows = prompts_for_step(len(data.rows), cfg.prompts_per_step, step, cfg.seed)
     todo = list(enumerate(rows))[ranks.dp_rank :: ranks.dp_size]
     rounds = cfg.max_resample if cfg.zero_variance == "resample" else 0
-    groups: dict[int, list[Sample]] = {}
+    groups = {}
     discarded = Counter()  # tokens of the groups a slot threw away
     gen_s = 0.0  # every round's generation time: the discarded tokens took some of it
     for round_ in range(rounds + 1):
@@ -615,7 +626,7 @@ def rollout_batch(
         gen_s += time.perf_counter() - start
         score(drawn, data, reward_fn, cfg)
         for slot, _ in todo:
-            old = groups.get(slot, [])
+            old = groups.get(slot, [])  # the group this round replaces
             discarded[slot] += sum(len(s.completion.output_ids) for s in old)
             groups[slot] = [s for s in drawn if s.group == slot]
         flat = flat_groups(drawn)
@@ -636,7 +647,7 @@ def rollout_batch(
 
 def flat_groups(samples: list[Sample]) -> set[int]:
     """The groups whose rewards are all equal: no GRPO signal."""
-    rewards: dict[int, set] = {}
+    rewards = {}
     for s in samples:
         rewards.setdefault(s.group, set()).add(s.reward)
     return {g for g, r in rewards.items() if len(r) == 1}
@@ -801,12 +812,9 @@ def train_on_samples(
             minibatch(model, reference, [s for s in samples if s.group in share], cfg, ranks)
         )
     # positions: what the model was fed (fewer than trained_tokens: shared prompts, no last tokens)
-    sums = {}
-    sums["positions"] = sum(len(mb.input_ids) for mbs in packed for mb in mbs)
-    sums["trained_tokens"] = sum(
-        len(s.prompt_ids) + len(s.completion.output_ids) for s in samples
-    )
-    parts = [sums]
+    tokens = sum(len(s.prompt_ids) + len(s.completion.output_ids) for s in samples)
+    positions = sum(len(mb.input_ids) for mbs in packed for mb in mbs)
+    parts = [{"positions": positions, "trained_tokens": tokens}]
     stats, updates = Counter(), packed * cfg.ppo_epochs  # pass after pass
     for i, mbs in enumerate(updates):
         counters, out = train_minibatch(model, optimizer, reduction, mbs, cfg, ranks)
@@ -827,9 +835,8 @@ def minibatch(
     correction's masks from pi_prox (M2PO's over every rank; a mismatch rejection, taken out of
     the denominators too: the mode's weights made again)."""
     mbs = packing.even_out(pack_microbatches(samples, cfg))
-    updates = cfg.num_minibatches * cfg.ppo_epochs
     frozen = {}
-    if loss.needs_proximal_forward(cfg.correction, updates):
+    if loss.needs_proximal_forward(cfg.correction, cfg.num_minibatches * cfg.ppo_epochs):
         frozen["prox_logprobs"] = model
     if reference is not None:
         frozen["ref_logprobs"] = reference
@@ -980,16 +987,19 @@ def optimizer_step(model, optimizer, cfg: Config, learn: bool) -> dict:
         if finite:
             optimizer.step()
         out["updated" if finite else "skipped_steps"] = 1.0
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     return out
 
 
 def pack_microbatches(samples: list[Sample], cfg: Config) -> list[loss.MicroBatch]:
     """Samples -> packed micro-batches of at most --micro-batch-tokens positions (packing.py)."""
-    mode, divisor = cfg.loss_aggregation, cfg.loss_aggregation_divisor
-    budget = cfg.micro_batch_tokens
     return packing.pack_microbatches(
-        samples, mode, divisor, budget, cfg.mask_truncated, SHARE_PROMPTS
+        samples,
+        cfg.loss_aggregation,
+        cfg.loss_aggregation_divisor,
+        cfg.micro_batch_tokens,
+        cfg.mask_truncated,
+        SHARE_PROMPTS,
     )
 
 
