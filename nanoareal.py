@@ -629,12 +629,11 @@ def rollout_batch(
             old = groups.get(slot, [])  # the group this round replaces
             discarded[slot] += sum(len(s.completion.output_ids) for s in old)
             groups[slot] = [s for s in drawn if s.group == slot]
-        flat = flat_groups(drawn)
-        todo = [
-            (slot, resampled_row(len(data.rows), cfg.seed, step, slot, round_ + 1))
-            for slot, _ in todo
-            if slot in flat
-        ]
+        # the flat slots draw again: rows that are functions of (seed, step, slot, round)
+        todo = []
+        for slot in sorted(flat_groups(drawn)):
+            rng = random.Random(mix_seed(cfg.seed, step, slot, round_ + 1, 0x5A3F))
+            todo.append((slot, rng.randrange(len(data.rows))))
         if not todo:
             break
     for slot, group in groups.items():
@@ -651,11 +650,6 @@ def flat_groups(samples: list[Sample]) -> set[int]:
     for s in samples:
         rewards.setdefault(s.group, set()).add(s.reward)
     return {g for g, r in rewards.items() if len(r) == 1}
-
-
-def resampled_row(num_rows: int, seed: int, step: int, slot: int, round_: int) -> int:
-    """The row a slot draws at a resampling round: a function of (seed, step, slot, round)."""
-    return random.Random(mix_seed(seed, step, slot, round_, 0x5A3F)).randrange(num_rows)
 
 
 def generate(
