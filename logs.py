@@ -47,30 +47,24 @@ def print0(*args, **kwargs) -> None:
 class Logger:
     """JSON lines appended; a progress bar only on a terminal, so a log file gets clean lines."""
 
-    def __init__(
-        self,
-        run_dir: str | Path,
-        total_steps: int,
-        start_step: int,
-        wandb_project: str | None = None,
-        config: dict | None = None,
-    ):
-        self.run_dir, self.total, self.active = Path(run_dir), total_steps, rank() == 0
+    def __init__(self, cfg, start_step: int):
+        """The run's config (its run_dir, steps, wandb_project); the step it starts at."""
+        self.run_dir, self.total, self.active = Path(cfg.run_dir), cfg.steps, rank() == 0
         self.wandb = self.bar = None
         if not self.active:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if wandb_project:
+        if cfg.wandb_project:
             import wandb
 
             self.wandb = wandb.init(
-                project=wandb_project, name=self.run_dir.name, config=config
+                project=cfg.wandb_project, name=self.run_dir.name, config=vars(cfg)
             )
         if sys.stdout.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(
-                total=total_steps, initial=start_step, dynamic_ncols=True, leave=False
+                total=self.total, initial=start_step, dynamic_ncols=True, leave=False
             )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -83,13 +77,12 @@ class Logger:
         if self.bar is not None and step > 0:
             self.bar.update(1)
 
-    def samples_due(self, step: int) -> bool:
-        return self.active and step % max(1, self.total // SAMPLED_STEPS) == 0
-
-    def log_samples(self, step: int, rows: list[dict]) -> None:
-        """Sampled completions (sample_rows) to samples.jsonl and, as a table, to wandb."""
-        if not self.active or not rows:
+    def log_samples(self, step: int, samples: list, tokenizer) -> None:
+        """Every total/SAMPLED_STEPS steps: a few groups of the step's samples (sample_rows) to
+        samples.jsonl and, as a table, to wandb."""
+        if not self.active or not samples or step % max(1, self.total // SAMPLED_STEPS):
             return
+        rows = sample_rows(samples, tokenizer)
         self._append("samples.jsonl", [{"step": step} | r for r in rows])
         if self.wandb is not None:
             import wandb
@@ -104,8 +97,8 @@ class Logger:
     def line(self, text: str) -> None:
         if self.bar is not None:
             self.bar.write(text)
-        elif self.active:
-            print(text, flush=True)
+        else:
+            print0(text)
 
     def close(self, last_eval: dict | None = None) -> None:
         if last_eval:

@@ -48,7 +48,7 @@ import rollout
 import tasks
 from checkpoint import on_rank0
 from cli import UserError
-from logs import Logger, merge, print0, reduce_metrics, sample_rows, step_metrics
+from logs import Logger, merge, print0, reduce_metrics, step_metrics
 from rollout import Sample, SamplingParams, mix_seed
 
 ROOT = Path(__file__).resolve().parent
@@ -239,7 +239,7 @@ def main(argv: list[str]) -> None:
     model, reference, teacher, optimizer = load_models(cfg, device, ranks, engine)
     reduction = loss.build_loss(cfg, dist.group.WORLD, cp_factor=ranks.cp_size)
     run = resume(cfg, model, optimizer, engine, ranks, resuming)  # step, batches ahead
-    logger = Logger(cfg.run_dir, cfg.steps, run.step, cfg.wandb_project, asdict(cfg))
+    logger = Logger(cfg, run.step)
     make_batch = lambda step: rollout_batch(engine, data, reward_fn, step, cfg, ranks)
     share = lambda batch: cp_broadcast(batch, ranks)  # one rollout per CP group
     rollouts = rollout.Rollouts(
@@ -281,8 +281,7 @@ def main(argv: list[str]) -> None:
                 run.last_eval = evaluate()
                 metrics |= run.last_eval
             logger.log(step + 1, metrics)  # metrics.jsonl, wandb, a console line
-            if logger.samples_due(step + 1):  # a few groups to samples.jsonl
-                logger.log_samples(step + 1, sample_rows(samples, data.tokenizer))
+            logger.log_samples(step + 1, samples, data.tokenizer)  # a few, to samples.jsonl
             end_step(step + 1, sums, metrics, cfg, model, optimizer, run, rollouts, logger)
     rollouts.close()
     logger.close(run.last_eval)
