@@ -88,7 +88,7 @@ def check_flags(cls: type, args: list[str]) -> None:
     known = {
         f"--{n.replace('_', '-')}": _base(t) for n, t in typing.get_type_hints(cls).items()
     }
-    known |= {f"--no-{k[2:]}": bool for k, t in list(known.items()) if t is bool}
+    known |= {f"--no-{k[2:]}": bool for k, t in known.items() if t is bool}
     i = 0
     while i < len(args):
         flag, _, inline = args[i].partition("=")

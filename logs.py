@@ -139,14 +139,15 @@ def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> 
     metrics = {name: sums[n] / sums[d] for name, (n, d) in MEANS.items() if sums[d] > 0}
     metrics["staleness"] = step - 1 - metrics.get("policy_version", step - 1)
     metrics |= {
-        "importance_weight/max": sums.get("importance_weight_max", 1.0),
+        "importance_weight/max": sums["importance_weight_max"],
         "zero_var_groups": sums["zero_var_groups"],
         "reward_errors": sums["reward_errors"],
         "lr": lr,
     }
+    # StepMetrics starts them at -inf: a step without responses has none
     extremes = {
-        "mismatch/seq_ratio_max": sums.get("seq_log_ratio_max", -math.inf),
-        "mismatch/seq_ratio_min": -sums.get("seq_log_ratio_min_max", -math.inf),
+        "mismatch/seq_ratio_max": sums["seq_log_ratio_max"],
+        "mismatch/seq_ratio_min": -sums["seq_log_ratio_min_max"],
     }
     metrics |= {k: math.exp(v) for k, v in extremes.items() if math.isfinite(v)}
     # with those of groups resampled away
