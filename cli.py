@@ -43,7 +43,7 @@ def parse(cls: type[T], argv: list[str], preset=lambda dataset: {}) -> T:
     the dataclass's defaults, `preset(dataset)` (a built-in task's flags), --config's, argv."""
     import tyro
 
-    args = list(argv)
+    args = argv
     if "--config" in argv:
         path = [*argv, ""][argv.index("--config") + 1]
         try:
@@ -52,7 +52,7 @@ def parse(cls: type[T], argv: list[str], preset=lambda dataset: {}) -> T:
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise UserError(f"--config {path}: {e}") from None
     check_flags(cls, args)
-    dataset = getattr(cls, "dataset", None)
+    dataset = cls.dataset
     for i, arg in enumerate(args):  # the last --dataset (check_flags gave it one value)
         flag, _, value = arg.partition("=")
         if flag == "--dataset":

@@ -451,25 +451,25 @@ def validate_config(cfg: Config, world: int) -> Config:
 
 def check_lora(cfg: Config) -> None:
     """--lora-rank, and --lora-adapter against --model (its base), before anything loads."""
-    found = lora.read_config(cfg.lora_adapter) if cfg.lora_adapter else None
-    problem = None
-    if cfg.lora_adapter and found is None:
-        problem = f"--lora-adapter {cfg.lora_adapter} is not a PEFT adapter directory"
-    elif found and found["r"] != cfg.lora_rank:
-        problem = (
-            f"--lora-adapter {cfg.lora_adapter} has rank {found['r']}, not --lora-rank "
-            f"{cfg.lora_rank}"
+    if not cfg.lora_adapter:
+        return
+    found = lora.read_config(cfg.lora_adapter)
+    if found is None:
+        raise UserError(
+            f"config error: --lora-adapter {cfg.lora_adapter} is not a PEFT adapter directory"
         )
-    elif found:
-        base = found["base_model_name_or_path"]
-        same = Path(base).exists() and Path(base).resolve() == Path(cfg.model).resolve()
-        if base != cfg.model and not same:
-            problem = (
-                f"--lora-adapter {cfg.lora_adapter} is an adapter of {base!r}, not of "
-                f"--model {cfg.model}"
-            )
-    if problem:
-        raise UserError(f"config error: {problem}")
+    if found["r"] != cfg.lora_rank:
+        raise UserError(
+            f"config error: --lora-adapter {cfg.lora_adapter} has rank {found['r']}, not "
+            f"--lora-rank {cfg.lora_rank}"
+        )
+    base = found["base_model_name_or_path"]
+    same = Path(base).exists() and Path(base).resolve() == Path(cfg.model).resolve()
+    if base != cfg.model and not same:
+        raise UserError(
+            f"config error: --lora-adapter {cfg.lora_adapter} is an adapter of {base!r}, not "
+            f"of --model {cfg.model}"
+        )
 
 
 @dataclass(frozen=True)
@@ -750,7 +750,7 @@ def set_advantages(
     .zero_variance (its group's rewards are all equal); with a teacher, .token_advantages: the
     advantage plus the teacher's per-token term (loss.distill_advantages)."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    groups = torch.tensor([s.group for s in samples], dtype=torch.long)
+    groups = torch.tensor([s.group for s in samples])
     adv = loss.group_advantages(rewards, groups, cfg.adv_estimator, copies=ranks.cp_size)
     flat = flat_groups(samples)
     for s, a in zip(samples, adv.tolist()):
@@ -797,13 +797,13 @@ def train_on_samples(
     """One rollout batch -> --ppo-epochs x --num-minibatches optimizer steps, each on a share of
     the groups. Returns this rank's counters (the first pass's; reduce_metrics sums them over ranks)
     and the step's stats: grad norm and loss terms (means), skipped steps, whether any update."""
-    groups = sorted({s.group for s in samples})
-    packed = []
-    for i in range(cfg.num_minibatches):  # pi_prox and pi_ref: the weights before any update
-        share = set(groups[i :: cfg.num_minibatches])
-        packed.append(
-            minibatch(model, reference, [s for s in samples if s.group in share], cfg, ranks)
-        )
+    # mini-batch i: every n-th group from the i-th; pi_prox, pi_ref: the weights before any update
+    n = cfg.num_minibatches
+    share = {g: i % n for i, g in enumerate(sorted({s.group for s in samples}))}
+    packed = [
+        minibatch(model, reference, [s for s in samples if share[s.group] == i], cfg, ranks)
+        for i in range(n)
+    ]
     # positions: what the model was fed (fewer than trained_tokens: shared prompts, no last tokens)
     tokens = sum(len(s.prompt_ids) + len(s.completion.output_ids) for s in samples)
     positions = sum(len(mb.input_ids) for mbs in packed for mb in mbs)
@@ -964,8 +964,7 @@ class StepMetrics:
         self.most = torch.maximum(self.most, torch.cat([iw_max, extremes]))
 
     def sums(self) -> dict:
-        out = dict(zip(self.NAMES, self.acc.tolist()))
-        return out | dict(zip(self.MAXIMA, self.most.tolist()))
+        return dict(zip(self.NAMES + self.MAXIMA, torch.cat([self.acc, self.most]).tolist()))
 
 
 def optimizer_step(model, optimizer, cfg: Config, learn: bool) -> dict:
