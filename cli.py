@@ -124,8 +124,7 @@ def check_flags(cls: type, args: list[str]) -> None:
 
 
 def rank() -> int:
-    initialized = dist.is_available() and dist.is_initialized()
-    return dist.get_rank() if initialized else int(os.environ.get("RANK", 0))
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
 def run(main, argv: list[str] | None) -> int:

@@ -113,23 +113,22 @@ class Logger:
 
 def reduce_metrics(sums: dict) -> dict:
     """All ranks' counters (keys may differ) summed in ONE collective (MAXIMA: max; str: first)."""
-    gathered = [sums]
-    if dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, sums)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sums)
     return merge(gathered)
 
 
 def merge(parts: list[dict]) -> dict:
     """Counters summed key by key (MAXIMA: max; str: the first)."""
     total = {}
-    for k, v in (item for part in parts for item in part.items()):
-        if isinstance(v, str):
-            total.setdefault(k, v)
-        elif k in MAXIMA:
-            total[k] = max(total.get(k, v), v)
-        else:
-            total[k] = total.get(k, 0.0) + float(v)
+    for part in parts:
+        for k, v in part.items():
+            if isinstance(v, str):
+                total.setdefault(k, v)
+            elif k in MAXIMA:
+                total[k] = max(total.get(k, v), v)
+            else:
+                total[k] = total.get(k, 0.0) + float(v)
     return total
 
 

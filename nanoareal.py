@@ -549,11 +549,10 @@ def prepare_run(cfg: Config, device, ranks: Ranks) -> tuple:
 
 def banner(cfg: Config, ranks: Ranks, device, data: tasks.Data, rollouts) -> str:
     """The run's first line: where it runs, what it trains on, how."""
-    prompts = f"{len(data.rows)}/{len(data.evalset)} train/eval prompts"
-    loss_name = f"{cfg.policy_loss}/{cfg.loss_aggregation}"
     return (
-        f"nanoareal: {ranks.world} rank(s) on {device.type}, {cfg.model}, {prompts}, "
-        f"{loss_name}, {rollouts.describe()}, run {cfg.run_dir}"
+        f"nanoareal: {ranks.world} rank(s) on {device.type}, {cfg.model}, {len(data.rows)}/"
+        f"{len(data.evalset)} train/eval prompts, {cfg.policy_loss}/{cfg.loss_aggregation}, "
+        f"{rollouts.describe()}, run {cfg.run_dir}"
     )
 
 
@@ -625,8 +624,8 @@ def rollout_batch(
         gen_s += time.perf_counter() - start
         score(drawn, data, reward_fn, cfg)
         for slot, _ in todo:
-            old = groups.get(slot, [])  # the group this round replaces
-            discarded[slot] += sum(len(s.completion.output_ids) for s in old)
+            replaced = groups.get(slot, [])
+            discarded[slot] += sum(len(s.completion.output_ids) for s in replaced)
             groups[slot] = [s for s in drawn if s.group == slot]
         # the flat slots draw again: rows that are functions of (seed, step, slot, round)
         todo = []
@@ -860,8 +859,8 @@ def minibatch(
         threshold=cfg.correction_threshold,
         group=dist.group.WORLD if ranks.world > 1 else None,
     )
-    sizes = [len(mb.loss_mask) for mb in mbs]
-    return [replace(mb, keep_mask=k) for mb, k in zip(mbs, keep.split(sizes))]
+    keep = keep.split([len(mb.loss_mask) for mb in mbs])
+    return [replace(mb, keep_mask=k) for mb, k in zip(mbs, keep)]
 
 
 def reject(mb: loss.MicroBatch, corr: loss.Correction, cap: float) -> loss.MicroBatch:
