@@ -213,7 +213,6 @@ class Config:
             self.reward = task.reward if task else "exact_match"
         if not self.lr:  # docs/studies.md: LoRA wants a 10x larger one
             self.lr = default_lr(self.lora_rank or self.lora_adapter)
-        updates = self.num_minibatches * self.ppo_epochs
         resolved = loss.resolve_loss_flags(
             self.policy_loss,
             self.loss_aggregation,
@@ -224,7 +223,7 @@ class Config:
             self.correction_threshold,
             self.max_new_tokens,
             self.max_staleness,
-            updates,
+            self.num_minibatches * self.ppo_epochs,  # updates per batch
         )
         for k, v in resolved.items():
             setattr(self, k, v)
@@ -671,7 +670,7 @@ def generate(
         for k in range(cfg.group_size)
     ]
     encoded = [data.prompts[r] for _, r in slots]
-    rows = [data.rows[r] for _, r in slots] if data.tools else None
+    rows = [data.rows[r] for _, r in slots]  # what an env starts from (tools only)
     version = engine.version
     completions = rollout.run_episodes(engine, encoded, sampling, seeds, data.tools, rows)
     return [
@@ -742,9 +741,7 @@ def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:
     return dict(sums)
 
 
-def set_advantages(
-    samples: list[Sample], cfg: Config, ranks: Ranks = Ranks(), teacher=None
-) -> None:
+def set_advantages(samples: list[Sample], cfg: Config, ranks: Ranks, teacher) -> None:
     """Each sample's .advantage (its reward against its group's, loss.ADVANTAGES) and
     .zero_variance (its group's rewards are all equal); with a teacher, .token_advantages: the
     advantage plus the teacher's per-token term (loss.distill_advantages)."""
