@@ -331,7 +331,6 @@ def resolve_config(cfg: Config) -> Config:
     held = cfg.eval_dataset
     if not held and not cfg.steps and cfg.dataset not in tasks.TASKS:
         held = cfg.dataset
-    teacher = shipped(cfg.teacher) if cfg.teacher else None
     lr = cfg.lr
     if rank and not cfg.lora_rank and lr == default_lr(cfg.lora_adapter):  # an adopted rank
         lr = default_lr(rank)
@@ -346,7 +345,7 @@ def resolve_config(cfg: Config) -> Config:
         eval_dataset=held,
         lora_adapter=adapter,
         lora_rank=rank,
-        teacher=teacher,
+        teacher=shipped(cfg.teacher) if cfg.teacher else None,
         lr=lr,
         run_dir=run_dir,
     )
