@@ -26,13 +26,12 @@ import os
 import platform
 import random
 import time
-import typing
 from collections import Counter
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Annotated, Literal, TypeVar
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -62,11 +61,9 @@ MAX_BAD_STEPS = 3  # stop after this many steps in a row with a non-finite gradi
 CKPT_MINUTES = 10.0  # save a checkpoint when this long has passed since the last one
 
 # -----------------------------------------------------------------------------
-# config: one flat set of flags, `--help` its documentation. A Volatile flag changes how a run is
-# watched or how long it goes, not what it computes: a rerun with another value continues the run.
-
-T = TypeVar("T")
-Volatile = Annotated[T, "volatile"]
+# config: one flat set of flags, `--help` its documentation. A volatile flag (VOLATILE) changes
+# how a run is watched or how long it goes, not what it computes: a rerun with another value
+# continues the run.
 
 
 @dataclass
@@ -75,15 +72,15 @@ class Config:
     model: str = "assets/tiny-arith"
     """Hugging Face causal-LM directory or hub id, an export (runs/<run>/final), a checkpoint or
     a PEFT LoRA adapter directory (its base model, its adapters)."""
-    run_dir: Volatile[str | None] = None
+    run_dir: str | None = None
     """Where metrics, samples and checkpoints go; default runs/<dataset>-<mode>-s<seed>-<hash>."""
     seed: int = 0
     """Seed of the run: prompt order and sampling noise are functions of (seed, step)."""
-    steps: Volatile[int] = 100
+    steps: int = 100
     """Training steps, one rollout batch each; 0 evaluates --model without training."""
-    config: Volatile[str | None] = None
+    config: str | None = None
     """A TOML file of flag defaults (keys are flag names); flags on the command line win."""
-    resume: Volatile[str] = "auto"
+    resume: str = "auto"
     """auto continues the run in --run-dir; fresh moves it aside first; or a checkpoint's path."""
 
     # data
@@ -120,9 +117,9 @@ class Config:
     """hf: transformers in the trainer's precision (hf_bf16: bf16 weights and compute; hf_int4:
     4-bit weights); sglang: in-process on this GPU or --rollout-url (sglang_deterministic:
     seeded)."""
-    rollout_url: Volatile[list[str]] = field(default_factory=list)
+    rollout_url: list[str] = field(default_factory=list)
     """SGLang server URLs; none with --rollout-backend sglang runs SGLang in-process."""
-    weight_sync: Volatile[Literal["auto", "tensor", "disk", "nccl"]] = "auto"
+    weight_sync: Literal["auto", "tensor", "disk", "nccl"] = "auto"
     """How new weights reach SGLang: auto is tensor in-process, nccl to servers where it can."""
 
     # advantages
@@ -189,19 +186,19 @@ class Config:
     """Start from this PEFT adapter directory (--model such a directory sets it and its base)."""
 
     # eval, logging, checkpoints, system
-    eval_every: Volatile[int] = 10
+    eval_every: int = 10
     """Held-out evaluation every N steps, at step 0 and at the end; 0 turns it off."""
-    eval_k: Volatile[int] = 0
+    eval_k: int = 0
     """Also sample k answers per held-out prompt: mean@k and pass@k (Chen et al. 2021)."""
-    ckpt_every: Volatile[int] = 0
+    ckpt_every: int = 0
     """Also save a checkpoint every N steps (besides every 10 minutes, the end and signals)."""
-    wandb_project: Volatile[str | None] = None
+    wandb_project: str | None = None
     """Also log metrics and sample tables to this Weights & Biases project."""
     dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
     """Compute precision; bfloat16 keeps fp32 master weights; auto: bf16 on a GPU, fp32 on a CPU."""
-    cp_size: Volatile[int] = 1
+    cp_size: int = 1
     """Context parallel (Ulysses): ranks that split each micro-batch's tokens (exact, same run)."""
-    compile: Volatile[bool] = True
+    compile: bool = True
     """torch.compile the decoder layers where they hold 50M parameters or more (fused, exact)."""
 
     def __post_init__(self):
@@ -293,10 +290,20 @@ def main(argv: list[str]) -> None:
 
 # -----------------------------------------------------------------------------
 # set-up: the config (flags + TOML, resolved once, checked), the ranks, the data
+# the volatile flags: how a run is watched or how long it goes (a rerun continues the run)
 VOLATILE = {
-    k
-    for k, hint in typing.get_type_hints(Config, include_extras=True).items()
-    if "volatile" in getattr(hint, "__metadata__", ())
+    "run_dir",
+    "steps",
+    "config",
+    "resume",
+    "rollout_url",
+    "weight_sync",
+    "eval_every",
+    "eval_k",
+    "ckpt_every",
+    "wandb_project",
+    "cp_size",
+    "compile",
 }
 DEFAULTS = {f.name: f.default for f in fields(Config) if f.default is not MISSING}
 
