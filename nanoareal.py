@@ -29,7 +29,6 @@ import time
 from collections import Counter
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -242,7 +241,7 @@ def main(argv: list[str]) -> None:
         make_batch, cfg.max_staleness, engine.overlaps, run.pending, cfg.steps, share
     )
     print0(banner(cfg, ranks, device, data, rollouts))
-    evaluate = partial(tasks.evaluate, engine, data, reward_fn, cfg, ranks.rank, ranks.world)
+    evaluate = lambda: tasks.evaluate(engine, data, reward_fn, cfg, ranks.rank, ranks.world)
     if data.evalset and (cfg.steps == 0 or (cfg.eval_every > 0 and run.step == 0)):
         run.last_eval = evaluate()
         logger.log(run.step, run.last_eval)
