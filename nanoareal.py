@@ -612,8 +612,9 @@ def rollout_batch(
     """This data-parallel rank's share of the step's groups (every dp_size-th slot: a group never
     straddles ranks), sampled by the engine's current weights and scored. --zero-variance
     resample: a slot whose group's rewards are all equal draws a fresh prompt (a function of
-    (seed, step, slot, round)) up to --max-resample times. It may run on the rollout thread,
-    overlapping training: no collectives here. A CP group's first rank makes it."""
+    (seed, step, slot, round)) up to --max-resample times; every sample's gen_s is the rounds'
+    generation time summed (the discarded tokens took part of it). It may run on the rollout
+    thread, overlapping training: no collectives here. A CP group's first rank makes it."""
     if ranks.cp_rank != 0:
         return []
     rows = prompts_for_step(len(data.rows), cfg.prompts_per_step, step, cfg.seed)
@@ -662,8 +663,8 @@ def generate(
     cfg: Config,
     round_: int = 0,
 ) -> list[Sample]:
-    """group_size completions of each (slot, row) prompt (one the engine aborted is
-    dropped); the slot is the group; seeds (seed, step, slot, k[, round]), not the rank's."""
+    """group_size completions of each (slot, row) prompt (one the engine aborted is dropped); the
+    slot is the group; seeds (seed, step, slot, k[, round]), not the rank's."""
     sampling = SamplingParams(
         cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, data.stop_ids
     )
