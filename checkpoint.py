@@ -1,8 +1,6 @@
 """Checkpoints, resume and the final export: a kill at any moment leaves nothing half-written that
 a later run trusts. Prompts and sampling noise are functions of (seed, step): no data to save."""
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import itertools
@@ -50,12 +48,12 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
 
 def rng_states() -> dict:
     """Every RNG this process has, as tensors and plain tuples and lists (weights_only loads it)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, *rest = np.random.get_state()  # rest: pos, has_gauss, cached
     return {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached],
+        "numpy": [kind, torch.from_numpy(keys.astype("int64")), *rest],
     }
 
 
@@ -81,8 +79,8 @@ def unreadable(path: Path) -> str | None:
         metadata = safe_dcp_reader(path).read_metadata()
     except Exception as e:
         return f".metadata: {type(e).__name__}: {e}"
-    ends: dict[str, int] = {}
-    for info in getattr(metadata, "storage_data", {}).values():
+    ends = {}
+    for info in metadata.storage_data.values():
         name = str(info.relative_path)
         ends[name] = max(ends.get(name, 0), info.offset + info.length)
     for name, end in sorted(ends.items()):
@@ -132,7 +130,7 @@ def choose_resume(run_dir: str | Path, resume: str, resuming: bool) -> str | Non
     problem = unreadable(Path(resume))
     if problem:
         raise UserError(f"--resume {resume}: unreadable checkpoint ({problem})")
-    step = int(json.loads((Path(resume) / "meta.json").read_text())["step"])
+    step = json.loads((Path(resume) / "meta.json").read_text())["step"]  # an int: unreadable
     for path in (p for p in complete_checkpoints(run_dir) if _step(p) > step):
         # a name taken by an earlier such resume: step_N.abandoned-1, ...
         aside = set_aside(path, ".abandoned")
@@ -147,7 +145,7 @@ def claim_run_dir(
     config: dict,
     volatile: set[str],
     fresh: bool,
-    defaults: dict | None = None,
+    defaults: dict,
 ) -> bool:
     """Rank 0, before any write: True when `run_dir` holds this run (config.json equal but for
     `volatile`, new flags at their `defaults`); another run is refused, or (`fresh`) moved aside."""
@@ -163,7 +161,7 @@ def claim_run_dir(
         changed = sorted(
             k
             for k in set(theirs) | set(config)
-            if k not in volatile and theirs.get(k, (defaults or {}).get(k)) != config.get(k)
+            if k not in volatile and theirs.get(k, defaults.get(k)) != config.get(k)
         )
     except (OSError, ValueError):
         changed = ["(config.json missing or unreadable)"]
@@ -187,7 +185,7 @@ class Preemption:
     its step, save and exit; the first wins (torchrun passes Ctrl-C on a second time)."""
 
     def __enter__(self):
-        self.signals: list[int] = []
+        self.signals = []
         self.previous = {
             s: signal.signal(s, lambda signum, _: self.signals.append(signum))
             for s in (signal.SIGINT, signal.SIGTERM)
@@ -254,10 +252,10 @@ def save_checkpoint(
         fd = os.open(final.parent, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-        older = [p for p in complete_checkpoints(run_dir) if _step(p) < step]
-        if KEEP_CHECKPOINTS > 0:  # this one and the KEEP_CHECKPOINTS - 1 newest before it
-            for old in older[: max(len(older) + 1 - KEEP_CHECKPOINTS, 0)]:
-                shutil.rmtree(old)
+        # this one and the KEEP_CHECKPOINTS - 1 newest before it ([:-0] is empty: 0 keeps all);
+        # it is the newest: a resume sets aside (choose_resume) or skips (newest_usable) newer ones
+        for old in complete_checkpoints(run_dir)[:-KEEP_CHECKPOINTS]:
+            shutil.rmtree(old)
     dist.barrier()
     return final
 
@@ -292,7 +290,7 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
         if not rng.exists():
             rng = path / "rng_rank0.pt"
         set_rng_states(torch.load(rng, weights_only=True))
-        ahead: dict[int, list] = {}
+        ahead = {}
         for part in sorted(path.glob("ahead_rank*.pt")):
             for step, batch in torch.load(part, weights_only=True).items():
                 ahead.setdefault(int(step), []).extend(batch)
@@ -340,7 +338,7 @@ def safe_dcp_reader(path: Path):
 
     class Reader(dcp.FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            with open(Path(path) / ".metadata", "rb") as f:
+            with open(path / ".metadata", "rb") as f:
                 MetadataUnpickler(f).load()
             return super().read_metadata(*args, **kwargs)
 
@@ -374,20 +372,22 @@ def export_hf(model, adapters: dict | None, tokenizer, src: str, out_dir: Path) 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    # safetensors refuses tied weights (shared storage), from_pretrained re-ties them: keep one
-    seen = set()
+    # safetensors refuses tied weights (shared storage), from_pretrained re-ties them: the first
+    # name of each storage is kept (an empty tensor shares none)
     tensors = {}
     for name, t in lora.merged(state.items(), model):
-        if t.numel() == 0 or t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            tensors[name] = t.contiguous()
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        key = t.untyped_storage().data_ptr() if t.numel() else name
+        tensors.setdefault(key, (name, t.contiguous()))
+    save_file(
+        dict(tensors.values()), str(tmp / "model.safetensors"), metadata={"format": "pt"}
+    )
     AutoConfig.from_pretrained(src).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if adapter:  # and the adapter in PEFT's format in final/adapter/ (--model takes it too)
         lora.save(adapter, adapters, src, tmp / "adapter")
-    if (Path(src) / "generation_config.json").exists():
-        shutil.copy(Path(src) / "generation_config.json", tmp / "generation_config.json")
+    generation = Path(src) / "generation_config.json"
+    if generation.exists():
+        shutil.copy(generation, tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
 
@@ -397,11 +397,11 @@ def on_rank0(fn, *args):
     box = [None]
     if dist.get_rank() == 0:
         try:
-            box = [(fn(*args), None)]
-        except UserError as e:
-            box = [(None, str(e))]
+            box = [fn(*args)]
+        except UserError as e:  # sent as it is (it pickles)
+            box = [e]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
-    if box[0][1] is not None:
-        raise UserError(box[0][1])
-    return box[0][0]
+    if isinstance(box[0], UserError):
+        raise box[0]
+    return box[0]

@@ -4,8 +4,6 @@ computes base(x) + (alpha / r) B A x, with A [r, in] random and B [out, r] zero 
 base model's output). Its adapters are the parameters `<layer>.lora_A` and `<layer>.lora_B`:
 `is_adapter` is the one test of what an adapter is; the base is frozen."""
 
-from __future__ import annotations
-
 import json
 import math
 import re
@@ -80,13 +78,13 @@ def targets(model: nn.Module, spec) -> list[str]:
     head; MoE experts' fused weights are no such layer: they stay frozen), or PEFT's
     target_modules: a list of names or name suffixes, or a regular expression."""
     head = model.get_output_embeddings()
-    names = []
-    for name, layer in model.named_modules():
-        if not (isinstance(layer, nn.Linear) or is_conv1d(layer)) or layer is head:
-            continue
-        if spec == "all-linear" or _matches(name, spec):
-            names.append(name)
-    return names
+    return [
+        name
+        for name, layer in model.named_modules()
+        if (isinstance(layer, nn.Linear) or is_conv1d(layer))
+        and layer is not head
+        and (spec == "all-linear" or _matches(name, spec))
+    ]
 
 
 def _matches(name: str, spec) -> bool:
@@ -107,20 +105,19 @@ def apply(model: nn.Module, r: int, config: dict | None = None) -> tuple[dict | 
     names = targets(model, spec)
     if not names:
         raise UserError(f"LoRA: no layer of this model matches target_modules {spec!r}")
-    for p in model.parameters():
+    base = list(model.parameters())
+    for p in base:
         p.requires_grad_(False)
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent)
         setattr(owner, child, LoraLinear(getattr(owner, child), r, alpha))
-    base = [p for n, p in model.named_parameters() if not is_adapter(n)]
-    trainable = sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))
+    # the adapters, new, are the only parameters besides the base's
     frozen = sum(p.numel() for p in base)
-    dtype = base[0].dtype
-    peft_config = {"r": r, "lora_alpha": alpha, "target_modules": names}
-    return peft_config, (
+    trainable = sum(p.numel() for p in model.parameters()) - frozen
+    return {"r": r, "lora_alpha": alpha, "target_modules": names}, (
         f"LoRA r={r} alpha={alpha} on {len(names)} layers: {trainable:,} trainable, "
-        f"{frozen:,} frozen in {dtype}; "
+        f"{frozen:,} frozen in {base[0].dtype}; "
     )
 
 
@@ -142,7 +139,7 @@ def merged(named, model: nn.Module):
     layer's weight merged with its adapter, its base's other tensors renamed. One layer at a
     time: never a second whole model."""
     adapted = {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
-    held: dict[str, dict] = {}
+    held = {}
     for name, t in named:
         layer, _, kind = name.rpartition(".")
         owner = layer if is_adapter(name) else layer.removesuffix(".base")
@@ -219,11 +216,11 @@ def load_weights(model: nn.Module, path: str) -> None:
     from safetensors.torch import load_file
 
     own = {k: p for k, p in model.named_parameters() if is_adapter(k)}
-    theirs = {}
-    for k, v in load_file(str(Path(path) / "adapter_model.safetensors")).items():
-        theirs[
-            k.removeprefix(PEFT_PREFIX).removesuffix(".weight").replace(".default", "")
-        ] = v
+    peft = load_file(str(Path(path) / "adapter_model.safetensors"))
+    theirs = {
+        k.removeprefix(PEFT_PREFIX).removesuffix(".weight").replace(".default", ""): v
+        for k, v in peft.items()
+    }
     bad = [
         k
         for k in own.keys() | theirs.keys()

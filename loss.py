@@ -34,12 +34,10 @@ Rules, each tested:
 6. A term's logged value is its global objective (same group, same normalizer).
 7. Entropy bonus and KL penalty are terms of the same reduction (token means)."""
 
-from __future__ import annotations
-
 import math
 import struct
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -87,40 +85,41 @@ def _choice(kind: str, name: str, table: Mapping):
 
 
 # -----------------------------------------------------------------------------
-# advantages (--adv-estimator): fn(rewards, group_ids, group, copies) -> each sample's advantage
-# (any group sizes, any order; a group of one gets 0). `group`: the ranks of the step's batch,
+# advantages (--adv-estimator): fn(rewards, group_ids, copies) -> each sample's advantage (any
+# group sizes, any order; a group of one gets 0). Every rank holds a share of the step's batch,
 # each sample held by `copies` of them (a CP group's)
-def grpo(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
+def grpo(rewards: Tensor, group_ids: Tensor, copies: int) -> Tensor:
     """A_i = (R_i - mean_g R) / (std_g R + eps), the group's unbiased std (GRPO)."""
-    return (rewards - group_mean(rewards, group_ids)) / (
-        group_std(rewards, group_ids) + ADV_EPS
-    )
+    centered = rewards - group_mean(rewards, group_ids)
+    n = _group_sums(torch.ones_like(rewards), group_ids)
+    std = (_group_sums(centered**2, group_ids) / (n - 1).clamp(min=1)).sqrt()
+    return centered / (std + ADV_EPS)
 
 
-def grpo_batch_std(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
+def grpo_batch_std(rewards: Tensor, group_ids: Tensor, copies: int) -> Tensor:
     """A_i = (R_i - mean_g R) / (std R + eps), the whole step's batch std, every rank's (TRL's
     scale_rewards="batch")."""
     count = torch.ones_like(rewards).sum()
     moments = torch.stack([count, rewards.sum(), (rewards**2).sum()])
-    n, s, ss = all_reduce_vector(moments, group) / copies
+    n, s, ss = all_reduce_vector(moments) / copies
     variance = (ss - s * s / n) / (n - 1).clamp(min=1)
     std = variance.clamp(min=0).sqrt()
     return (rewards - group_mean(rewards, group_ids)) / (std + ADV_EPS)
 
 
-def dr_grpo(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
+def dr_grpo(rewards: Tensor, group_ids: Tensor, copies: int) -> Tensor:
     """A_i = R_i - mean_g R: no std (Dr. GRPO; TRL scale_rewards="none")."""
     return rewards - group_mean(rewards, group_ids)
 
 
-def rloo(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
+def rloo(rewards: Tensor, group_ids: Tensor, copies: int) -> Tensor:
     """A_i = R_i - mean of the group's other rewards (REINFORCE leave-one-out)."""
     n = _group_sums(torch.ones_like(rewards), group_ids)
     others = _group_sums(rewards, group_ids) - rewards
     return rewards - others / (n - 1).clamp(min=1)
 
 
-def no_reward(rewards: Tensor, group_ids: Tensor, group=None, copies: int = 1) -> Tensor:
+def no_reward(rewards: Tensor, group_ids: Tensor, copies: int) -> Tensor:
     """A_i = 0: the reward teaches nothing (on-policy distillation alone: --teacher)."""
     return torch.zeros_like(rewards)
 
@@ -139,21 +138,13 @@ def group_mean(rewards: Tensor, group_ids: Tensor) -> Tensor:
     return _group_sums(rewards, group_ids) / _group_sums(torch.ones_like(rewards), group_ids)
 
 
-def group_std(rewards: Tensor, group_ids: Tensor) -> Tensor:
-    """Each sample's group's unbiased reward std."""
-    n = _group_sums(torch.ones_like(rewards), group_ids)
-    deviation = (rewards - group_mean(rewards, group_ids)) ** 2
-    variance = _group_sums(deviation, group_ids) / (n - 1).clamp(min=1)
-    return variance.sqrt()
-
-
 def group_advantages(
-    rewards: Tensor, group_ids: Tensor, estimator: str = "grpo", group=None, copies: int = 1
+    rewards: Tensor, group_ids: Tensor, estimator: str = "grpo", copies: int = 1
 ) -> Tensor:
     """Per-sample advantages of ADVANTAGES[estimator]; a group of one gets 0."""
     fn = _choice("adv-estimator", estimator, ADVANTAGES)
     rewards = rewards.double()
-    adv = fn(rewards, group_ids, group, copies)
+    adv = fn(rewards, group_ids, copies)
     alone = _group_sums(torch.ones_like(rewards), group_ids) < 2
     return torch.where(alone, 0.0, adv).float()
 
@@ -205,16 +196,11 @@ MODES = {fn.__name__: fn for fn in (token_mean, seq_mean, prompt_mean, constant)
 def response_weights(
     mode: str, denom_counts: Tensor, group_ids: Tensor, divisor: float | None = None
 ) -> Pair:
-    """Per-response (w_i, nw_i) of `mode`; denom_counts (M_i) cover the WHOLE mini-batch."""
+    """Per-response (w_i, nw_i) of `mode`; denom_counts (M_i) cover the WHOLE mini-batch: sums of
+    the responses' 0/1 d masks, [R] like group_ids (packing.mode_weights makes both from one list
+    of samples), so finite and >= 0; begin_step checks the normalizers they make (rule 4)."""
     fn = _choice("loss-aggregation", mode, MODES)
-    M = denom_counts.to(torch.float64)
-    shaped = M.dim() == 1 and group_ids.shape == M.shape
-    if not (shaped and M.isfinite().all() and (M >= 0).all()):
-        raise ValueError(
-            f"denom_counts {tuple(M.shape)} must be finite, >= 0 and [R] like "
-            f"group_ids {tuple(group_ids.shape)}"
-        )
-    return fn(M, group_ids, divisor)
+    return fn(denom_counts.to(torch.float64), group_ids, divisor)
 
 
 # -----------------------------------------------------------------------------
@@ -322,17 +308,11 @@ SURROGATES = {
 # versions old, maybe another precision or kernels) differing from pi_prox (the trainer's
 # weights before this step's update). r_t = pi_prox / pi_behave of a token, rho_i = prod_t r_t
 # of a response (t in m), g_i = rho_i^(1/|i|) its geometric mean. A weigh fn(log r [T], seq_ids,
-# m, cap) -> (w, rejected): the importance weight (sg) and tokens out of the numerator only
-def token_truncate(lr: Tensor, seq_ids: Tensor, m: Tensor, cap: float) -> Pair:
-    """Truncated IS (decoupled PPO, Hilton et al. 2022; TIS): w_t = min(r_t, C)."""
-    return torch.exp(lr).clamp(max=cap), torch.zeros_like(lr)
-
-
-def token_mask(lr: Tensor, seq_ids: Tensor, m: Tensor, cap: float) -> Pair:
-    """AReaL's decoupled PPO: w_t = r_t, tokens with r_t > C rejected (m_t = 0, d_t kept)."""
-    w = torch.exp(lr)
-    rejected = (w > cap).to(w.dtype)
-    return w * (1 - rejected), rejected
+# m) -> the uncapped importance weight; the step truncates it at the cap C, or rejects the tokens
+# over C from the numerator alone (Correction.mask)
+def token_ratio(lr: Tensor, seq_ids: Tensor, m: Tensor) -> Tensor:
+    """Per token: w_t = r_t."""
+    return torch.exp(lr)
 
 
 def _log_rho(lr: Tensor, seq_ids: Tensor, m: Tensor) -> Tensor:
@@ -340,11 +320,10 @@ def _log_rho(lr: Tensor, seq_ids: Tensor, m: Tensor) -> Tensor:
     return _group_sums(torch.where(m > 0, lr, 0.0), seq_ids)
 
 
-def seq_truncate(lr: Tensor, seq_ids: Tensor, m: Tensor, cap: float) -> Pair:
-    """Sequence-level truncated IS (seq-TIS): w_t = min(rho_i, C) on every token of response i."""
-    log_rho = _log_rho(lr, seq_ids, m)
-    w = torch.exp(log_rho.clamp(max=LOG_RATIO_BOUND)).clamp(max=cap)
-    return torch.where(seq_ids >= 0, w, 1.0), torch.zeros_like(lr)
+def seq_ratio(lr: Tensor, seq_ids: Tensor, m: Tensor) -> Tensor:
+    """Per response (seq-TIS): w_t = rho_i on every token of response i."""
+    w = torch.exp(_log_rho(lr, seq_ids, m).clamp(max=LOG_RATIO_BOUND))
+    return torch.where(seq_ids >= 0, w, 1.0)
 
 
 def seq_reject(lr: Tensor, seq_ids: Tensor, d: Tensor, cap: float) -> Tensor:
@@ -413,7 +392,8 @@ def m2po_mask(
 class Correction:
     threshold: float | None = None  # the default --correction-threshold (C)
     clip_to_behaviour: bool = False  # the surrogate's ratio against pi_behave, not pi_prox
-    weigh: Callable | None = None  # per token, in the step: (w, rejected from m alone)
+    weigh: Callable | None = None  # per token, in the step: the uncapped weight
+    mask: bool = False  # a weight over the cap: the token out of m (d kept), else w = C
     reject: Callable | None = None  # before the step, from pi_prox: a keep mask for m and d
     # before the step over the mini-batch: a keep mask in m
     global_mask: Callable | None = None
@@ -425,14 +405,15 @@ CORRECTIONS = {
     "none": Correction(),
     # PPO around the policy that sampled (AReaL's)
     "behave": Correction(clip_to_behaviour=True),
-    # token TIS: decoupled PPO, capped
-    "truncate": Correction(2.0, weigh=token_truncate),
-    # AReaL's decoupled PPO: tokens over the cap out
-    "mask": Correction(2.0, weigh=token_mask),
+    # truncated IS (decoupled PPO, Hilton et al. 2022; TIS): w_t = min(r_t, C)
+    "truncate": Correction(2.0, weigh=token_ratio),
+    # AReaL's decoupled PPO: w_t = r_t, tokens with r_t > C out of m (d kept)
+    "mask": Correction(2.0, weigh=token_ratio, mask=True),
     "m2po": Correction(0.04, clip_to_behaviour=True, global_mask=m2po_mask, clip=False),
-    "seq_tis": Correction(2.0, weigh=seq_truncate),
-    "token_mis": Correction(2.0, weigh=token_truncate, reject=token_reject),
-    "seq_mis": Correction(2.0, weigh=seq_truncate, reject=seq_reject),
+    # sequence-level truncated IS (seq-TIS): w_t = min(rho_i, C) on every token of response i
+    "seq_tis": Correction(2.0, weigh=seq_ratio),
+    "token_mis": Correction(2.0, weigh=token_ratio, reject=token_reject),
+    "seq_mis": Correction(2.0, weigh=seq_ratio, reject=seq_reject),
     "geo_mis": Correction(1.01, reject=geo_reject),
 }
 
@@ -470,12 +451,16 @@ def correct(
         return torch.ones_like(prox), m, stats
     behave = torch.where(d > 0, mb.behave_logprobs, prox)
     lr = log_ratio(prox, behave)
-    w, rejected = correction.weigh(lr, mb.seq_ids, m, cap)
-    # capped: weighed below the uncapped weight (a token's ratio, or its response's rho)
-    uncapped, _ = correction.weigh(lr, mb.seq_ids, m, math.inf)
-    capped = (w < uncapped * (1 - 1e-6)) | (rejected > 0)
+    ratio = correction.weigh(lr, mb.seq_ids, m)  # a token's ratio, or its response's rho
+    if correction.mask:
+        over = ratio > cap
+        w, m = torch.where(over, 0.0, ratio), torch.where(over, 0.0, m)
+    else:
+        w = ratio.clamp(max=cap)
+    # capped: weighed below the uncapped weight (a rejected token's is 0)
+    capped = w < ratio * (1 - 1e-6)
     stats[CAPPED] = ((capped * d).sum(), d.sum())
-    return w.detach(), m * (1.0 - rejected), stats
+    return w.detach(), m, stats
 
 
 # -----------------------------------------------------------------------------
@@ -497,7 +482,7 @@ def kl_penalty(logp: Tensor, ref: Tensor, estimator: str = "k3") -> Tensor:
 
 
 def mismatch_sums(
-    logp: Tensor, behave: Tensor, d: Tensor, seq_ids: Tensor, rejected: Tensor | None = None
+    logp: Tensor, behave: Tensor, d: Tensor, seq_ids: Tensor, rejected: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     """The engine-vs-trainer mismatch of a micro-batch over the response tokens d as sampled (a
     correction's rejections included). Sums (reduce_metrics sums them, logs.step_metrics
@@ -526,9 +511,8 @@ def mismatch_sums(
         rejected.double().sum(),
         gone.double().sum(),
     ]
-    highest = torch.where(active, log_rho, -math.inf).max()
-    lowest = torch.where(active, -log_rho, -math.inf).max()
-    return torch.stack(sums), torch.stack([highest, lowest])
+    extremes = torch.where(active, torch.stack([log_rho, -log_rho]), -math.inf).amax(1)
+    return torch.stack(sums), extremes
 
 
 # -----------------------------------------------------------------------------
@@ -559,8 +543,7 @@ class MicroBatch:
 
     def validate(self) -> None:
         """Rule 4 (m <= d syncs a GPU: begin_step checks it once, before the step)."""
-        given = [(f.name, getattr(self, f.name)) for f in fields(self)[3:]]
-        given = [(k, v) for k, v in given if v is not None]
+        given = [(k, v) for k, v in list(vars(self).items())[3:] if v is not None]
         if not given:
             raise ValueError("micro-batch has no per-token tensors")
         ref_key, ref = given[0]
@@ -579,12 +562,12 @@ class MicroBatch:
         ):
             raise ValueError("'loss_mask' > 'denom_mask' somewhere, but m_t <= d_t")
 
-    def to(self, device) -> MicroBatch:
+    def to(self, device) -> "MicroBatch":
+        """The tensors on `device`; segments stay on the host (attention.check_segments)."""
         moved = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is not None and f.name != "segments":
-                moved[f.name] = value.to(device)
+        for k, v in vars(self).items():
+            if v is not None and k != "segments":
+                moved[k] = v.to(device)
         return replace(self, **moved)
 
 
@@ -604,14 +587,11 @@ class LossTerm:
     coef: float = 1.0
 
 
-def all_reduce_vector(vec: Tensor, group=None, op=None) -> Tensor:
+def all_reduce_vector(vec: Tensor, group=None, op=dist.ReduceOp.SUM) -> Tensor:
     """All-reduce a small host vector (sum by default) over `group`; a no-op in a world of one."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         # NCCL reduces CUDA tensors only, gloo CPU ones
-        nccl = dist.get_backend(group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
-        buf = vec.to(device)
-        op = dist.ReduceOp.SUM if op is None else op
+        buf = vec.to("cuda" if dist.get_backend(group) == "nccl" else "cpu")
         dist.all_reduce(buf, op=op, group=group)
         vec = buf.to(vec.device)
     return vec
@@ -619,21 +599,17 @@ def all_reduce_vector(vec: Tensor, group=None, op=None) -> Tensor:
 
 class LossReduction:
     """The contract's reduction. `group`: the ranks whose gradients are summed (None: the default
-    group), which together see each token once; `cp_factor`: rule 5's CP size, else 1."""
+    group), which together see each token once; `cp_factor`: rule 5's CP size (>= 1: --cp-size's
+    range check), else 1."""
 
     def __init__(self, terms: list[LossTerm], group=None, cp_factor: int = 1):
         self.names = [t.name for t in terms]
-        if len(set(self.names)) != len(terms) or cp_factor < 1:
-            raise ValueError(
-                f"need unique term names and cp_factor >= 1, got {self.names} and {cp_factor}"
-            )
+        if len(set(self.names)) != len(terms):
+            raise ValueError(f"need unique term names, got {self.names}")
         self.terms = terms
         self.group = group
         self.cp_factor = cp_factor
-        # Z: begin_step's; the rest on device
-        self.Z = {}
-        self._numerators = {}
-        self._stats = {}
+        self.Z = {}  # begin_step's global normalizers; numerators and stats on device
 
     def begin_step(self, microbatches: list) -> None:
         """Every term's normalizer over this rank's micro-batches; one all_reduce -> global Z_k."""
@@ -679,21 +655,16 @@ class LossReduction:
 
     def reported(self) -> dict[str, float]:
         """Each term's global value, 'loss' = sum_k coef_k value_k, the stats; one all_reduce."""
-        stat_names = sorted(self._stats)
-        local = [float(self._numerators.get(name, 0.0)) for name in self.names]
-        local += [float(x) for s in stat_names for x in self._stats[s]]
-        local = torch.tensor(local, dtype=torch.float64)
+        stats = sorted(self._stats)
+        local = [*self._numerators.values(), *(x for s in stats for x in self._stats[s])]
+        local = torch.tensor([float(x) for x in local], dtype=torch.float64)
         vec = all_reduce_vector(local, self.group).tolist()
-        out = {}
-        for name, v in zip(self.names, vec):
-            Z = self.Z.get(name, 0.0)
-            out[name] = v / Z if Z > 0 else 0.0
+        share = lambda total, count: total / count if count > 0 else 0.0
+        out = {name: share(v, Z) for (name, Z), v in zip(self.Z.items(), vec)}
         out["loss"] = sum(t.coef * out[t.name] for t in self.terms)
         k = len(self.terms)
-        totals, counts = vec[k::2], vec[k + 1 :: 2]
-        for s, n, c in zip(stat_names, totals, counts):
-            out[s] = n / c if c > 0 else 0.0
-        return out
+        pairs = zip(stats, vec[k::2], vec[k + 1 :: 2])
+        return out | {s: share(total, count) for s, total, count in pairs}
 
 
 def masked_sum(values: Tensor, mask: Tensor, weight: Tensor | None = None) -> Tensor:

@@ -6,8 +6,6 @@ its "correct" (a bool) defines accuracy, else equality with the row's "answer" (
 reward never changes what accuracy means. `--reward "exact_match,0.1*format"` sums weighted rewards,
 each logged too. A reward's `random` and numpy are seeded by its sample's (seed, step, slot, k)."""
 
-from __future__ import annotations
-
 import importlib.util
 import inspect
 import json
@@ -137,7 +135,7 @@ def soft_overlong_penalty(n_tokens: int, max_tokens: int, buffer: int) -> float:
     return -OVERLONG_FACTOR * min(1.0, max(0, n_tokens - (max_tokens - buffer)) / buffer)
 
 
-REWARDS: dict[str, Callable] = {  # the first four read row["answer"]
+REWARDS = {  # the first four read row["answer"]
     "exact_match": exact_match,
     "gsm8k": gsm8k,
     "last_number": last_number,
@@ -149,15 +147,18 @@ REWARDS: dict[str, Callable] = {  # the first four read row["answer"]
 
 # -----------------------------------------------------------------------------
 # built-in tasks: name -> (train rows, held-out rows, default reward)
-def make_arithmetic_task(
-    seed: int = 0, max_operand: int = 50, heldout_size: int = 256
-) -> tuple[list, list]:
-    """All sums a+b with 0 <= a, b < max_operand as {"prompt": "12+34=", "answer": "46"}, split by
-    `seed` alone into (train, heldout): the SFT warm start, every run and test share a held-out."""
-    pairs = [(a, b) for a in range(max_operand) for b in range(max_operand)]
-    random.Random(seed).shuffle(pairs)
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
-    return rows[heldout_size:], rows[:heldout_size]
+# each built-in task's held-out rows (its tiny model's README reports on them)
+HELDOUT_SIZE = 256
+
+
+def make_arithmetic_task(seed: int = 0) -> tuple[list, list]:
+    """All sums a+b with 0 <= a, b < 50 as {"prompt": "12+34=", "answer": "46"}, split by `seed`
+    alone into (train, heldout): the SFT warm start, every run and test share a held-out."""
+    rows = [
+        {"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(50) for b in range(50)
+    ]
+    random.Random(seed).shuffle(rows)
+    return rows[HELDOUT_SIZE:], rows[:HELDOUT_SIZE]
 
 
 # the chain task's operations; no "*0": it would reset the chain, making every earlier step moot
@@ -165,6 +166,7 @@ CHAIN_OPS = [f"+{d}" for d in range(10)] + [f"*{d}" for d in range(1, 10)]
 CHAIN_MAX_OPS = 8
 # bodies padded to the longest: a scratchpad's j-th value is a fixed distance after the j-th operand
 CHAIN_WIDTH = 2 * CHAIN_MAX_OPS + 1
+CHAIN_PER_LENGTH = 2500  # the most distinct bodies of k operations
 
 
 def chain_values(prompt: str) -> list[int]:
@@ -182,43 +184,36 @@ def chain_scratchpad(prompt: str) -> str:
     return " ".join(map(str, chain_values(prompt)))
 
 
-def make_chain_task(
-    seed: int = 0, heldout_size: int = 256, per_length: int = 2500
-) -> tuple[list, list]:
+def make_chain_task(seed: int = 0) -> tuple[list, list]:
     """Chains of k = 1..8 operations (+d or *d, mod 10) on a start digit, split by `seed` into
     (train, heldout), rows like {"prompt": "3+4*2            =", "answer": "4"} (bodies padded to
-    CHAIN_WIDTH). Per k, min(per_length, 10 * 19^k) distinct bodies, heldout_size / 8 held out,
-    interleaved k = 1..8, 1..8, ...; the rest, shuffled, is train (docs/studies.md: the task)."""
-    if heldout_size % CHAIN_MAX_OPS:
-        raise ValueError(
-            f"heldout_size must be a multiple of {CHAIN_MAX_OPS} (one share per k)"
-        )
-    per_k, rng, train, held_by_k = heldout_size // CHAIN_MAX_OPS, random.Random(seed), [], []
+    CHAIN_WIDTH). Per k, min(CHAIN_PER_LENGTH, 10 * 19^k) >= 190 distinct bodies, HELDOUT_SIZE / 8
+    = 32 held out, interleaved k = 1..8, 1..8, ...; the rest, shuffled, is train (docs/studies.md:
+    the task)."""
+    per_k, rng, train, held_by_k = HELDOUT_SIZE // CHAIN_MAX_OPS, random.Random(seed), [], []
     for k in range(1, CHAIN_MAX_OPS + 1):
         space = 10 * len(CHAIN_OPS) ** k
-        want = min(per_length, space)
-        if per_k >= want:
-            raise ValueError(f"heldout_size {heldout_size} leaves no train rows with {k} ops")
-        if space <= 4 * per_length:  # small: enumerate and shuffle (rejection would crawl)
+        # small: enumerate and shuffle (rejection would crawl)
+        if space <= 4 * CHAIN_PER_LENGTH:
             bodies = ["".join(b) for b in product("0123456789", *[CHAIN_OPS] * k)]
             rng.shuffle(bodies)
-        else:  # large: draw until `want` distinct (a dict keeps the order of first draws)
+        else:  # large: draw CHAIN_PER_LENGTH distinct (a dict keeps the order of first draws)
             bodies = {}
-            while len(bodies) < want:
+            while len(bodies) < CHAIN_PER_LENGTH:
                 digit = str(rng.randrange(10))  # then the ops: the draws of the shipped split
                 bodies[digit + "".join(rng.choice(CHAIN_OPS) for _ in range(k))] = None
-        # the first `want` (the dict holds exactly that many)
+        # the first min(CHAIN_PER_LENGTH, space) (the dict holds exactly that many)
         rows = [
             {"prompt": b.ljust(CHAIN_WIDTH) + "=", "answer": str(chain_values(b)[-1])}
-            for b in list(bodies)[:want]
+            for b in list(bodies)[:CHAIN_PER_LENGTH]
         ]
         held_by_k.append(rows[:per_k])
         train += rows[per_k:]
     random.Random(seed + 1).shuffle(train)
-    return train, [rows[i] for i in range(per_k) for rows in held_by_k]
+    return train, [row for group in zip(*held_by_k) for row in group]
 
 
-def make_calc_task(seed: int = 0, heldout_size: int = 256) -> tuple[list, list]:
+def make_calc_task(seed: int = 0) -> tuple[list, list]:
     """Every a+b and a*b with 10 <= a, b < 100 as {"prompt": "37*48=", "answer": "1776"}, split by
     `seed` into (train, heldout). Products are beyond a 1M model's head; with --env
     assets/tiny-calc/calculator.py:Calculator it may write "[37*48]" and read the value."""
@@ -229,7 +224,7 @@ def make_calc_task(seed: int = 0, heldout_size: int = 256) -> tuple[list, list]:
         for b in range(10, 100)
     ]
     random.Random(seed).shuffle(rows)
-    return rows[heldout_size:], rows[:heldout_size]
+    return rows[HELDOUT_SIZE:], rows[:HELDOUT_SIZE]
 
 
 @dataclass(frozen=True)
@@ -239,7 +234,7 @@ class Task:
     flags: dict  # its warm start and recommended flags, applied unless the user gives them
 
 
-TASKS: dict[str, Task] = {
+TASKS = {
     "arithmetic": Task(make_arithmetic_task, "exact_match", dict(model="assets/tiny-arith")),
     "chain": Task(
         make_chain_task,
@@ -254,8 +249,9 @@ TASKS: dict[str, Task] = {
 
 # -----------------------------------------------------------------------------
 # datasets
-def load_jsonl(path: str, prompt_key: str = "prompt") -> list[dict]:
-    """Rows of {prompt_key: str} or {"messages": [{"role", "content"}, ...]}, other fields kept."""
+def load_jsonl(path: str, prompt_key: str = "prompt", reward: str = "") -> list[dict]:
+    """Rows of {prompt_key: str} or {"messages": [{"role", "content"}, ...]}, other fields kept;
+    each with an "answer" for a built-in `reward`."""
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
@@ -287,6 +283,10 @@ def load_jsonl(path: str, prompt_key: str = "prompt") -> list[dict]:
             raise UserError(f'{path}:{n}: every message needs "role" and "content"')
         if "answer" in row and not isinstance(row["answer"], (str, int, float)):
             raise UserError(f'{path}:{n}: "answer" must be a string or a number')
+        if "answer" not in row and reward in REWARDS:
+            raise UserError(
+                f'{path}: row {n} has no "answer", which --reward {reward} compares with'
+            )
         rows.append(row)
     if not rows:
         raise UserError(f"{path}: no rows")
@@ -304,25 +304,16 @@ def load_dataset(
                 f'task {dataset!r} has "prompt" rows'
             )
         return TASKS[dataset].make()
-    train = load_jsonl(dataset, prompt_key)
-    held = load_jsonl(eval_dataset, prompt_key) if eval_dataset else []
-    for path, rows in ((dataset, train), (eval_dataset, held)):
-        missing = [n for n, row in enumerate(rows, 1) if "answer" not in row]
-        if missing and reward in REWARDS:
-            raise UserError(
-                f'{path}: row {missing[0]} has no "answer", which --reward {reward} '
-                "compares with"
-            )
-    return train, held
+    train = load_jsonl(dataset, prompt_key, reward)
+    return train, load_jsonl(eval_dataset, prompt_key, reward) if eval_dataset else []
 
 
 def adds_bos(tokenizer) -> bool:
     """Whether the model wants a BOS first: its tokenizer adds one to plain text (Llama, Gemma)."""
-    bos = tokenizer.bos_token_id
+    first = tokenizer("a")["input_ids"][:1]  # a bos_token_id of None is no id
     return (
-        bos is not None
-        and tokenizer("a")["input_ids"][:1]
-        == [bos]
+        first
+        == [tokenizer.bos_token_id]
         != tokenizer("a", add_special_tokens=False)["input_ids"][:1]
     )
 
@@ -333,21 +324,21 @@ def encode_prompts(
     """Every row's prompt as token ids: its "messages", or its prompt field (a user turn with
     chat_template). A chat is exactly what the template writes (its BOS if any, as HF's
     apply_chat_template(tokenize=True)); plain text gets the BOS once, if the model expects one."""
-    if (chat_template or any("messages" in r for r in rows)) and not tokenizer.chat_template:
-        what = "--chat-template" if chat_template else 'rows with "messages"'
-        raise UserError(
-            f"{name}: {what} need(s) a chat template, and the tokenizer has none; use "
-            f'"{prompt_key}" rows without --chat-template, or a model with one'
-        )
     bos = tokenizer.bos_token_id if adds_bos(tokenizer) else None
     unk = tokenizer.unk_token_id
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
     encoded = []
     for n, row in enumerate(rows, 1):
         chat = "messages" in row or chat_template
+        if chat and not tokenizer.chat_template:
+            what = "--chat-template" if chat_template else 'rows with "messages"'
+            raise UserError(
+                f"{name}: {what} need(s) a chat template, and the tokenizer has none; use "
+                f'"{prompt_key}" rows without --chat-template, or a model with one'
+            )
         text = row.get(prompt_key)
         if chat:
-            msgs = row.get("messages") or [{"role": "user", "content": row[prompt_key]}]
+            msgs = row.get("messages") or [{"role": "user", "content": text}]
             text = tokenizer.apply_chat_template(
                 msgs, add_generation_prompt=True, tokenize=False
             )
@@ -445,20 +436,20 @@ def load_data(cfg) -> Data:
     )
     # sequences are never cut: the longest possible one must fit the model and a micro-batch
     prompt = max(map(len, prompts + eval_prompts), default=0)
-    longest, context = prompt + cfg.max_new_tokens, context_length(model)
-    if context is not None and longest > context - SGLANG_CONTEXT_MARGIN:
+    longest, context = prompt + cfg.max_new_tokens, context_length(model) or math.inf
+    if longest > context - SGLANG_CONTEXT_MARGIN:
         raise UserError(
             f"config error: the longest prompt + --max-new-tokens is {longest} tokens, "
             f"over the model's context length ({context}) less "
             f"{SGLANG_CONTEXT_MARGIN}: SGLang refuses or cuts a longer request"
         )
-    if context is not None and prompt > context - SGLANG_PROMPT_MARGIN:
+    if prompt > context - SGLANG_PROMPT_MARGIN:
         raise UserError(
             f"config error: the longest prompt is {prompt} tokens, over the model's "
             f"context length ({context}) less {SGLANG_PROMPT_MARGIN}: SGLang aborts "
             "a longer prompt"
         )
-    if cfg.micro_batch_tokens is not None and longest > cfg.micro_batch_tokens:
+    if longest > (cfg.micro_batch_tokens or math.inf):
         raise UserError(
             f"config error: the longest prompt + --max-new-tokens is {longest} "
             f"tokens, over --micro-batch-tokens ({cfg.micro_batch_tokens})"
@@ -692,11 +683,11 @@ def evaluate(
         """The verdicts (True, False, None: no verdict) of (row, prompt) pairs' answers."""
         if not todo:
             return []
-        rows = [r for r, _ in todo]
+        rows, prompts = map(list, zip(*todo))
         sampling = SamplingParams(
             cfg.max_new_tokens, temperature, stop_token_ids=data.stop_ids
         )
-        outs = run_episodes(engine, [p for _, p in todo], sampling, seeds, data.tools, rows)
+        outs = run_episodes(engine, prompts, sampling, seeds, data.tools, rows)
         scores = score_completions(reward_fn, data.tokenizer, outs, rows, timeout, seeds)
         return [s.correct for s in scores]
 
@@ -711,13 +702,13 @@ def evaluate(
         verdicts = judge([pair for pair in mine for _ in range(k)], cfg.temperature, seeds)
         # j = 2, 4, 8, ... below k, and k itself
         js = [j for j in range(2, k + 1) if j == k or j.bit_count() == 1]
-        for i in range(len(mine)):
-            answers = verdicts[i * k : (i + 1) * k]
+        for i in range(0, len(verdicts), k):  # each prompt's k answers
+            answers = verdicts[i : i + k]
             if None in answers:
                 continue
             c = sum(answers)
-            sums.update({"k_judged": 1, f"mean@{k}": c / k})
-            sums.update({f"pass@{j}": 1 - math.comb(k - c, j) / math.comb(k, j) for j in js})
+            pass_at = {f"pass@{j}": 1 - math.comb(k - c, j) / math.comb(k, j) for j in js}
+            sums.update({"k_judged": 1, f"mean@{k}": c / k} | pass_at)
     sums = reduce_metrics(dict(sums))
     k_judged = max(sums.get("k_judged", 0), 1)
     at_k = {f"eval/{m}": v / k_judged for m, v in sums.items() if "@" in m}
@@ -759,7 +750,7 @@ def score_completions(
     completions: list,
     rows: list[dict],
     timeout: float,
-    seeds: list[int] | None = None,
+    seeds: list[int],
     overlong_buffer: int = 0,
     max_tokens: int = 0,
 ) -> list[Score]:
@@ -782,7 +773,7 @@ def compute_rewards(
     texts: list[str],
     rows: list[dict],
     timeout: float,
-    seeds: list[int] | None = None,
+    seeds: list[int],
 ) -> list[Score]:
     """Score every completion on a daemon worker thread, `random` (and numpy, if imported) seeded
     by its seed first; a call that raises, returns junk or takes over `timeout` s scores 0 with no
@@ -792,10 +783,9 @@ def compute_rewards(
     # calls start.. in order, into its own queue
     def work(start: int, out: queue.Queue) -> None:
         for i in range(start, len(texts)):
-            if seeds is not None:
-                random.seed(seeds[i])
-                if "numpy" in sys.modules:  # if a reward imported it
-                    sys.modules["numpy"].random.seed(seeds[i])
+            random.seed(seeds[i])
+            if "numpy" in sys.modules:  # if a reward imported it
+                sys.modules["numpy"].random.seed(seeds[i])
             try:
                 out.put(score_one(reward_fn, texts[i], rows[i]))
             except Exception as e:

@@ -261,7 +261,7 @@ def test_an_old_run_directory_with_adv_std_is_refused_in_one_line_naming_it(tmp_
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     new = {k: v for k, v in old.items() if k != "adv_std"} | {"adv_estimator": "dr_grpo"}
     with pytest.raises(UserError, match="its config differs in adv_estimator, adv_std\\)") as e:
-        checkpoint.claim_run_dir(tmp_path, new, N.VOLATILE, fresh=False)
+        checkpoint.claim_run_dir(tmp_path, new, N.VOLATILE, False, N.DEFAULTS)
     assert "\n" not in str(e.value)
 
 

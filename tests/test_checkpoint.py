@@ -362,7 +362,7 @@ def test_a_reward_call_that_raises_hangs_or_is_not_finite_scores_zero_and_the_re
     t0 = time.monotonic()
     rows = [{"answer": a} for a in ["1", "1", "1", "2", "1", "4"]]
     scores = tasks.compute_rewards(reward, ["1", "raise", "hang", "2", "nan", "3"], rows,
-                                   timeout=0.3)
+                                   timeout=0.3, seeds=range(6))
     assert [s.reward for s in scores] == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
     # a failed call has no verdict, and says why
     assert [s.correct for s in scores] == [True, None, None, True, None, False]

@@ -147,7 +147,7 @@ def test_geo_mis_keeps_a_length_independent_geometric_mean_and_seq_mis_the_produ
     assert L.geo_reject(lr, seq, d, 1.04).sum() == 0
     rng = random.Random(0)
     ids = torch.tensor(sorted(rng.randrange(4) for _ in range(20)))
-    per = L.seq_truncate(lr, ids, d, 1.1)[0]
+    per = L.seq_ratio(lr, ids, d).clamp(max=1.1)  # seq_tis: truncated at C
     for i in ids.unique():  # one weight per response, min(1.05^n_i, C)
         n = int((ids == i).sum())
         assert per[ids == i].unique().tolist() == pytest.approx([min(1.05**n, 1.1)])

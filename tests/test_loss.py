@@ -696,11 +696,12 @@ def test_behaviour_weights_truncate_and_mask_with_infinite_log_ratios():
     behave = torch.tensor([-1.0, -1.5, -0.5, float("-inf"), float("-inf"), -3.5])
     # -inf - -inf: NaN -> ratio 1
     w_true = [1.0, math.exp(0.5), math.exp(-0.5), math.inf, 1.0, math.exp(1.5)]
-    lr, seq, m = L.log_ratio(prox, behave), torch.zeros(6, dtype=torch.long), torch.ones(6)
-    w, rej = L.token_truncate(lr, seq, m, 2.0)
-    assert w.tolist() == pytest.approx([min(x, 2.0) for x in w_true]) and rej.sum() == 0
-    w, rej = L.token_mask(lr, seq, m, 2.0)
-    assert rej.tolist() == [float(x > 2.0) for x in w_true]
+    seq, m = torch.zeros(6, dtype=torch.long), torch.ones(6)
+    mb = L.MicroBatch(denom_mask=m, loss_mask=m, behave_logprobs=behave, seq_ids=seq)
+    w, kept, _ = L.correct(L.CORRECTIONS["truncate"], prox, mb, 2.0)
+    assert w.tolist() == pytest.approx([min(x, 2.0) for x in w_true]) and kept.sum() == 6
+    w, kept, _ = L.correct(L.CORRECTIONS["mask"], prox, mb, 2.0)
+    assert kept.tolist() == [float(x <= 2.0) for x in w_true]
     assert w.tolist() == pytest.approx([0.0 if x > 2.0 else x for x in w_true])
 
 

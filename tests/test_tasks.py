@@ -104,7 +104,7 @@ def test_math_reward_runs_on_the_reward_worker_thread():
     # runs rewards on a worker thread, so the reward must turn them off
     rows = [{"answer": "0.75"}, {"answer": "#### 18"}, {"answer": "5"}]
     texts = ["$\\boxed{\\frac{3}{4}}$", "#### 18", "\\boxed{6}"]
-    scores = tasks.compute_rewards(tasks.load_reward("math"), texts, rows, timeout=60)
+    scores = tasks.compute_rewards(tasks.load_reward("math"), texts, rows, 60, [0, 1, 2])
     assert [(s.reward, s.correct, s.error) for s in scores] == [
         (1.0, True, None), (1.0, True, None), (0.0, False, None)]
 
