@@ -92,7 +92,8 @@ def grpo(rewards: Tensor, group_ids: Tensor, copies: int) -> Tensor:
     """A_i = (R_i - mean_g R) / (std_g R + eps), the group's unbiased std (GRPO)."""
     centered = rewards - group_mean(rewards, group_ids)
     n = _group_sums(torch.ones_like(rewards), group_ids)
-    std = (_group_sums(centered**2, group_ids) / (n - 1).clamp(min=1)).sqrt()
+    variance = _group_sums(centered**2, group_ids) / (n - 1).clamp(min=1)
+    std = variance.sqrt()
     return centered / (std + ADV_EPS)
 
 
@@ -701,38 +702,32 @@ def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
 
 # -----------------------------------------------------------------------------
 # flags: defaults that depend on other flags, and checks
-def resolve_loss_flags(
-    policy_loss: str,
-    loss_aggregation: str,
-    eps_low: float | None,
-    eps_high: float | None,
-    divisor: float | None,
-    correction: str,
-    threshold: float | None,
-    max_new_tokens: int,
-    max_staleness: int = 0,
-    updates_per_batch: int = 1,
-) -> dict:
+def resolve_loss_flags(cfg) -> dict:
     """Defaults that depend on other flags: the surrogate's mode (auto) and clip range, constant's
     divisor (the longest response), the correction (auto) and its threshold."""
-    s = _choice("policy-loss", policy_loss, SURROGATES)
-    mode = s.aggregation if loss_aggregation == "auto" else loss_aggregation
+    s = _choice("policy-loss", cfg.policy_loss, SURROGATES)
+    mode = cfg.loss_aggregation
+    if mode == "auto":
+        mode = s.aggregation
     # --correction auto: what docs/studies.md measured holding under staleness
-    if correction == "auto" and max_staleness == 0:
+    correction = cfg.correction
+    if correction == "auto" and cfg.max_staleness == 0:
         correction = "none"
     elif correction == "auto":
-        correction = "truncate" if updates_per_batch > 1 else "behave"
+        several = cfg.num_minibatches * cfg.ppo_epochs > 1  # updates per batch
+        correction = "truncate" if several else "behave"
     pick = lambda given, default: default if given is None else given
+    divisor = cfg.loss_aggregation_divisor
     if mode == "constant":
-        divisor = pick(divisor, float(max_new_tokens))
+        divisor = pick(divisor, float(cfg.max_new_tokens))
     corr = _choice("correction", correction, CORRECTIONS)
     return {
         "loss_aggregation": mode,
         "loss_aggregation_divisor": divisor,
-        "eps_low": pick(eps_low, s.params.get("eps_low")),
-        "eps_high": pick(eps_high, s.params.get("eps_high")),
+        "eps_low": pick(cfg.eps_low, s.params.get("eps_low")),
+        "eps_high": pick(cfg.eps_high, s.params.get("eps_high")),
         "correction": correction,
-        "correction_threshold": pick(threshold, corr.threshold),
+        "correction_threshold": pick(cfg.correction_threshold, corr.threshold),
     }
 
 

@@ -209,18 +209,7 @@ class Config:
             self.reward = task.reward if task else "exact_match"
         if not self.lr:  # docs/studies.md: LoRA wants a 10x larger one
             self.lr = default_lr(self.lora_rank or self.lora_adapter)
-        resolved = loss.resolve_loss_flags(
-            self.policy_loss,
-            self.loss_aggregation,
-            self.eps_low,
-            self.eps_high,
-            self.loss_aggregation_divisor,
-            self.correction,
-            self.correction_threshold,
-            self.max_new_tokens,
-            self.max_staleness,
-            self.num_minibatches * self.ppo_epochs,  # updates per batch
-        )
+        resolved = loss.resolve_loss_flags(self)
         for k, v in resolved.items():
             setattr(self, k, v)
 
