@@ -485,16 +485,17 @@ def kl_penalty(logp: Tensor, ref: Tensor, estimator: str = "k3") -> Tensor:
 def mismatch_sums(
     logp: Tensor, behave: Tensor, d: Tensor, seq_ids: Tensor, rejected: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """The engine-vs-trainer mismatch of a micro-batch over the response tokens d as sampled (a
-    correction's rejections included). Sums (reduce_metrics sums them, logs.step_metrics
-    divides): tokens, |log r|, k3 = r - 1 - log r (KL(pi_behave || pi), r = pi / pi_behave),
-    responses, their log perplexity gap mean_t (log pi_behave - log pi), the tokens a correction
-    `rejected` before the step and the responses it rejected whole. Extremes (reduced by max):
-    [max, -min] over responses of log rho_i = sum_t log r_t."""
-    # log(pi / pi_behave) of the tokens of d (0 elsewhere), detached, in float64
+    """The engine-vs-trainer mismatch of a micro-batch over the response tokens as sampled:
+    those trained (d) and those a correction `rejected` before the step. Sums (reduce_metrics
+    sums them, logs.step_metrics divides): tokens, |log r|, k3 = r - 1 - log r (KL(pi_behave ||
+    pi), r = pi / pi_behave), responses, their log perplexity gap mean_t (log pi_behave - log
+    pi), the tokens rejected and the responses rejected whole. Extremes (reduced by max): [max,
+    -min] over responses of log rho_i = sum_t log r_t."""
+    rejected = torch.zeros_like(d) if rejected is None else rejected
+    d = d + rejected
+    # log(pi / pi_behave) of the tokens sampled (0 elsewhere), detached, in float64
     lr = torch.where(d > 0, log_ratio(logp.detach(), behave), 0.0).double()
     k3 = torch.exp(lr) - 1 - lr
-    rejected = torch.zeros_like(d) if rejected is None else rejected
     columns = torch.stack([d.double(), rejected.double(), lr], 1)
     count, rejected_count, log_rho = _group_sums(columns, seq_ids).unbind(1)
     # one token per response: its values counted once

@@ -944,10 +944,7 @@ class StepMetrics:
 
     def add(self, mb, logp, entropy, prox) -> None:
         d, behave = mb.denom_mask, mb.behave_logprobs
-        sampled = d if mb.rejected is None else d + mb.rejected
-        mismatch, extremes = loss.mismatch_sums(
-            logp, behave, sampled, mb.seq_ids, mb.rejected
-        )
+        mismatch, extremes = loss.mismatch_sums(logp, behave, d, mb.seq_ids, mb.rejected)
         iw = torch.exp(loss.log_ratio(prox, behave)).double()
         mine = torch.stack([d.sum(), (entropy.detach() * d).sum(), (iw * d).sum()])
         self.acc += torch.cat([mismatch, mine.double()])
