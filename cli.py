@@ -1,7 +1,5 @@
 """The command line: flags and a --config TOML in, one-line errors and exit codes out."""
 
-from __future__ import annotations
-
 import difflib
 import faulthandler
 import json

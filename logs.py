@@ -1,7 +1,5 @@
 """What the user sees: the console, metrics.jsonl, samples.jsonl and wandb, written by rank 0."""
 
-from __future__ import annotations
-
 import itertools
 import json
 import math

@@ -18,8 +18,6 @@ rewards), packing.py, modeling.py (the model and every decision about it, log-pr
 attention.py (packed rows, Ulysses), lora.py, checkpoint.py, logs.py, cli.py. Left out on
 purpose: a critic (GRPO needs none), tensor/pipeline parallel in the trainer."""
 
-from __future__ import annotations
-
 import ctypes
 import math
 import os
@@ -209,9 +207,7 @@ class Config:
             self.reward = task.reward if task else "exact_match"
         if not self.lr:  # docs/studies.md: LoRA wants a 10x larger one
             self.lr = default_lr(self.lora_rank or self.lora_adapter)
-        resolved = loss.resolve_loss_flags(self)
-        for k, v in resolved.items():
-            setattr(self, k, v)
+        vars(self).update(loss.resolve_loss_flags(self))
 
 
 # -----------------------------------------------------------------------------
@@ -429,9 +425,9 @@ def validate_config(cfg: Config, world: int) -> Config:
         ),
         (math.isfinite(cfg.distill_coef), f"--distill-coef {cfg.distill_coef}: not a number"),
     ]
-    problem = next((message for ok, message in checks if not ok), None)
-    if problem:
-        raise UserError(f"config error: {problem}")
+    for ok, message in checks:
+        if not ok:
+            raise UserError(f"config error: {message}")
     try:
         loss.check_loss_flags(cfg)
     except ValueError as e:
@@ -1088,12 +1084,15 @@ def resume(cfg: Config, model, optimizer, engine, ranks: Ranks, resuming: bool) 
     run = RunState()
     if path is not None:
         meta, ahead = checkpoint.load_checkpoint(Path(path), model.module, optimizer)
-        mine = lambda batch: [
-            rollout.sample_from_dict(x)
-            for x in batch
-            if x["group"] % ranks.dp_size == ranks.dp_rank
-        ]
-        pending = {s: mine(b) for s, b in ahead.items()} if ranks.cp_rank == 0 else {}
+        pending = {
+            s: [
+                rollout.sample_from_dict(x)
+                for x in b
+                if x["group"] % ranks.dp_size == ranks.dp_rank
+            ]
+            for s, b in ahead.items()
+            if ranks.cp_rank == 0  # a CP group's first rank makes its batches
+        }
         run = RunState(meta["step"], meta["updates"], meta["last_eval"] or {}, pending)
         done = " (nothing left to train)" if meta["step"] >= cfg.steps > 0 else ""
         verb = "resumed from" if cfg.steps else "evaluating"
