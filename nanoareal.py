@@ -217,7 +217,7 @@ def main(argv: list[str]) -> None:
     ranks, device = setup_distributed(cfg.cp_size)  # torchrun's, or a world of one
     data, reward_fn, engine, resuming = prepare_run(cfg, device, ranks)  # run dir claimed
     model, reference, teacher, optimizer = load_models(cfg, device, ranks, engine)
-    reduction = loss.build_loss(cfg, dist.group.WORLD, cp_factor=ranks.cp_size)
+    reduction = loss.build_loss(cfg, cp_factor=ranks.cp_size)
     run = resume(cfg, model, optimizer, engine, ranks, resuming)  # step, batches ahead
     logger = Logger(cfg, run.step)
     make_batch = lambda step: rollout_batch(engine, data, reward_fn, step, cfg, ranks)
@@ -788,7 +788,7 @@ def train_on_samples(
     n = cfg.num_minibatches
     share = {g: i % n for i, g in enumerate(sorted({s.group for s in samples}))}
     packed = [
-        minibatch(model, reference, [s for s in samples if share[s.group] == i], cfg, ranks)
+        minibatch(model, reference, [s for s in samples if share[s.group] == i], cfg)
         for i in range(n)
     ]
     # positions: what the model was fed (fewer than trained_tokens: shared prompts, no last tokens)
@@ -807,9 +807,7 @@ def train_on_samples(
     return (sums if ranks.cp_rank == 0 else {}), dict(stats)  # a CP group counts once
 
 
-def minibatch(
-    model, reference, samples: list[Sample], cfg: Config, ranks: Ranks
-) -> list[loss.MicroBatch]:
+def minibatch(model, reference, samples: list[Sample], cfg: Config) -> list[loss.MicroBatch]:
     """A mini-batch's micro-batches, the same number on every rank, with the frozen log-probs
     they need: pi_prox's own forward (loss.needs_proximal_forward), the reference's (KL); then a
     correction's masks from pi_prox (M2PO's over every rank; a mismatch rejection, taken out of
@@ -845,7 +843,6 @@ def minibatch(
             for k in ("prox_logprobs", "behave_logprobs", "loss_mask")
         ),
         threshold=cfg.correction_threshold,
-        group=dist.group.WORLD if ranks.world > 1 else None,
     )
     keep = keep.split([len(mb.loss_mask) for mb in mbs])
     return [replace(mb, keep_mask=k) for mb, k in zip(mbs, keep)]
