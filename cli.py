@@ -7,7 +7,6 @@ import os
 import sys
 import time
 import tomllib
-import types
 import typing
 
 import torch.distributed as dist
@@ -75,10 +74,9 @@ def as_flags(cls: type, values: dict, where: str) -> list[str]:
     return flags
 
 
-def _base(hint):  # a field's type without its Optional: bool, int, float, str, list, Literal
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    single = typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1
-    return args[0] if single else hint
+def _base(hint):  # a field's type without its "| None": bool, int, float, str, list, Literal
+    args = typing.get_args(hint)
+    return next(a for a in args if a is not type(None)) if type(None) in args else hint
 
 
 def check_flags(cls: type, args: list[str]) -> None:

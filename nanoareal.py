@@ -354,35 +354,39 @@ def shipped(path: str) -> str:
     return path
 
 
-# the least value of each counting flag (validate_config)
+# the counting flags by their least value (validate_config)
 LEAST = {
-    "prompts_per_step": 1,
-    "max_new_tokens": 1,
-    "micro_batch_tokens": 1,
-    "num_minibatches": 1,
-    "ppo_epochs": 1,
-    "cp_size": 1,
-    "top_k": -1,
-    "steps": 0,
-    "eval_every": 0,
-    "eval_k": 0,
-    "warmup_steps": 0,
-    "ckpt_every": 0,
-    "max_staleness": 0,
-    "max_resample": 0,
-    "overlong_buffer": 0,
-    "grad_clip": 0,
-    "lora_rank": 0,
+    1: (
+        "prompts-per-step",
+        "max-new-tokens",
+        "micro-batch-tokens",
+        "num-minibatches",
+        "ppo-epochs",
+        "cp-size",
+    ),
+    -1: ("top-k",),
+    0: (
+        "steps",
+        "eval-every",
+        "eval-k",
+        "warmup-steps",
+        "ckpt-every",
+        "max-staleness",
+        "max-resample",
+        "overlong-buffer",
+        "grad-clip",
+        "lora-rank",
+    ),
 }
 
 
 def validate_config(cfg: Config, world: int) -> Config:
     """Every flag checked before anything heavy loads; a mistake: one UserError line naming it."""
-    for name, least in LEAST.items():
-        value = getattr(cfg, name)
-        if value < least:
-            flag = "--" + name.replace("_", "-")
-            raise UserError(f"config error: {flag} {value}: must be >= {least}")
+    for least, flags in LEAST.items():
+        for flag in flags:
+            value = getattr(cfg, flag.replace("-", "_"))
+            if value < least:
+                raise UserError(f"config error: --{flag} {value}: must be >= {least}")
     checks = [
         (
             cfg.group_size >= 2,
@@ -953,8 +957,8 @@ def optimizer_step(model, optimizer, cfg: Config, learn: bool) -> dict:
     global norm) or there is nothing to learn; gradients cleared either way."""
     out = {"updated": 0.0, "skipped_steps": 0.0, "grad_norm": 0.0}
     if learn:
-        limit = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(model.trainable(), limit)
+        # --grad-clip 0: no clipping
+        norm = torch.nn.utils.clip_grad_norm_(model.trainable(), cfg.grad_clip or math.inf)
         out["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         finite = math.isfinite(out["grad_norm"])
         if finite:
