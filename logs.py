@@ -49,9 +49,8 @@ class Logger:
         """The run's config (its run_dir, steps, wandb_project); the step it starts at."""
         self.run_dir, self.total, self.active = Path(cfg.run_dir), cfg.steps, rank() == 0
         self.wandb = self.bar = None
-        if not self.active:
+        if not self.active:  # rank 0: nanoareal.resume wrote its config.json in run_dir
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.wandb_project:
             import wandb
 

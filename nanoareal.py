@@ -790,9 +790,9 @@ def train_on_samples(
     and the step's stats: grad norm and loss terms (means), skipped steps, whether any update."""
     # mini-batch i: every n-th group from the i-th; pi_prox, pi_ref: the weights before any update
     n = cfg.num_minibatches
-    share = {g: i % n for i, g in enumerate(sorted({s.group for s in samples}))}
+    groups = sorted({s.group for s in samples})
     packed = [
-        minibatch(model, reference, [s for s in samples if share[s.group] == i], cfg)
+        minibatch(model, reference, [s for s in samples if s.group in groups[i::n]], cfg)
         for i in range(n)
     ]
     # positions: what the model was fed (fewer than trained_tokens: shared prompts, no last tokens)
