@@ -35,7 +35,7 @@ def why(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
-def parse(cls: type[T], argv: list[str], preset=lambda dataset: {}) -> T:
+def parse(cls: type[T], argv: list[str], preset) -> T:
     """Flags -> a `cls` dataclass (tyro: each field's docstring is its --help). Later layers win:
     the dataclass's defaults, `preset(dataset)` (a built-in task's flags), --config's, argv."""
     import tyro

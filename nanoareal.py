@@ -748,7 +748,7 @@ def set_advantages(samples: list[Sample], cfg: Config, ranks: Ranks, teacher) ->
         s.advantage, s.zero_variance = a, s.group in flat
     if teacher is None:
         return
-    for s, scores in zip(samples, teacher_logprobs(teacher, samples, cfg, ranks)):
+    for s, scores in zip(samples, teacher_logprobs(teacher, samples, cfg)):
         policy = torch.tensor(packing.loss_mask(s, False))
         distill = loss.distill_advantages(
             scores, torch.tensor(s.completion.logprobs), policy, cfg.distill_coef
@@ -756,9 +756,7 @@ def set_advantages(samples: list[Sample], cfg: Config, ranks: Ranks, teacher) ->
         s.token_advantages = (s.advantage + distill).tolist()
 
 
-def teacher_logprobs(
-    teacher, samples: list[Sample], cfg: Config, ranks: Ranks
-) -> list[torch.Tensor]:
+def teacher_logprobs(teacher, samples: list[Sample], cfg: Config) -> list[torch.Tensor]:
     """The teacher's log-prob of each sampled token at --temperature: an SGLang server's
     (prefill only), or a frozen Model's forward of the packed samples (every rank forwards the
     same number of micro-batches: FSDP2 gathers per forward)."""
