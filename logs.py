@@ -37,9 +37,9 @@ MEANS = {
 MAXIMA = {"importance_weight_max", "gen_s", "seq_log_ratio_max", "seq_log_ratio_min_max"}
 
 
-def print0(*args, **kwargs) -> None:
+def print0(text: str) -> None:
     if rank() == 0:
-        print(*args, **kwargs, flush=True)
+        print(text, flush=True)
 
 
 class Logger:

@@ -1027,7 +1027,8 @@ class RunState:
 
     def flags(self, preempt: checkpoint.Preemption) -> dict:
         """What every rank must agree on: a checkpoint due by time, a signal one of them got."""
-        due = float(time.monotonic() - self.last_save > 60 * CKPT_MINUTES)
+        # a bool: reduce_metrics' merge() sums it as a float
+        due = time.monotonic() - self.last_save > 60 * CKPT_MINUTES
         return {"due": due} | preempt.signal_sums()
 
 
