@@ -1,7 +1,5 @@
 """The command line: flags and a --config TOML in, one-line errors and exit codes out."""
 
-from __future__ import annotations
-
 import difflib
 import faulthandler
 import json
@@ -9,7 +7,6 @@ import os
 import sys
 import time
 import tomllib
-import types
 import typing
 
 import torch.distributed as dist
@@ -38,12 +35,12 @@ def why(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
-def parse(cls: type[T], argv: list[str], preset=lambda dataset: {}) -> T:
+def parse(cls: type[T], argv: list[str], preset) -> T:
     """Flags -> a `cls` dataclass (tyro: each field's docstring is its --help). Later layers win:
     the dataclass's defaults, `preset(dataset)` (a built-in task's flags), --config's, argv."""
     import tyro
 
-    args = list(argv)
+    args = argv
     if "--config" in argv:
         path = [*argv, ""][argv.index("--config") + 1]
         try:
@@ -52,7 +49,7 @@ def parse(cls: type[T], argv: list[str], preset=lambda dataset: {}) -> T:
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise UserError(f"--config {path}: {e}") from None
     check_flags(cls, args)
-    dataset = getattr(cls, "dataset", None)
+    dataset = cls.dataset
     for i, arg in enumerate(args):  # the last --dataset (check_flags gave it one value)
         flag, _, value = arg.partition("=")
         if flag == "--dataset":
@@ -77,10 +74,9 @@ def as_flags(cls: type, values: dict, where: str) -> list[str]:
     return flags
 
 
-def _base(hint):  # a field's type without its Optional: bool, int, float, str, list, Literal
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    single = typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1
-    return args[0] if single else hint
+def _base(hint):  # a field's type without its "| None": bool, int, float, str, list, Literal
+    args = typing.get_args(hint)
+    return next(a for a in args if a is not type(None)) if type(None) in args else hint
 
 
 def check_flags(cls: type, args: list[str]) -> None:
@@ -88,7 +84,7 @@ def check_flags(cls: type, args: list[str]) -> None:
     known = {
         f"--{n.replace('_', '-')}": _base(t) for n, t in typing.get_type_hints(cls).items()
     }
-    known |= {f"--no-{k[2:]}": bool for k, t in list(known.items()) if t is bool}
+    known |= {f"--no-{k[2:]}": bool for k, t in known.items() if t is bool}
     i = 0
     while i < len(args):
         flag, _, inline = args[i].partition("=")
@@ -124,8 +120,7 @@ def check_flags(cls: type, args: list[str]) -> None:
 
 
 def rank() -> int:
-    initialized = dist.is_available() and dist.is_initialized()
-    return dist.get_rank() if initialized else int(os.environ.get("RANK", 0))
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
 def run(main, argv: list[str] | None) -> int:

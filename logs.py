@@ -1,7 +1,5 @@
 """What the user sees: the console, metrics.jsonl, samples.jsonl and wandb, written by rank 0."""
 
-from __future__ import annotations
-
 import itertools
 import json
 import math
@@ -39,38 +37,31 @@ MEANS = {
 MAXIMA = {"importance_weight_max", "gen_s", "seq_log_ratio_max", "seq_log_ratio_min_max"}
 
 
-def print0(*args, **kwargs) -> None:
+def print0(text: str) -> None:
     if rank() == 0:
-        print(*args, **kwargs, flush=True)
+        print(text, flush=True)
 
 
 class Logger:
     """JSON lines appended; a progress bar only on a terminal, so a log file gets clean lines."""
 
-    def __init__(
-        self,
-        run_dir: str | Path,
-        total_steps: int,
-        start_step: int,
-        wandb_project: str | None = None,
-        config: dict | None = None,
-    ):
-        self.run_dir, self.total, self.active = Path(run_dir), total_steps, rank() == 0
+    def __init__(self, cfg, start_step: int):
+        """The run's config (its run_dir, steps, wandb_project); the step it starts at."""
+        self.run_dir, self.total, self.active = Path(cfg.run_dir), cfg.steps, rank() == 0
         self.wandb = self.bar = None
-        if not self.active:
+        if not self.active:  # rank 0: nanoareal.resume wrote its config.json in run_dir
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if wandb_project:
+        if cfg.wandb_project:
             import wandb
 
             self.wandb = wandb.init(
-                project=wandb_project, name=self.run_dir.name, config=config
+                project=cfg.wandb_project, name=self.run_dir.name, config=vars(cfg)
             )
         if sys.stdout.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(
-                total=total_steps, initial=start_step, dynamic_ncols=True, leave=False
+                total=self.total, initial=start_step, dynamic_ncols=True, leave=False
             )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -83,13 +74,12 @@ class Logger:
         if self.bar is not None and step > 0:
             self.bar.update(1)
 
-    def samples_due(self, step: int) -> bool:
-        return self.active and step % max(1, self.total // SAMPLED_STEPS) == 0
-
-    def log_samples(self, step: int, rows: list[dict]) -> None:
-        """Sampled completions (sample_rows) to samples.jsonl and, as a table, to wandb."""
-        if not self.active or not rows:
+    def log_samples(self, step: int, samples: list, tokenizer) -> None:
+        """Every total/SAMPLED_STEPS steps: a few groups of the step's samples (sample_rows) to
+        samples.jsonl and, as a table, to wandb."""
+        if not self.active or not samples or step % max(1, self.total // SAMPLED_STEPS):
             return
+        rows = sample_rows(samples, tokenizer)
         self._append("samples.jsonl", [{"step": step} | r for r in rows])
         if self.wandb is not None:
             import wandb
@@ -104,8 +94,8 @@ class Logger:
     def line(self, text: str) -> None:
         if self.bar is not None:
             self.bar.write(text)
-        elif self.active:
-            print(text, flush=True)
+        else:
+            print0(text)
 
     def close(self, last_eval: dict | None = None) -> None:
         if last_eval:
@@ -120,23 +110,22 @@ class Logger:
 
 def reduce_metrics(sums: dict) -> dict:
     """All ranks' counters (keys may differ) summed in ONE collective (MAXIMA: max; str: first)."""
-    gathered = [sums]
-    if dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, sums)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sums)
     return merge(gathered)
 
 
 def merge(parts: list[dict]) -> dict:
     """Counters summed key by key (MAXIMA: max; str: the first)."""
     total = {}
-    for k, v in (item for part in parts for item in part.items()):
-        if isinstance(v, str):
-            total.setdefault(k, v)
-        elif k in MAXIMA:
-            total[k] = max(total.get(k, v), v)
-        else:
-            total[k] = total.get(k, 0.0) + float(v)
+    for part in parts:
+        for k, v in part.items():
+            if isinstance(v, str):
+                total.setdefault(k, v)
+            elif k in MAXIMA:
+                total[k] = max(total.get(k, v), v)
+            else:
+                total[k] = total.get(k, 0.0) + float(v)
     return total
 
 
@@ -146,14 +135,15 @@ def step_metrics(sums: dict, stats: dict, times: dict, lr: float, step: int) -> 
     metrics = {name: sums[n] / sums[d] for name, (n, d) in MEANS.items() if sums[d] > 0}
     metrics["staleness"] = step - 1 - metrics.get("policy_version", step - 1)
     metrics |= {
-        "importance_weight/max": sums.get("importance_weight_max", 1.0),
+        "importance_weight/max": sums["importance_weight_max"],
         "zero_var_groups": sums["zero_var_groups"],
         "reward_errors": sums["reward_errors"],
         "lr": lr,
     }
+    # StepMetrics starts them at -inf: a step without responses has none
     extremes = {
-        "mismatch/seq_ratio_max": sums.get("seq_log_ratio_max", -math.inf),
-        "mismatch/seq_ratio_min": -sums.get("seq_log_ratio_min_max", -math.inf),
+        "mismatch/seq_ratio_max": sums["seq_log_ratio_max"],
+        "mismatch/seq_ratio_min": -sums["seq_log_ratio_min_max"],
     }
     metrics |= {k: math.exp(v) for k, v in extremes.items() if math.isfinite(v)}
     # with those of groups resampled away

@@ -92,7 +92,8 @@ def grpo(rewards: Tensor, group_ids: Tensor, copies: int) -> Tensor:
     """A_i = (R_i - mean_g R) / (std_g R + eps), the group's unbiased std (GRPO)."""
     centered = rewards - group_mean(rewards, group_ids)
     n = _group_sums(torch.ones_like(rewards), group_ids)
-    std = (_group_sums(centered**2, group_ids) / (n - 1).clamp(min=1)).sqrt()
+    variance = _group_sums(centered**2, group_ids) / (n - 1).clamp(min=1)
+    std = variance.sqrt()
     return centered / (std + ADV_EPS)
 
 
@@ -484,16 +485,17 @@ def kl_penalty(logp: Tensor, ref: Tensor, estimator: str = "k3") -> Tensor:
 def mismatch_sums(
     logp: Tensor, behave: Tensor, d: Tensor, seq_ids: Tensor, rejected: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """The engine-vs-trainer mismatch of a micro-batch over the response tokens d as sampled (a
-    correction's rejections included). Sums (reduce_metrics sums them, logs.step_metrics
-    divides): tokens, |log r|, k3 = r - 1 - log r (KL(pi_behave || pi), r = pi / pi_behave),
-    responses, their log perplexity gap mean_t (log pi_behave - log pi), the tokens a correction
-    `rejected` before the step and the responses it rejected whole. Extremes (reduced by max):
-    [max, -min] over responses of log rho_i = sum_t log r_t."""
-    # log(pi / pi_behave) of the tokens of d (0 elsewhere), detached, in float64
+    """The engine-vs-trainer mismatch of a micro-batch over the response tokens as sampled:
+    those trained (d) and those a correction `rejected` before the step. Sums (reduce_metrics
+    sums them, logs.step_metrics divides): tokens, |log r|, k3 = r - 1 - log r (KL(pi_behave ||
+    pi), r = pi / pi_behave), responses, their log perplexity gap mean_t (log pi_behave - log
+    pi), the tokens rejected and the responses rejected whole. Extremes (reduced by max): [max,
+    -min] over responses of log rho_i = sum_t log r_t."""
+    rejected = torch.zeros_like(d) if rejected is None else rejected
+    d = d + rejected
+    # log(pi / pi_behave) of the tokens sampled (0 elsewhere), detached, in float64
     lr = torch.where(d > 0, log_ratio(logp.detach(), behave), 0.0).double()
     k3 = torch.exp(lr) - 1 - lr
-    rejected = torch.zeros_like(d) if rejected is None else rejected
     columns = torch.stack([d.double(), rejected.double(), lr], 1)
     count, rejected_count, log_rho = _group_sums(columns, seq_ids).unbind(1)
     # one token per response: its values counted once
@@ -701,38 +703,32 @@ def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
 
 # -----------------------------------------------------------------------------
 # flags: defaults that depend on other flags, and checks
-def resolve_loss_flags(
-    policy_loss: str,
-    loss_aggregation: str,
-    eps_low: float | None,
-    eps_high: float | None,
-    divisor: float | None,
-    correction: str,
-    threshold: float | None,
-    max_new_tokens: int,
-    max_staleness: int = 0,
-    updates_per_batch: int = 1,
-) -> dict:
+def resolve_loss_flags(cfg) -> dict:
     """Defaults that depend on other flags: the surrogate's mode (auto) and clip range, constant's
     divisor (the longest response), the correction (auto) and its threshold."""
-    s = _choice("policy-loss", policy_loss, SURROGATES)
-    mode = s.aggregation if loss_aggregation == "auto" else loss_aggregation
+    s = _choice("policy-loss", cfg.policy_loss, SURROGATES)
+    mode = cfg.loss_aggregation
+    if mode == "auto":
+        mode = s.aggregation
     # --correction auto: what docs/studies.md measured holding under staleness
-    if correction == "auto" and max_staleness == 0:
+    correction = cfg.correction
+    if correction == "auto" and cfg.max_staleness == 0:
         correction = "none"
     elif correction == "auto":
-        correction = "truncate" if updates_per_batch > 1 else "behave"
+        several = cfg.num_minibatches * cfg.ppo_epochs > 1  # updates per batch
+        correction = "truncate" if several else "behave"
     pick = lambda given, default: default if given is None else given
+    divisor = cfg.loss_aggregation_divisor
     if mode == "constant":
-        divisor = pick(divisor, float(max_new_tokens))
+        divisor = pick(divisor, float(cfg.max_new_tokens))
     corr = _choice("correction", correction, CORRECTIONS)
     return {
         "loss_aggregation": mode,
         "loss_aggregation_divisor": divisor,
-        "eps_low": pick(eps_low, s.params.get("eps_low")),
-        "eps_high": pick(eps_high, s.params.get("eps_high")),
+        "eps_low": pick(cfg.eps_low, s.params.get("eps_low")),
+        "eps_high": pick(cfg.eps_high, s.params.get("eps_high")),
         "correction": correction,
-        "correction_threshold": pick(threshold, corr.threshold),
+        "correction_threshold": pick(cfg.correction_threshold, corr.threshold),
     }
 
 

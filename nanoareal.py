@@ -18,21 +18,17 @@ rewards), packing.py, modeling.py (the model and every decision about it, log-pr
 attention.py (packed rows, Ulysses), lora.py, checkpoint.py, logs.py, cli.py. Left out on
 purpose: a critic (GRPO needs none), tensor/pipeline parallel in the trainer."""
 
-from __future__ import annotations
-
 import ctypes
 import math
 import os
 import platform
 import random
 import time
-import typing
 from collections import Counter
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
-from typing import Annotated, Literal, TypeVar
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -48,7 +44,7 @@ import rollout
 import tasks
 from checkpoint import on_rank0
 from cli import UserError
-from logs import Logger, merge, print0, reduce_metrics, sample_rows, step_metrics
+from logs import Logger, merge, print0, reduce_metrics, step_metrics
 from rollout import Sample, SamplingParams, mix_seed
 
 ROOT = Path(__file__).resolve().parent
@@ -62,11 +58,9 @@ MAX_BAD_STEPS = 3  # stop after this many steps in a row with a non-finite gradi
 CKPT_MINUTES = 10.0  # save a checkpoint when this long has passed since the last one
 
 # -----------------------------------------------------------------------------
-# config: one flat set of flags, `--help` its documentation. A Volatile flag changes how a run is
-# watched or how long it goes, not what it computes: a rerun with another value continues the run.
-
-T = TypeVar("T")
-Volatile = Annotated[T, "volatile"]
+# config: one flat set of flags, `--help` its documentation. A volatile flag (VOLATILE) changes
+# how a run is watched or how long it goes, not what it computes: a rerun with another value
+# continues the run.
 
 
 @dataclass
@@ -75,15 +69,15 @@ class Config:
     model: str = "assets/tiny-arith"
     """Hugging Face causal-LM directory or hub id, an export (runs/<run>/final), a checkpoint or
     a PEFT LoRA adapter directory (its base model, its adapters)."""
-    run_dir: Volatile[str | None] = None
+    run_dir: str | None = None
     """Where metrics, samples and checkpoints go; default runs/<dataset>-<mode>-s<seed>-<hash>."""
     seed: int = 0
     """Seed of the run: prompt order and sampling noise are functions of (seed, step)."""
-    steps: Volatile[int] = 100
+    steps: int = 100
     """Training steps, one rollout batch each; 0 evaluates --model without training."""
-    config: Volatile[str | None] = None
+    config: str | None = None
     """A TOML file of flag defaults (keys are flag names); flags on the command line win."""
-    resume: Volatile[str] = "auto"
+    resume: str = "auto"
     """auto continues the run in --run-dir; fresh moves it aside first; or a checkpoint's path."""
 
     # data
@@ -120,9 +114,9 @@ class Config:
     """hf: transformers in the trainer's precision (hf_bf16: bf16 weights and compute; hf_int4:
     4-bit weights); sglang: in-process on this GPU or --rollout-url (sglang_deterministic:
     seeded)."""
-    rollout_url: Volatile[list[str]] = field(default_factory=list)
+    rollout_url: list[str] = field(default_factory=list)
     """SGLang server URLs; none with --rollout-backend sglang runs SGLang in-process."""
-    weight_sync: Volatile[Literal["auto", "tensor", "disk", "nccl"]] = "auto"
+    weight_sync: Literal["auto", "tensor", "disk", "nccl"] = "auto"
     """How new weights reach SGLang: auto is tensor in-process, nccl to servers where it can."""
 
     # advantages
@@ -189,19 +183,19 @@ class Config:
     """Start from this PEFT adapter directory (--model such a directory sets it and its base)."""
 
     # eval, logging, checkpoints, system
-    eval_every: Volatile[int] = 10
+    eval_every: int = 10
     """Held-out evaluation every N steps, at step 0 and at the end; 0 turns it off."""
-    eval_k: Volatile[int] = 0
+    eval_k: int = 0
     """Also sample k answers per held-out prompt: mean@k and pass@k (Chen et al. 2021)."""
-    ckpt_every: Volatile[int] = 0
+    ckpt_every: int = 0
     """Also save a checkpoint every N steps (besides every 10 minutes, the end and signals)."""
-    wandb_project: Volatile[str | None] = None
+    wandb_project: str | None = None
     """Also log metrics and sample tables to this Weights & Biases project."""
     dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
     """Compute precision; bfloat16 keeps fp32 master weights; auto: bf16 on a GPU, fp32 on a CPU."""
-    cp_size: Volatile[int] = 1
+    cp_size: int = 1
     """Context parallel (Ulysses): ranks that split each micro-batch's tokens (exact, same run)."""
-    compile: Volatile[bool] = True
+    compile: bool = True
     """torch.compile the decoder layers where they hold 50M parameters or more (fused, exact)."""
 
     def __post_init__(self):
@@ -213,21 +207,7 @@ class Config:
             self.reward = task.reward if task else "exact_match"
         if not self.lr:  # docs/studies.md: LoRA wants a 10x larger one
             self.lr = default_lr(self.lora_rank or self.lora_adapter)
-        updates = self.num_minibatches * self.ppo_epochs
-        resolved = loss.resolve_loss_flags(
-            self.policy_loss,
-            self.loss_aggregation,
-            self.eps_low,
-            self.eps_high,
-            self.loss_aggregation_divisor,
-            self.correction,
-            self.correction_threshold,
-            self.max_new_tokens,
-            self.max_staleness,
-            updates,
-        )
-        for k, v in resolved.items():
-            setattr(self, k, v)
+        vars(self).update(loss.resolve_loss_flags(self))
 
 
 # -----------------------------------------------------------------------------
@@ -237,16 +217,16 @@ def main(argv: list[str]) -> None:
     ranks, device = setup_distributed(cfg.cp_size)  # torchrun's, or a world of one
     data, reward_fn, engine, resuming = prepare_run(cfg, device, ranks)  # run dir claimed
     model, reference, teacher, optimizer = load_models(cfg, device, ranks, engine)
-    reduction = loss.build_loss(cfg, dist.group.WORLD, cp_factor=ranks.cp_size)
+    reduction = loss.build_loss(cfg, cp_factor=ranks.cp_size)
     run = resume(cfg, model, optimizer, engine, ranks, resuming)  # step, batches ahead
-    logger = Logger(cfg.run_dir, cfg.steps, run.step, cfg.wandb_project, asdict(cfg))
+    logger = Logger(cfg, run.step)
     make_batch = lambda step: rollout_batch(engine, data, reward_fn, step, cfg, ranks)
     share = lambda batch: cp_broadcast(batch, ranks)  # one rollout per CP group
     rollouts = rollout.Rollouts(
         make_batch, cfg.max_staleness, engine.overlaps, run.pending, cfg.steps, share
     )
     print0(banner(cfg, ranks, device, data, rollouts))
-    evaluate = partial(tasks.evaluate, engine, data, reward_fn, cfg, ranks.rank, ranks.world)
+    evaluate = lambda: tasks.evaluate(engine, data, reward_fn, cfg, ranks.rank, ranks.world)
     if data.evalset and (cfg.steps == 0 or (cfg.eval_every > 0 and run.step == 0)):
         run.last_eval = evaluate()
         logger.log(run.step, run.last_eval)
@@ -281,8 +261,7 @@ def main(argv: list[str]) -> None:
                 run.last_eval = evaluate()
                 metrics |= run.last_eval
             logger.log(step + 1, metrics)  # metrics.jsonl, wandb, a console line
-            if logger.samples_due(step + 1):  # a few groups to samples.jsonl
-                logger.log_samples(step + 1, sample_rows(samples, data.tokenizer))
+            logger.log_samples(step + 1, samples, data.tokenizer)  # a few, to samples.jsonl
             end_step(step + 1, sums, metrics, cfg, model, optimizer, run, rollouts, logger)
     rollouts.close()
     logger.close(run.last_eval)
@@ -295,10 +274,20 @@ def main(argv: list[str]) -> None:
 
 # -----------------------------------------------------------------------------
 # set-up: the config (flags + TOML, resolved once, checked), the ranks, the data
+# the volatile flags: how a run is watched or how long it goes (a rerun continues the run)
 VOLATILE = {
-    k
-    for k, hint in typing.get_type_hints(Config, include_extras=True).items()
-    if "volatile" in getattr(hint, "__metadata__", ())
+    "run_dir",
+    "steps",
+    "config",
+    "resume",
+    "rollout_url",
+    "weight_sync",
+    "eval_every",
+    "eval_k",
+    "ckpt_every",
+    "wandb_project",
+    "cp_size",
+    "compile",
 }
 DEFAULTS = {f.name: f.default for f in fields(Config) if f.default is not MISSING}
 
@@ -333,7 +322,6 @@ def resolve_config(cfg: Config) -> Config:
     held = cfg.eval_dataset
     if not held and not cfg.steps and cfg.dataset not in tasks.TASKS:
         held = cfg.dataset
-    teacher = shipped(cfg.teacher) if cfg.teacher else None
     lr = cfg.lr
     if rank and not cfg.lora_rank and lr == default_lr(cfg.lora_adapter):  # an adopted rank
         lr = default_lr(rank)
@@ -348,7 +336,7 @@ def resolve_config(cfg: Config) -> Config:
         eval_dataset=held,
         lora_adapter=adapter,
         lora_rank=rank,
-        teacher=teacher,
+        teacher=shipped(cfg.teacher) if cfg.teacher else None,
         lr=lr,
         run_dir=run_dir,
     )
@@ -366,35 +354,39 @@ def shipped(path: str) -> str:
     return path
 
 
-# the least value of each counting flag (validate_config)
+# the counting flags by their least value (validate_config)
 LEAST = {
-    "prompts_per_step": 1,
-    "max_new_tokens": 1,
-    "micro_batch_tokens": 1,
-    "num_minibatches": 1,
-    "ppo_epochs": 1,
-    "cp_size": 1,
-    "top_k": -1,
-    "steps": 0,
-    "eval_every": 0,
-    "eval_k": 0,
-    "warmup_steps": 0,
-    "ckpt_every": 0,
-    "max_staleness": 0,
-    "max_resample": 0,
-    "overlong_buffer": 0,
-    "grad_clip": 0,
-    "lora_rank": 0,
+    1: (
+        "prompts-per-step",
+        "max-new-tokens",
+        "micro-batch-tokens",
+        "num-minibatches",
+        "ppo-epochs",
+        "cp-size",
+    ),
+    -1: ("top-k",),
+    0: (
+        "steps",
+        "eval-every",
+        "eval-k",
+        "warmup-steps",
+        "ckpt-every",
+        "max-staleness",
+        "max-resample",
+        "overlong-buffer",
+        "grad-clip",
+        "lora-rank",
+    ),
 }
 
 
 def validate_config(cfg: Config, world: int) -> Config:
     """Every flag checked before anything heavy loads; a mistake: one UserError line naming it."""
-    for name, least in LEAST.items():
-        value = getattr(cfg, name)
-        if value < least:
-            flag = "--" + name.replace("_", "-")
-            raise UserError(f"config error: {flag} {value}: must be >= {least}")
+    for least, flags in LEAST.items():
+        for flag in flags:
+            value = getattr(cfg, flag.replace("-", "_"))
+            if value < least:
+                raise UserError(f"config error: --{flag} {value}: must be >= {least}")
     checks = [
         (
             cfg.group_size >= 2,
@@ -437,9 +429,9 @@ def validate_config(cfg: Config, world: int) -> Config:
         ),
         (math.isfinite(cfg.distill_coef), f"--distill-coef {cfg.distill_coef}: not a number"),
     ]
-    problem = next((message for ok, message in checks if not ok), None)
-    if problem:
-        raise UserError(f"config error: {problem}")
+    for ok, message in checks:
+        if not ok:
+            raise UserError(f"config error: {message}")
     try:
         loss.check_loss_flags(cfg)
     except ValueError as e:
@@ -452,25 +444,25 @@ def validate_config(cfg: Config, world: int) -> Config:
 
 def check_lora(cfg: Config) -> None:
     """--lora-rank, and --lora-adapter against --model (its base), before anything loads."""
-    found = lora.read_config(cfg.lora_adapter) if cfg.lora_adapter else None
-    problem = None
-    if cfg.lora_adapter and found is None:
-        problem = f"--lora-adapter {cfg.lora_adapter} is not a PEFT adapter directory"
-    elif found and found["r"] != cfg.lora_rank:
-        problem = (
-            f"--lora-adapter {cfg.lora_adapter} has rank {found['r']}, not --lora-rank "
-            f"{cfg.lora_rank}"
+    if not cfg.lora_adapter:
+        return
+    found = lora.read_config(cfg.lora_adapter)
+    if found is None:
+        raise UserError(
+            f"config error: --lora-adapter {cfg.lora_adapter} is not a PEFT adapter directory"
         )
-    elif found:
-        base = found["base_model_name_or_path"]
-        same = Path(base).exists() and Path(base).resolve() == Path(cfg.model).resolve()
-        if base != cfg.model and not same:
-            problem = (
-                f"--lora-adapter {cfg.lora_adapter} is an adapter of {base!r}, not of "
-                f"--model {cfg.model}"
-            )
-    if problem:
-        raise UserError(f"config error: {problem}")
+    if found["r"] != cfg.lora_rank:
+        raise UserError(
+            f"config error: --lora-adapter {cfg.lora_adapter} has rank {found['r']}, not "
+            f"--lora-rank {cfg.lora_rank}"
+        )
+    base = found["base_model_name_or_path"]
+    same = Path(base).exists() and Path(base).resolve() == Path(cfg.model).resolve()
+    if base != cfg.model and not same:
+        raise UserError(
+            f"config error: --lora-adapter {cfg.lora_adapter} is an adapter of {base!r}, not "
+            f"of --model {cfg.model}"
+        )
 
 
 @dataclass(frozen=True)
@@ -512,12 +504,17 @@ def setup_distributed(cp_size: int = 1) -> tuple[Ranks, torch.device]:
             libc.mallopt(-3, 32 << 20)
         libc.mallopt(-1, 2**31 - 1)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-    cp = cp_size if world % cp_size == 0 else 1  # else: validate_config has said so
+    # validate_config made sure cp_size divides world
     cp_group = None
-    if cp > 1:
-        mesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+    if cp_size > 1:
+        mesh = init_device_mesh(
+            device.type, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp")
+        )
         cp_group = mesh["cp"].get_group()
-    return Ranks(rank, world, rank // cp, world // cp, rank % cp, cp, cp_group), device
+    ranks = Ranks(
+        rank, world, rank // cp_size, world // cp_size, rank % cp_size, cp_size, cp_group
+    )
+    return ranks, device
 
 
 def prepare_run(cfg: Config, device, ranks: Ranks) -> tuple:
@@ -526,8 +523,14 @@ def prepare_run(cfg: Config, device, ranks: Ranks) -> tuple:
     trainer's weight tensors."""
     reward_fn = tasks.load_reward(cfg.reward)
     modeling.check_model_source(cfg.model)
-    claim = (cfg.run_dir, asdict(cfg), VOLATILE, cfg.resume == "fresh", DEFAULTS)
-    resuming = on_rank0(checkpoint.claim_run_dir, *claim)
+    resuming = on_rank0(
+        checkpoint.claim_run_dir,
+        cfg.run_dir,
+        asdict(cfg),
+        VOLATILE,
+        cfg.resume == "fresh",
+        DEFAULTS,
+    )
     torch.manual_seed(cfg.seed)
     data = tasks.load_data(cfg)
     if cfg.teacher:
@@ -539,11 +542,10 @@ def prepare_run(cfg: Config, device, ranks: Ranks) -> tuple:
 
 def banner(cfg: Config, ranks: Ranks, device, data: tasks.Data, rollouts) -> str:
     """The run's first line: where it runs, what it trains on, how."""
-    prompts = f"{len(data.rows)}/{len(data.evalset)} train/eval prompts"
-    loss_name = f"{cfg.policy_loss}/{cfg.loss_aggregation}"
     return (
-        f"nanoareal: {ranks.world} rank(s) on {device.type}, {cfg.model}, {prompts}, "
-        f"{loss_name}, {rollouts.describe()}, run {cfg.run_dir}"
+        f"nanoareal: {ranks.world} rank(s) on {device.type}, {cfg.model}, {len(data.rows)}/"
+        f"{len(data.evalset)} train/eval prompts, {cfg.policy_loss}/{cfg.loss_aggregation}, "
+        f"{rollouts.describe()}, run {cfg.run_dir}"
     )
 
 
@@ -599,31 +601,36 @@ def rollout_batch(
     """This data-parallel rank's share of the step's groups (every dp_size-th slot: a group never
     straddles ranks), sampled by the engine's current weights and scored. --zero-variance
     resample: a slot whose group's rewards are all equal draws a fresh prompt (a function of
-    (seed, step, slot, round)) up to --max-resample times. It may run on the rollout thread,
-    overlapping training: no collectives here. A CP group's first rank makes it."""
+    (seed, step, slot, round)) up to --max-resample times; every sample's gen_s is the rounds'
+    generation time summed (the discarded tokens took part of it). It may run on the rollout
+    thread, overlapping training: no collectives here. A CP group's first rank makes it."""
     if ranks.cp_rank != 0:
         return []
     rows = prompts_for_step(len(data.rows), cfg.prompts_per_step, step, cfg.seed)
     todo = list(enumerate(rows))[ranks.dp_rank :: ranks.dp_size]
     rounds = cfg.max_resample if cfg.zero_variance == "resample" else 0
-    groups: dict[int, list[Sample]] = {}
+    groups = {}
     discarded = Counter()  # tokens of the groups a slot threw away
+    gen_s = 0.0  # every round's generation time: the discarded tokens took some of it
     for round_ in range(rounds + 1):
+        start = time.perf_counter()
         drawn = generate(engine, data, todo, step, cfg, round_)
+        gen_s += time.perf_counter() - start
         score(drawn, data, reward_fn, cfg)
         for slot, _ in todo:
-            old = groups.get(slot, [])
-            discarded[slot] += sum(len(s.completion.output_ids) for s in old)
+            replaced = groups.get(slot, [])
+            discarded[slot] += sum(len(s.completion.output_ids) for s in replaced)
             groups[slot] = [s for s in drawn if s.group == slot]
-        flat = flat_groups(drawn)
-        todo = [
-            (slot, resampled_row(len(data.rows), cfg.seed, step, slot, round_ + 1))
-            for slot, _ in todo
-            if slot in flat
-        ]
+        # the flat slots draw again: rows that are functions of (seed, step, slot, round)
+        todo = []
+        for slot in sorted(flat_groups(drawn)):
+            rng = random.Random(mix_seed(cfg.seed, step, slot, round_ + 1, 0x5A3F))
+            todo.append((slot, rng.randrange(len(data.rows))))
         if not todo:
             break
     for slot, group in groups.items():
+        for s in group:
+            s.gen_s = gen_s
         if group:
             group[0].discarded_tokens = discarded[slot]
     return [s for slot in sorted(groups) for s in groups[slot]]
@@ -631,15 +638,10 @@ def rollout_batch(
 
 def flat_groups(samples: list[Sample]) -> set[int]:
     """The groups whose rewards are all equal: no GRPO signal."""
-    rewards: dict[int, set] = {}
+    rewards = {}
     for s in samples:
         rewards.setdefault(s.group, set()).add(s.reward)
     return {g for g, r in rewards.items() if len(r) == 1}
-
-
-def resampled_row(num_rows: int, seed: int, step: int, slot: int, round_: int) -> int:
-    """The row a slot draws at a resampling round: a function of (seed, step, slot, round)."""
-    return random.Random(mix_seed(seed, step, slot, round_, 0x5A3F)).randrange(num_rows)
 
 
 def generate(
@@ -650,8 +652,8 @@ def generate(
     cfg: Config,
     round_: int = 0,
 ) -> list[Sample]:
-    """group_size completions of each (slot, row) prompt, timed (gen_s; one the engine aborted is
-    dropped); the slot is the group; seeds (seed, step, slot, k[, round]), not the rank's."""
+    """group_size completions of each (slot, row) prompt (one the engine aborted is dropped); the
+    slot is the group; seeds (seed, step, slot, k[, round]), not the rank's."""
     sampling = SamplingParams(
         cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, data.stop_ids
     )
@@ -663,10 +665,9 @@ def generate(
         for k in range(cfg.group_size)
     ]
     encoded = [data.prompts[r] for _, r in slots]
-    rows = [data.rows[r] for _, r in slots] if data.tools else None
-    version, start = engine.version, time.perf_counter()
+    rows = [data.rows[r] for _, r in slots]  # what an env starts from (tools only)
+    version = engine.version
     completions = rollout.run_episodes(engine, encoded, sampling, seeds, data.tools, rows)
-    took = time.perf_counter() - start
     return [
         Sample(
             slot,
@@ -675,7 +676,6 @@ def generate(
             row=row,
             version=version,
             seed=seed,
-            gen_s=took,
             round=round_,
         )
         for (slot, row), c, seed in zip(slots, completions, seeds)
@@ -708,11 +708,12 @@ def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:
     generation time (gen_s, a maximum over ranks); a CP group counts its shared batch once."""
     if ranks.cp_rank != 0:
         return {}
-    sums = Counter({"samples": len(samples), "reward": 0.0, "judged": 0, "correct": 0})
+    sums = Counter()
     for s in samples:
         n = len(s.completion.output_ids)
         sums.update(
             {
+                "samples": 1,
                 "reward": s.reward,
                 "response_tokens": n,
                 "version": s.version,
@@ -726,36 +727,28 @@ def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:
         if s.correct is not None:  # response lengths split by correctness: who grows longer
             kind = "correct" if s.correct else "incorrect"
             sums.update({"judged": 1, "correct": s.correct, kind: 1, f"len_{kind}": n})
-        reported = [
-            *((f"reward/{k}", v) for k, v in s.metrics.items()),
-            *s.completion.episode.items(),
-        ]
-        for k, v in reported:  # the reward's and env's: means per reporter
-            sums.update({k: v, f"{k}#n": 1})
+        # the reward's and env's: means per reporter
+        reported = {f"reward/{k}": v for k, v in s.metrics.items()} | s.completion.episode
+        sums.update(reported | {f"{k}#n": 1 for k in reported})
     sums["zero_var_groups"] = len({s.group for s in samples if s.zero_variance})
-    error = next((s.reward_error for s in samples if s.reward_error), None)
-    if error:
-        sums["reward_error_message"] = error
     if samples:
         sums["gen_s"] = max(s.gen_s for s in samples)
     return dict(sums)
 
 
-def set_advantages(
-    samples: list[Sample], cfg: Config, ranks: Ranks = Ranks(), teacher=None
-) -> None:
+def set_advantages(samples: list[Sample], cfg: Config, ranks: Ranks, teacher) -> None:
     """Each sample's .advantage (its reward against its group's, loss.ADVANTAGES) and
     .zero_variance (its group's rewards are all equal); with a teacher, .token_advantages: the
     advantage plus the teacher's per-token term (loss.distill_advantages)."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    groups = torch.tensor([s.group for s in samples], dtype=torch.long)
+    groups = torch.tensor([s.group for s in samples])
     adv = loss.group_advantages(rewards, groups, cfg.adv_estimator, copies=ranks.cp_size)
     flat = flat_groups(samples)
     for s, a in zip(samples, adv.tolist()):
         s.advantage, s.zero_variance = a, s.group in flat
     if teacher is None:
         return
-    for s, scores in zip(samples, teacher_logprobs(teacher, samples, cfg, ranks)):
+    for s, scores in zip(samples, teacher_logprobs(teacher, samples, cfg)):
         policy = torch.tensor(packing.loss_mask(s, False))
         distill = loss.distill_advantages(
             scores, torch.tensor(s.completion.logprobs), policy, cfg.distill_coef
@@ -763,9 +756,7 @@ def set_advantages(
         s.token_advantages = (s.advantage + distill).tolist()
 
 
-def teacher_logprobs(
-    teacher, samples: list[Sample], cfg: Config, ranks: Ranks
-) -> list[torch.Tensor]:
+def teacher_logprobs(teacher, samples: list[Sample], cfg: Config) -> list[torch.Tensor]:
     """The teacher's log-prob of each sampled token at --temperature: an SGLang server's
     (prefill only), or a frozen Model's forward of the packed samples (every rank forwards the
     same number of micro-batches: FSDP2 gathers per forward)."""
@@ -795,20 +786,17 @@ def train_on_samples(
     """One rollout batch -> --ppo-epochs x --num-minibatches optimizer steps, each on a share of
     the groups. Returns this rank's counters (the first pass's; reduce_metrics sums them over ranks)
     and the step's stats: grad norm and loss terms (means), skipped steps, whether any update."""
+    # mini-batch i: every n-th group from the i-th; pi_prox, pi_ref: the weights before any update
+    n = cfg.num_minibatches
     groups = sorted({s.group for s in samples})
-    packed = []
-    for i in range(cfg.num_minibatches):  # pi_prox and pi_ref: the weights before any update
-        share = set(groups[i :: cfg.num_minibatches])
-        packed.append(
-            minibatch(model, reference, [s for s in samples if s.group in share], cfg, ranks)
-        )
+    packed = [
+        minibatch(model, reference, [s for s in samples if s.group in groups[i::n]], cfg)
+        for i in range(n)
+    ]
     # positions: what the model was fed (fewer than trained_tokens: shared prompts, no last tokens)
-    sums = {}
-    sums["positions"] = sum(len(mb.input_ids) for mbs in packed for mb in mbs)
-    sums["trained_tokens"] = sum(
-        len(s.prompt_ids) + len(s.completion.output_ids) for s in samples
-    )
-    parts = [sums]
+    tokens = sum(len(s.prompt_ids) + len(s.completion.output_ids) for s in samples)
+    positions = sum(len(mb.input_ids) for mbs in packed for mb in mbs)
+    parts = [{"positions": positions, "trained_tokens": tokens}]
     stats, updates = Counter(), packed * cfg.ppo_epochs  # pass after pass
     for i, mbs in enumerate(updates):
         counters, out = train_minibatch(model, optimizer, reduction, mbs, cfg, ranks)
@@ -821,17 +809,14 @@ def train_on_samples(
     return (sums if ranks.cp_rank == 0 else {}), dict(stats)  # a CP group counts once
 
 
-def minibatch(
-    model, reference, samples: list[Sample], cfg: Config, ranks: Ranks
-) -> list[loss.MicroBatch]:
+def minibatch(model, reference, samples: list[Sample], cfg: Config) -> list[loss.MicroBatch]:
     """A mini-batch's micro-batches, the same number on every rank, with the frozen log-probs
     they need: pi_prox's own forward (loss.needs_proximal_forward), the reference's (KL); then a
     correction's masks from pi_prox (M2PO's over every rank; a mismatch rejection, taken out of
     the denominators too: the mode's weights made again)."""
     mbs = packing.even_out(pack_microbatches(samples, cfg))
-    updates = cfg.num_minibatches * cfg.ppo_epochs
     frozen = {}
-    if loss.needs_proximal_forward(cfg.correction, updates):
+    if loss.needs_proximal_forward(cfg.correction, cfg.num_minibatches * cfg.ppo_epochs):
         frozen["prox_logprobs"] = model
     if reference is not None:
         frozen["ref_logprobs"] = reference
@@ -860,10 +845,9 @@ def minibatch(
             for k in ("prox_logprobs", "behave_logprobs", "loss_mask")
         ),
         threshold=cfg.correction_threshold,
-        group=dist.group.WORLD if ranks.world > 1 else None,
     )
-    sizes = [len(mb.loss_mask) for mb in mbs]
-    return [replace(mb, keep_mask=k) for mb, k in zip(mbs, keep.split(sizes))]
+    keep = keep.split([len(mb.loss_mask) for mb in mbs])
+    return [replace(mb, keep_mask=k) for mb, k in zip(mbs, keep)]
 
 
 def reject(mb: loss.MicroBatch, corr: loss.Correction, cap: float) -> loss.MicroBatch:
@@ -955,10 +939,7 @@ class StepMetrics:
 
     def add(self, mb, logp, entropy, prox) -> None:
         d, behave = mb.denom_mask, mb.behave_logprobs
-        sampled = d if mb.rejected is None else d + mb.rejected
-        mismatch, extremes = loss.mismatch_sums(
-            logp, behave, sampled, mb.seq_ids, mb.rejected
-        )
+        mismatch, extremes = loss.mismatch_sums(logp, behave, d, mb.seq_ids, mb.rejected)
         iw = torch.exp(loss.log_ratio(prox, behave)).double()
         mine = torch.stack([d.sum(), (entropy.detach() * d).sum(), (iw * d).sum()])
         self.acc += torch.cat([mismatch, mine.double()])
@@ -966,8 +947,7 @@ class StepMetrics:
         self.most = torch.maximum(self.most, torch.cat([iw_max, extremes]))
 
     def sums(self) -> dict:
-        out = dict(zip(self.NAMES, self.acc.tolist()))
-        return out | dict(zip(self.MAXIMA, self.most.tolist()))
+        return dict(zip(self.NAMES + self.MAXIMA, torch.cat([self.acc, self.most]).tolist()))
 
 
 def optimizer_step(model, optimizer, cfg: Config, learn: bool) -> dict:
@@ -975,23 +955,26 @@ def optimizer_step(model, optimizer, cfg: Config, learn: bool) -> dict:
     global norm) or there is nothing to learn; gradients cleared either way."""
     out = {"updated": 0.0, "skipped_steps": 0.0, "grad_norm": 0.0}
     if learn:
-        limit = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(model.trainable(), limit)
+        # --grad-clip 0: no clipping
+        norm = torch.nn.utils.clip_grad_norm_(model.trainable(), cfg.grad_clip or math.inf)
         out["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         finite = math.isfinite(out["grad_norm"])
         if finite:
             optimizer.step()
         out["updated" if finite else "skipped_steps"] = 1.0
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     return out
 
 
 def pack_microbatches(samples: list[Sample], cfg: Config) -> list[loss.MicroBatch]:
     """Samples -> packed micro-batches of at most --micro-batch-tokens positions (packing.py)."""
-    mode, divisor = cfg.loss_aggregation, cfg.loss_aggregation_divisor
-    budget = cfg.micro_batch_tokens
     return packing.pack_microbatches(
-        samples, mode, divisor, budget, cfg.mask_truncated, SHARE_PROMPTS
+        samples,
+        cfg.loss_aggregation,
+        cfg.loss_aggregation_divisor,
+        cfg.micro_batch_tokens,
+        cfg.mask_truncated,
+        SHARE_PROMPTS,
     )
 
 
@@ -1044,7 +1027,8 @@ class RunState:
 
     def flags(self, preempt: checkpoint.Preemption) -> dict:
         """What every rank must agree on: a checkpoint due by time, a signal one of them got."""
-        due = float(time.monotonic() - self.last_save > 60 * CKPT_MINUTES)
+        # a bool: reduce_metrics' merge() sums it as a float
+        due = time.monotonic() - self.last_save > 60 * CKPT_MINUTES
         return {"due": due} | preempt.signal_sums()
 
 
@@ -1100,12 +1084,15 @@ def resume(cfg: Config, model, optimizer, engine, ranks: Ranks, resuming: bool) 
     run = RunState()
     if path is not None:
         meta, ahead = checkpoint.load_checkpoint(Path(path), model.module, optimizer)
-        mine = lambda batch: [
-            rollout.sample_from_dict(x)
-            for x in batch
-            if x["group"] % ranks.dp_size == ranks.dp_rank
-        ]
-        pending = {s: mine(b) for s, b in ahead.items()} if ranks.cp_rank == 0 else {}
+        pending = {
+            s: [
+                rollout.sample_from_dict(x)
+                for x in b
+                if x["group"] % ranks.dp_size == ranks.dp_rank
+            ]
+            for s, b in ahead.items()
+            if ranks.cp_rank == 0  # a CP group's first rank makes its batches
+        }
         run = RunState(meta["step"], meta["updates"], meta["last_eval"] or {}, pending)
         done = " (nothing left to train)" if meta["step"] >= cfg.steps > 0 else ""
         verb = "resumed from" if cfg.steps else "evaluating"

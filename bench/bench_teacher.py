@@ -82,7 +82,7 @@ def child(a) -> dict:
     reduction, times = L.build_loss(cfg), {"teacher": [], "step": []}
     for i in range(a.warmup + a.steps):
         t = time.perf_counter()
-        N.teacher_logprobs(teacher, samples, cfg, ranks)
+        N.teacher_logprobs(teacher, samples, cfg)
         t1 = time.perf_counter()
         N.train_on_samples(model, None, optimizer, reduction, samples, cfg, ranks)
         if i >= a.warmup:

@@ -91,7 +91,7 @@ class NanoRun:
     def rollout(self, step: int) -> list[Sample]:
         """This step's batch, its advantages set: what train_on_samples takes."""
         samples = self.rollouts.take(step)
-        N.set_advantages(samples, self.cfg)
+        N.set_advantages(samples, self.cfg, N.Ranks(), None)
         return samples
 
     def train(self, samples: list[Sample]) -> tuple[dict, dict]:

@@ -6,10 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+import logs
 import nanoareal as N
 import rollout
 import tasks
@@ -58,6 +60,38 @@ def test_a_flat_group_is_drawn_again_until_its_rewards_differ(setup):
     assert len(left) < len(flat)
     discarded = sum(s.discarded_tokens for s in got)
     assert discarded >= 4 * sum(rounds.values())  # every round thrown away had 4 answers
+
+
+class SlowEngine:
+    """The engine, each generate call taking WAIT seconds more."""
+
+    WAIT = 0.2
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, *args, **kwargs):
+        self.calls += 1
+        time.sleep(self.WAIT)
+        return self.engine.generate(*args, **kwargs)
+
+
+def test_gen_tokens_per_s_is_every_round_s_tokens_over_every_round_s_seconds(setup):
+    """generated_tokens counts the tokens of every round (those resampled away too): gen_s, its
+    denominator, is every round's generation time summed, not one round's."""
+    cfg, data, engine, reward = setup
+    slow = SlowEngine(engine)
+    got = N.rollout_batch(slow, data, reward, 0, cfg, N.Ranks())
+    assert slow.calls >= 2, "the step needs a resampling round for this test to bite"
+    sums = N.rollout_sums(got, N.Ranks())
+    assert sums["gen_s"] >= SlowEngine.WAIT * slow.calls
+    metrics = logs.step_metrics(sums, {}, {"train": 1.0}, 1e-6, 1)
+    generated = sum(len(s.completion.output_ids) + s.discarded_tokens for s in got)
+    assert metrics["generated_tokens"] == generated
+    assert metrics["gen_tokens_per_s"] <= generated / (SlowEngine.WAIT * slow.calls)
 
 
 def test_the_batch_is_a_function_of_seed_and_step_on_any_number_of_ranks(setup):

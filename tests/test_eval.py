@@ -128,11 +128,15 @@ def test_a_run_writes_a_few_readable_groups_per_sampled_step(trained):
     assert r["prompt"].endswith("=") and r["finish_reason"] in ("stop", "length")
 
 
-def test_samples_are_rate_limited_to_about_a_hundred_steps_of_a_run(tmp_path):
+def test_samples_are_rate_limited_to_about_a_hundred_steps_of_a_run(tmp_path, monkeypatch):
+    import logs
     from logs import SAMPLED_STEPS, Logger
 
-    logger = Logger(tmp_path, 1000, 0)
-    due = [s for s in range(1, 1001) if logger.samples_due(s)]
+    monkeypatch.setattr(logs, "sample_rows", lambda samples, tokenizer: [{"group": 0}])
+    logger = Logger(types.SimpleNamespace(run_dir=tmp_path, steps=1000, wandb_project=None), 0)
+    for s in range(1, 1001):
+        logger.log_samples(s, ["a sample"], None)
+    due = [r["step"] for r in lines(tmp_path / "samples.jsonl")]
     assert len(due) == SAMPLED_STEPS and due[:2] == [10, 20]
     assert torch.tensor(due).diff().unique().tolist() == [10]
 

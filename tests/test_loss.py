@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+import types
 from dataclasses import fields, replace
 
 import pytest
@@ -780,7 +781,10 @@ def test_one_extreme_log_ratio_cannot_make_the_step_non_finite(surrogate, monkey
 
 def test_defaults_come_from_the_registries_gspo_its_papers_clip_range_and_a_sequence_mean():
     resolve = lambda loss, mode="auto", eps_high=None, divisor=None, correction="none": \
-        L.resolve_loss_flags(loss, mode, None, eps_high, divisor, correction, None, 8)
+        L.resolve_loss_flags(types.SimpleNamespace(
+            policy_loss=loss, loss_aggregation=mode, eps_low=None, eps_high=eps_high,
+            loss_aggregation_divisor=divisor, correction=correction, correction_threshold=None,
+            max_new_tokens=8, max_staleness=0, num_minibatches=1, ppo_epochs=1))
     gspo, ppo = resolve("gspo"), resolve("ppo")
     assert (gspo["eps_low"], gspo["eps_high"], gspo["loss_aggregation"]) == (3e-4, 4e-4,
                                                                             "seq_mean")

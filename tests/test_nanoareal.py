@@ -268,7 +268,7 @@ def test_group_advantage_edge_cases():
 def test_zero_variance_groups_are_detected_per_sample():
     samples = [Sample(g, [1], None, reward=r) for g, r in
                zip([0, 0, 1, 1, 2, 2], [1.0, 1.0, 0.0, 1.0, 0.0, 0.0])]
-    N.set_advantages(samples, N.Config())
+    N.set_advantages(samples, N.Config(), N.Ranks(), None)
     assert [s.zero_variance for s in samples] == [True, True, False, False, True, True]
     assert [s.advantage for s in samples][:2] == [0.0, 0.0]
 

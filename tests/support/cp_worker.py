@@ -134,7 +134,7 @@ def run(cfg0, device, ranks, model_dir: str, dtype, modes: list[str], episodes: 
                                          loss_aggregation_divisor=None), ranks.world)
         mbs = packing.even_out(na.pack_microbatches(mine, cfg))
         if teacher:  # pi_prox's forward, the rejection out of m and d, the mode's weights again
-            mbs = na.minibatch(model, None, mine, cfg, ranks)
+            mbs = na.minibatch(model, None, mine, cfg)
             result.setdefault("rejected", {})[mode] = sum(float(mb.rejected.sum()) for mb in mbs
                                                           if mb.rejected is not None)
         reduction = L.build_loss(cfg, group=dist.group.WORLD if ranks.world > 1 else None,

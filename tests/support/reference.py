@@ -18,9 +18,12 @@ def build(mode: str = "token_mean", divisor: float | None = None, group=None, cp
           kl_estimator: str = "k3") -> Objective:
     """The trainer's objective from loss flags, resolved and checked as the trainer does (the
     divisor goes to the constant mode only): its flags and its LossReduction."""
-    flags = L.resolve_loss_flags(policy_loss, mode, eps_low, eps_high,
-                                 divisor if mode == "constant" else None, correction,
-                                 correction_threshold, max_new_tokens=8)
+    given = types.SimpleNamespace(policy_loss=policy_loss, loss_aggregation=mode, eps_low=eps_low,
+                                  eps_high=eps_high, correction=correction,
+                                  loss_aggregation_divisor=divisor if mode == "constant" else None,
+                                  correction_threshold=correction_threshold, max_new_tokens=8,
+                                  max_staleness=0, num_minibatches=1, ppo_epochs=1)
+    flags = L.resolve_loss_flags(given)
     cfg = types.SimpleNamespace(policy_loss=policy_loss, entropy_coef=entropy_coef,
                                 kl_coef=kl_coef, kl_estimator=kl_estimator, temperature=1.0,
                                 grad_clip=0.0, adv_estimator="grpo", num_minibatches=1,
