@@ -51,7 +51,6 @@ ROOT = Path(__file__).resolve().parent
 ADAM_BETAS, WEIGHT_DECAY = (0.9, 0.99), 0.0  # AdamW: RL steps are few and noisy, no decay
 # feed a group's prompt once per micro-batch (exact; off only to compare)
 SHARE_PROMPTS = True
-REWARD_TIMEOUT_S = 30.0  # a reward call that takes longer scores 0 and is counted
 # a collective waits this long for a peer: a dead rank never hangs a run
 DIST_TIMEOUT_S = 1800.0
 MAX_BAD_STEPS = 3  # stop after this many steps in a row with a non-finite gradient norm
@@ -691,7 +690,6 @@ def score(samples: list[Sample], data: tasks.Data, reward_fn, cfg: Config) -> No
         data.tokenizer,
         [s.completion for s in samples],
         [data.rows[s.row] for s in samples],
-        REWARD_TIMEOUT_S,
         [s.seed for s in samples],
         cfg.overlong_buffer,
         cfg.max_new_tokens,

@@ -1,8 +1,6 @@
 """Rollout engines and the batches in flight. Behaviour log-probs: SGLang's log_softmax(logits / T)
 of each sampled token before top-p/top-k, as the trainer's (pi/pi_behave = 1 at equal weights)."""
 
-from __future__ import annotations
-
 import dataclasses
 import importlib.util
 import inspect

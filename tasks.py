@@ -39,6 +39,7 @@ OVERLONG_FACTOR = 1.0
 SGLANG_CONTEXT_MARGIN, SGLANG_PROMPT_MARGIN = 2, 7
 PROBE_CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "XQZ7"}]
 MAX_TURNS = 4  # an --env's policy turns per episode, unless its class says (max_turns)
+REWARD_TIMEOUT_S = 30.0  # a reward call that takes longer scores 0 and is counted
 
 
 # -----------------------------------------------------------------------------
@@ -689,7 +690,7 @@ def evaluate(
         )
         outs = run_episodes(engine, prompts, sampling, seeds, data.tools, rows)
         # a reward call over 30 s scores 0
-        scores = score_completions(reward_fn, data.tokenizer, outs, rows, 30.0, seeds)
+        scores = score_completions(reward_fn, data.tokenizer, outs, rows, seeds)
         return [s.correct for s in scores]
 
     mine = data.evalset[rank::world]
@@ -750,7 +751,6 @@ def score_completions(
     tokenizer,
     completions: list,
     rows: list[dict],
-    timeout: float,
     seeds: list[int],
     overlong_buffer: int = 0,
     max_tokens: int = 0,
@@ -760,7 +760,7 @@ def score_completions(
     texts = tokenizer.batch_decode(
         [c.output_ids for c in completions], skip_special_tokens=True
     )
-    scores = compute_rewards(reward_fn, texts, rows, timeout, seeds)
+    scores = compute_rewards(reward_fn, texts, rows, REWARD_TIMEOUT_S, seeds)
     if overlong_buffer:
         for sc, c in zip(scores, completions):
             penalty = soft_overlong_penalty(len(c.output_ids), max_tokens, overlong_buffer)

@@ -312,7 +312,7 @@ def faulty_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("faulty") / "run"
     faults = {"reward_raise_at": 0, "reward_hang_at": 1, "constant_reward_at": 2,
               "constant_ranks": [1],
-              "nan_from_step": 3, "constants": {"nanoareal.REWARD_TIMEOUT_S": 0.5,
+              "nan_from_step": 3, "constants": {"tasks.REWARD_TIMEOUT_S": 0.5,
                                                 "nanoareal.MAX_BAD_STEPS": 2,
                                                 "checkpoint.KEEP_CHECKPOINTS": 0}}
     args = ["--prompts-per-step", "8", "--group-size", "4", "--eval-every", "0", "--steps", "6",
