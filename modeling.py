@@ -570,7 +570,7 @@ def gpu_memory(device: torch.device, held: tuple[int, int] | None = None):
     used = total - free  # the engine's and anything else's, before the trainer loads
     training = used if held is None else used - (held[0] - held[1])
     vec = torch.tensor([free, total, -used, -training], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.get_world_size() > 1:
         backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         vec = vec.to(backend_device)
         dist.all_reduce(vec, op=dist.ReduceOp.MIN)
