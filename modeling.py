@@ -520,8 +520,10 @@ def memory_decisions(
     # inductor keeps what selective checkpointing keeps
     plain = "selective" if compiled else ""
     capacity = None if gpu is None else gpu[1]
-    kw = {"engine": engine, "others": others}
-    raw = memory_plan(shape, world, tokens, plain, grads_unsharded=True, **kw)
+    plan_for = functools.partial(
+        memory_plan, shape, world, tokens, engine=engine, others=others
+    )
+    raw = plan_for(plain, grads_unsharded=True)
     checkpointing = CHECKPOINT_LAYERS
     # decided: on a CPU, selective where a layer input is big; on a GPU, full only where the
     # plan without it does not fit well
@@ -531,10 +533,10 @@ def memory_decisions(
     elif checkpointing is None:
         checkpointing = "full" if raw["total"] > NO_RERUN_UP_TO * capacity else ""
     planned = checkpointing or plain
-    plan = memory_plan(shape, world, tokens, planned, grads_unsharded=True, **kw)
+    plan = plan_for(planned, grads_unsharded=True)
     defer = capacity is None or plan["total"] <= capacity
     if not defer:
-        plan = memory_plan(shape, world, tokens, planned, **kw)
+        plan = plan_for(planned)
     line = _plan_line(plan, raw if checkpointing else None, capacity)
     if capacity is not None and plan["total"] > capacity:
         raise UserError(
