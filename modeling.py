@@ -186,10 +186,9 @@ def load_model(
     state = {} if full is None else full.state_dict()
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(module, state, options=options)
-    mine = {} if full is None else dict(full.named_buffers())
     for name, buffer in module.named_buffers():  # some are in no state dict (RoPE's inv_freq)
-        if mine:
-            buffer.copy_(mine[name])
+        if full is not None:
+            buffer.copy_(full.get_buffer(name))
         dist.broadcast(buffer, src=0)
     for name, p in module.named_parameters():  # LoRA: the adapters alone
         p.requires_grad_(trainable and (not cfg.lora_rank or lora.is_adapter(name)))
@@ -260,9 +259,7 @@ def decide(
         path, kernel, reason = attention.choose_attention(ATTENTION, device, mixed, softcap)
     except ValueError as e:
         raise UserError(f"config error: {e}") from None
-    eager = "eager (--no-compile)"
-    if cfg.compile:
-        eager = compile_verdict(module, device)
+    eager = compile_verdict(module, device) if cfg.compile else "eager (--no-compile)"
     compute = (
         "bf16 (fp32 master weights)" if mixed else str(module.dtype).removeprefix("torch.")
     )
@@ -814,15 +811,14 @@ def pack_weights(weights: list[Tensor], rows: int) -> dict[int, Tensor]:
     shape, 16 rows, 2 threads: 2x the decode's matmuls. {} where oneDNN is absent: F.linear."""
     if not torch.backends.mkldnn.is_available():
         return {}
-    big = [
-        w
+    return {
+        id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
         for w in weights
         if w.device.type == "cpu"
         and w.dtype == torch.float32
         and w.dim() == 2
         and w.numel() >= BIG_WEIGHT
-    ]
-    return {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows) for w in big}
+    }
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: dict | None = None):
