@@ -478,27 +478,23 @@ def memory_plan(
     else:
         saved = s.layers * layer
     frozen = (s.params - s.trainable) * s.frozen_bytes + others * s.master_bytes
+    # HeadLogprobs' peak: fp32 logits of the rows kept or of one chunk (a half head: also their
+    # half copy), and summed over chunks, a half head's d weight in fp32
+    logit_bytes = max(4, c)
+    rows = min(tokens, max(HEAD_CHUNK, HEAD_KEEP // (logit_bytes * s.vocab)))
+    accumulator = 4 * s.vocab * s.hidden if c < 4 and tokens > rows else 0
     plan = {
         "weights": (s.trainable * s.master_bytes + frozen) / world,
         "grads": s.trainable * s.master_bytes * (1 / world + (grads_unsharded and fsdp)),
         "adamw": 2 * s.trainable * s.master_bytes / world,
         "activations": saved + layer * (2 if checkpointing else 1),
-        "head": head_bytes(s.vocab, s.hidden, tokens, c),
+        "head": (logit_bytes + c % 4) * s.vocab * rows + accumulator,
         "gathered": fsdp * 2 * c * (2 * (s.params - root) / s.layers + root),
         "engine": max(engine),
     }
     training = sum(plan.values()) - plan["engine"] + engine[1]
     plan["total"] = max(plan["weights"] + plan["adamw"] + engine[0], training)
     return plan
-
-
-def head_bytes(vocab: int, hidden: int, tokens: int, compute_bytes: int) -> int:
-    """HeadLogprobs' peak: fp32 logits of the rows kept or of one chunk (a half head: also their
-    half copy), and summed over chunks, a half head's d weight in fp32."""
-    logit_bytes = max(4, compute_bytes)
-    rows = min(tokens, max(HEAD_CHUNK, HEAD_KEEP // (logit_bytes * vocab)))
-    accumulator = 4 * vocab * hidden if compute_bytes < 4 and tokens > rows else 0
-    return (logit_bytes + compute_bytes % 4) * vocab * rows + accumulator
 
 
 def memory_decisions(
@@ -534,7 +530,16 @@ def memory_decisions(
     defer = capacity is None or plan["total"] <= capacity
     if not defer:
         plan = plan_for(planned)
-    line = _plan_line(plan, raw if checkpointing else None, capacity)
+    # the plan in one line, in GiB (MiB when small)
+    unit, scale = ("GiB", 2**30) if plan["total"] >= 2**30 or capacity else ("MiB", 2**20)
+    f = lambda b: f"{b / scale:.1f}"
+    line = " + ".join(f"{k} {f(v)}" for k, v in plan.items() if k != "total" and v)
+    if checkpointing:
+        line += f" ({f(raw['activations'])} without checkpointing)"
+    line += f" = {f(plan['total'])}"
+    if capacity:
+        line += f" of {f(capacity)}"
+    line += f" {unit}"
     if capacity is not None and plan["total"] > capacity:
         raise UserError(
             f"config error: this will not fit: {line}; lower --micro-batch-tokens "
@@ -542,20 +547,6 @@ def memory_decisions(
             "AdamW are sharded over ranks)"
         )
     return checkpointing, defer, f"memory per rank (plan): {line}"
-
-
-def _plan_line(plan: dict, without: dict | None, capacity: int | None) -> str:
-    """The plan in one line, in GiB (MiB when small)."""
-    big = plan["total"] >= 2**30 or capacity
-    unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
-    f = lambda b: f"{b / scale:.1f}"
-    parts = " + ".join(f"{k} {f(v)}" for k, v in plan.items() if k != "total" and v)
-    if without is not None:
-        parts += f" ({f(without['activations'])} without checkpointing)"
-    total = f" = {f(plan['total'])}"
-    if capacity:
-        total += f" of {f(capacity)}"
-    return f"{parts}{total} {unit}"
 
 
 def gpu_memory(device: torch.device, held: tuple[int, int] | None = None):
