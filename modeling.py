@@ -754,21 +754,16 @@ def _head_blocks(
             yield slice(i + j, i + j + len(x)), x
         if kept is not None and grads is None:
             kept.append(z)  # forward's (one chunk): backward's x
-        if grads:
-            _head_grads(grads, z, h, weight, up, i)
-
-
-def _head_grads(grads: list, dz: Tensor, h: Tensor, weight: Tensor, up, i: int) -> None:
-    """A chunk's share of d hidden (its rows), d weight and d bias (summed), from d/dz."""
-    g = dz.to(h.dtype)
-    if grads[0] is not None:
-        grads[0][i : i + len(h)] = _mm(g, weight, up)
-    if grads[1] is not None and g.dtype == up:
-        grads[1].addmm_(g.t(), h)
-    elif grads[1] is not None:
-        grads[1].add_(_mm(g.t(), h, grads[1].dtype))
-    if grads[2] is not None:
-        grads[2].add_(dz.sum(0))
+        if grads:  # the chunk's share of d hidden (its rows), d weight and d bias (summed)
+            g = z.to(h.dtype)
+            if grads[0] is not None:
+                grads[0][i : i + len(h)] = _mm(g, weight, up)
+            if grads[1] is not None and g.dtype == up:
+                grads[1].addmm_(g.t(), h)
+            elif grads[1] is not None:
+                grads[1].add_(_mm(g.t(), h, grads[1].dtype))
+            if grads[2] is not None:
+                grads[2].add_(z.sum(0))
 
 
 @functools.cache
