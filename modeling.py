@@ -898,7 +898,7 @@ def check_model(model, vocab_size: int) -> str | None:
             for k, t in enumerate(tails):
                 s = tensor(prompt + t)
                 logits = model(input_ids=s[None], use_cache=False).logits[0].float()
-                lp = logits.log_softmax(-1)[:-1].gather(-1, s[1:, None])[:, 0]
+                lp = -F.cross_entropy(logits[:-1], s[1:], reduction="none")
                 # the row holds the prompt once: the first sample's positions only
                 theirs.append(lp[0 if k == 0 else p - 1 :])
     except Exception as e:  # e.g. an attention keyword packed_attention does not implement
