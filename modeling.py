@@ -368,7 +368,7 @@ def compile_layers(module: nn.Module) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
-def checkpoint_layers(module: nn.Module, selective: bool = False, from_elements: int = 0):
+def checkpoint_layers(module: nn.Module, selective: bool, from_elements: int) -> None:
     """Activation checkpointing: each decoder layer keeps only its inputs for backward and runs
     its forward again there; `selective` also keeps what KEPT_OPS return, so the rerun is the
     elementwise work alone (norms, RoPE, activation, products). Non-reentrant, inside FSDP2's
