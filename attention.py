@@ -119,22 +119,25 @@ def varlen_layout(segments: Tensor, kernel, cp_group) -> Layout:
     cu_q and cu_k delimit each segment's queries and keys (bottom-right causal)."""
     q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
     row_len = ctx_len + q_len
-    j = torch.arange(int(row_len.max()))[None]
-    in_ctx = j < ctx_len[:, None]
-    ctx_key = ctx_start[:, None] + j
-    own_key = q_start[:, None] + j - ctx_len[:, None]
-    src = torch.where(in_ctx, ctx_key, own_key)
     return Layout(
         segments.tolist(),
         "varlen",
         kernel,
         cp_group,
-        k_index=src[j < row_len[:, None]],
+        # runs (ctx_start, ctx_len), (q_start, q_len) of each segment in turn
+        k_index=_runs(segments[:, [2, 0]].flatten(), segments[:, [3, 1]].flatten()),
         cu_q=F.pad(q_len.cumsum(0), (1, 0)).int(),
         cu_k=F.pad(row_len.cumsum(0), (1, 0)).int(),
         max_q=int(q_len.max()),
-        max_k=j.shape[1],
+        max_k=int(row_len.max()),
     )
+
+
+def _runs(start: Tensor, length: Tensor) -> Tensor:
+    """Each run's indices, one run after another: start[0], ..., start[0] + length[0] - 1, then
+    start[1], ..."""
+    shift = torch.repeat_interleave(start - torch.cumsum(length, 0) + length, length)
+    return torch.arange(int(length.sum())) + shift
 
 
 def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
@@ -154,14 +157,10 @@ def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
     start, length, seg, query = (torch.tensor(x) for x in zip(*pieces))
     slots = sum(b.rows * b.width for b in buckets)
     # every piece's tokens, and the slot each goes to: its row's first slot + its offset
-    n = torch.arange(int(length.sum()))
-    piece_start = torch.cumsum(length, 0) - length
-    tok = n + torch.repeat_interleave(start - piece_start, length)
+    tok = _runs(start, length)
     seg, query = (torch.repeat_interleave(x, length) for x in (seg, query))
-    size = torch.tensor(size)
-    row_start = torch.cumsum(size, 0) - size
     first = torch.tensor([b.first + i * b.width for b in buckets for i in range(b.rows)])
-    flat = n + torch.repeat_interleave(first - row_start, size)
+    flat = _runs(first, torch.tensor(size))
     grid, pos = torch.zeros(2, slots, dtype=torch.long)
     grid[flat] = tok
     pos[flat] = torch.where(query, ctx_len[seg] + tok - q_start[seg], tok - ctx_start[seg])
@@ -178,7 +177,12 @@ def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
             for b in buckets
         ]
     else:  # one segment a row: causal, past a copied context bottom-right causal
-        buckets = [replace(b, mask=_tail_mask(b.width, b.lead)) for b in buckets]
+        buckets = [
+            replace(b, mask=torch.ones(b.width, b.width, dtype=torch.bool).tril()[b.lead :])
+            if b.lead
+            else b
+            for b in buckets
+        ]
     return Layout(
         segments.tolist(),
         "padded",
@@ -236,11 +240,6 @@ def _buckets(rows: list, size: list) -> list[Bucket]:
         buckets[-1] = replace(last, rows=last.rows + 1, lead=min(last.lead, lead))
         slots += last.width
     return buckets
-
-
-def _tail_mask(width: int, lead: int) -> Tensor | None:
-    """A copied context's rows: queries past its `lead` slots, bottom-right causal."""
-    return torch.ones(width, width, dtype=torch.bool).tril()[lead:] if lead else None
 
 
 def _row_mask(b: Bucket, owner, grid, real, of_token, ctx_start, ctx_len) -> Tensor:
