@@ -38,13 +38,15 @@ def pack_microbatches(
     masks = [loss_mask(s, mask_truncated) for s in samples]
     w, nw = mode_weights([sum(m) for m in masks], samples, mode, divisor)
     weights, norm_weights = w.tolist(), nw.tolist()
-    # a prompt's samples share a key (their prompt prefix), or each has its own
-    if share_prompts:
-        keys = [tuple(s.prompt_ids[:-1]) for s in samples]
-    else:
-        keys = list(range(len(samples)))
+    # (key, prompt length, response length): a prompt's samples share a key (their prompt
+    # prefix), or each has its own
     spans = [
-        (k, len(s.prompt_ids), len(s.completion.output_ids)) for k, s in zip(keys, samples)
+        (
+            tuple(s.prompt_ids[:-1]) if share_prompts else i,
+            len(s.prompt_ids),
+            len(s.completion.output_ids),
+        )
+        for i, s in enumerate(samples)
     ]
     starts = set(cuts(spans, budget)[1:])
     mbs, cols = [], defaultdict(list)
@@ -111,10 +113,11 @@ def reweigh(
     for mb in mbs:
         mine = mb.seq_ids >= 0
         counts.index_add_(0, mb.seq_ids[mine], mb.denom_mask[mine].double())
-    w, nw = mode_weights(counts, samples, mode, divisor)
     # seq_id -1 (a prompt's positions) reads the appended 0
-    w = torch.cat([w, w.new_zeros(1)]).float()
-    nw = torch.cat([nw, nw.new_zeros(1)]).float()
+    w, nw = (
+        torch.cat([x, x.new_zeros(1)]).float()
+        for x in mode_weights(counts, samples, mode, divisor)
+    )
     return [replace(mb, loss_weight=w[mb.seq_ids], norm_weight=nw[mb.seq_ids]) for mb in mbs]
 
 
