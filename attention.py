@@ -8,7 +8,8 @@ themselves. Three paths compute the same attention:
 - varlen: a varlen kernel (flash-attn, or PyTorch's own) on bf16 on a GPU.
 
 Ulysses context parallel: each rank runs a contiguous 1/N of a row; all-to-alls trade tokens for
-heads around the kernel, so attention sees whole sequences (row_inputs, _Swap, gather_row)."""
+heads around the kernel, so attention sees whole sequences (_Swap; modeling's Model.logprobs splits
+the row and gathers it back, GatherSequence)."""
 
 from __future__ import annotations
 
@@ -563,40 +564,3 @@ class GatherSequence(torch.autograd.Function):
         dist.all_reduce(grad, group=ctx.group)
         parts = grad.chunk(dist.get_world_size(ctx.group), -1)
         return parts[dist.get_rank(ctx.group)], None
-
-
-def row_inputs(
-    ids, pos, targets, segments, device, kernel=None, group=None, plain=False
-) -> dict:
-    """A packed row -> policy_logprobs' keywords: ids, positions [1, T], targets [T] and scored
-    index on `device`, and the row's layout, built on the host. A CP `group` (Ulysses): this
-    rank's contiguous 1/N of the row, padded to a multiple of N by a segment of its own
-    (gather_row cuts). A target of -1 is read by nothing: not scored (a prompt's prefix), so the
-    head skips it."""
-    T = len(ids)
-    n = 1 if group is None else dist.get_world_size(group)
-    r = 0 if group is None else dist.get_rank(group)
-    pad = -T % n
-    size = T + pad
-    if pad:  # a sequence of its own, scored nowhere
-        ids = F.pad(ids, (0, pad))
-        pos = torch.cat([pos, torch.arange(pad)])
-        targets = F.pad(targets, (0, pad), value=-1)
-        segments = torch.cat([segments, segments.new_tensor([[T, pad, 0, 0]])])
-    mine = slice(r * size // n, (r + 1) * size // n)
-    targets = targets[mine]
-    chunk = {
-        "input_ids": ids[None, mine],
-        "position_ids": pos[None, mine],
-        "targets": targets,
-        "scored": (targets >= 0).nonzero()[:, 0],
-    }
-    inputs = {k: v.to(device) for k, v in chunk.items()}
-    inputs["layout"] = attention_layout(segments, size, device, kernel, group, plain)
-    return inputs
-
-
-def gather_row(logprobs, entropy, group, num_tokens: int) -> tuple:
-    """Every CP rank's chunk of log-probs and entropies -> the whole row's, on every CP rank."""
-    row = GatherSequence.apply(torch.stack([logprobs, entropy]), group)
-    return row[:, :num_tokens].unbind()

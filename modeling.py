@@ -86,35 +86,52 @@ class Model:
         self, mb, temperature: float, grad: bool = False, entropy_grad: bool = False
     ):
         """(log pi(target), entropy) [T] of a packed micro-batch at `temperature`. Inputs and
-        layout are made on the host; under CP this rank runs its 1/N of the row and the whole
-        row's values are gathered. entropy_grad: a graph for the entropy (a bonus), else none."""
-        targets = mb.targets
+        layout are made on the host. A CP group (Ulysses): this rank runs its contiguous 1/N of
+        the row, padded to a multiple of N by a segment of its own, and every rank's values are
+        gathered (GatherSequence), the padding cut. A target of -1 is read by nothing: not
+        scored (a prompt's prefix), so the head skips it. entropy_grad: a graph for the entropy
+        (a bonus), else none."""
+        ids, pos, targets, segments = mb.input_ids, mb.position_ids, mb.targets, mb.segments
         if mb.seq_ids is not None:  # a prompt's positions predict nothing read: not scored
             targets = targets.masked_fill(mb.seq_ids < 0, -1)
+        T = len(ids)
+        group = self.cp_group
+        n = 1 if group is None else dist.get_world_size(group)
+        r = 0 if group is None else dist.get_rank(group)
+        pad = -T % n
+        size = T + pad
+        if pad:  # a sequence of its own, scored nowhere
+            ids = F.pad(ids, (0, pad))
+            pos = torch.cat([pos, torch.arange(pad)])
+            targets = F.pad(targets, (0, pad), value=-1)
+            segments = torch.cat([segments, segments.new_tensor([[T, pad, 0, 0]])])
+        mine = slice(r * size // n, (r + 1) * size // n)
+        targets = targets[mine]
+        inputs = {
+            "input_ids": ids[None, mine],
+            "position_ids": pos[None, mine],
+            "targets": targets,
+            "scored": (targets >= 0).nonzero()[:, 0],
+        }
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        layout = attention.attention_layout(
+            segments, size, self.device, self.kernel, group, self.attention == "plain"
+        )
         # the KL reference (base_only): LoRA's frozen base alone
         adapters = lora.disabled(self.module) if self.base_only else contextlib.nullcontext()
         with torch.set_grad_enabled(grad), adapters:
-            inputs = attention.row_inputs(
-                mb.input_ids,
-                mb.position_ids,
-                targets,
-                mb.segments,
-                self.device,
-                self.kernel,
-                self.cp_group,
-                self.attention == "plain",
-            )
             out = as_root_forward(
                 self.module,
                 policy_logprobs,
                 self.module,
                 **inputs,
+                layout=layout,
                 temperature=temperature,
                 entropy_grad=entropy_grad,
             )
-        if self.cp_group is None:
+        if group is None:
             return out
-        return attention.gather_row(*out, self.cp_group, len(targets))
+        return attention.GatherSequence.apply(torch.stack(out), group)[:, :T].unbind()
 
     def set_grad_sync(self, sync: bool) -> None:
         """FSDP2: reduce-scatter the gradients in this backward (else they stay unsharded)."""
