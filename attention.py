@@ -89,8 +89,7 @@ def check_segments(segments: Tensor, num_tokens: int) -> None:
             f"segments must cover the {num_tokens} tokens of the row in order, got "
             f"{segments.tolist()}"
         )
-    ctx_end = ctx_start + ctx_len
-    later = (ctx_len > 0) & (ctx_end > q_start)
+    later = (ctx_len > 0) & (ctx_start + ctx_len > q_start)
     if ((ctx_start < 0) | later | (ctx_len < 0)).any():
         raise ValueError(
             f"a segment's context must be earlier tokens of the row, got {segments.tolist()}"
@@ -267,9 +266,9 @@ def plain_attention(
     v,
     segments: list,
     scaling: float,
-    dropout: float = 0.0,
-    window: int | None = None,
-    softcap: float | None = None,
+    dropout: float,
+    window: int | None,
+    softcap: float | None,
 ) -> Tensor:
     """The reference path: each segment's queries against its context's keys, then its own up to
     themselves, one segment at a time; a key at position j is seen from position i if j <= i
@@ -440,7 +439,6 @@ def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
         k = k.repeat_interleave(copies, 1)
         v = v.repeat_interleave(copies, 1)
         gqa = {}
-    window_size = (window - 1 if window else -1, 0)
     return varlen_attn(
         q,
         k,
@@ -450,7 +448,7 @@ def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
         layout.max_q,
         layout.max_k,
         scale=scaling,
-        window_size=window_size,
+        window_size=(window - 1 if window else -1, 0),
         **gqa,
     )
 

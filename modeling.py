@@ -578,8 +578,7 @@ def gpu_memory(device: torch.device, held: tuple[int, int] | None = None):
     training = used if held is None else used - (held[0] - held[1])
     vec = torch.tensor([free, total, -used, -training], dtype=torch.float64)
     if dist.get_world_size() > 1:
-        backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        vec = vec.to(backend_device)
+        vec = vec.to("cuda" if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(vec, op=dist.ReduceOp.MIN)
     free, total, used, training = vec.tolist()
     return (int(free), int(total)), (-used, -training)
@@ -824,7 +823,7 @@ def pack_weights(weights: list[Tensor], rows: int) -> dict[int, Tensor]:
     }
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: dict | None = None):
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: dict | None) -> Tensor:
     """F.linear(x, W, b), on W's packed copy where `packed` holds one (the same rows to ~1e-6)."""
     w = (packed or {}).get(id(weight))
     if w is None or x.dtype != weight.dtype:
@@ -908,8 +907,13 @@ def check_model(model, vocab_size: int) -> str | None:
     tensor = functools.partial(torch.tensor, device=next(model.parameters()).device)
     try:
         with torch.no_grad():
-            row = (tensor([ids]), tensor([pos]), tensor(targets))
-            ours, _ = policy_logprobs(model, *row, segments=torch.tensor(segments))
+            ours, _ = policy_logprobs(
+                model,
+                tensor([ids]),
+                tensor([pos]),
+                tensor(targets),
+                segments=torch.tensor(segments),
+            )
             model.set_attn_implementation("eager")
             theirs = []
             for k, t in enumerate(tails):
