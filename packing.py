@@ -36,10 +36,10 @@ def pack_microbatches(
     any split is exact (loss.py's rule 2); mask_truncated: a cut response counts nowhere. A
     sample's seq_id is its index in `samples`."""
     masks = [loss_mask(s, mask_truncated) for s in samples]
-    w, nw = mode_weights([sum(m) for m in masks], samples, mode, divisor)
-    weights, norm_weights = w.tolist(), nw.tolist()
-    # (key, prompt length, response length): a prompt's samples share a key (their prompt
-    # prefix), or each has its own
+    weights, norm_weights = (
+        x.tolist() for x in mode_weights([sum(m) for m in masks], samples, mode, divisor)
+    )
+    # a prompt's samples share a key (their prompt prefix), or each has its own
     spans = [
         (
             tuple(s.prompt_ids[:-1]) if share_prompts else i,
@@ -172,11 +172,10 @@ def feed(
 
 
 def to_microbatch(cols: dict[str, list]) -> MicroBatch:
-    t = {}
-    for k in INT_COLUMNS + FLOAT_COLUMNS:
-        t[k] = torch.tensor(
-            cols[k], dtype=torch.float32 if k in FLOAT_COLUMNS else torch.long
-        )
+    t = {
+        k: torch.tensor(cols[k], dtype=torch.float32 if k in FLOAT_COLUMNS else torch.long)
+        for k in INT_COLUMNS + FLOAT_COLUMNS
+    }
     t["segments"] = t["segments"].view(-1, 4)  # [R, 4], also when empty
     return MicroBatch(**t, denom_mask=t["loss_mask"].clone())
 
@@ -184,8 +183,6 @@ def to_microbatch(cols: dict[str, list]) -> MicroBatch:
 def even_out(mbs: list[MicroBatch], group=None) -> list[MicroBatch]:
     """The same number of micro-batches on every rank of `group` (FSDP2 all-gathers per forward):
     a rank with fewer adds ones of a single masked token."""
-    count = torch.tensor([len(mbs)])
-    most = loss.all_reduce_vector(count, group, op=dist.ReduceOp.MAX)
+    most = loss.all_reduce_vector(torch.tensor([len(mbs)]), group, op=dist.ReduceOp.MAX)
     single = lambda: to_microbatch(feed(defaultdict(list), [0, 0], 0, 1))
-    missing = int(most) - len(mbs)
-    return mbs + [single() for _ in range(missing)]
+    return mbs + [single() for _ in range(int(most) - len(mbs))]
