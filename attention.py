@@ -148,10 +148,6 @@ def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
     # rows that fit GROUP_ROW_SLOTS may hold several segments
     short = int((ctx_len + q_len).max()) <= GROUP_ROW_SLOTS
     rows, size, masked = _padded_rows(segments.tolist(), short)
-    # copied contexts' rows first (their first piece is no query), each kind longest first
-    order = sorted(range(len(rows)), key=lambda r: (rows[r][0][3], -size[r]))
-    rows = [rows[r] for r in order]
-    size = [size[r] for r in order]
     buckets = _buckets(rows, size)
     pieces = sum(rows, [])
     start, length, seg, query = (torch.tensor(x) for x in zip(*pieces))
@@ -196,10 +192,10 @@ def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
 
 
 def _padded_rows(segments: list, short: bool) -> tuple[list, list, bool]:
-    """(rows, their sizes, whether any needs a mask) of the padded path: a row holds pieces (first
-    token, length, segment, is query), a copied context keys only. A segment whose context starts a
-    context-free one (its prompt) joins its row: while rows are `short`, several (a mask then);
-    else the first whose context is all of it (still causal)."""
+    """(rows, their sizes, whether any needs a mask) of the padded path, sorted: a row holds
+    pieces (first token, length, segment, is query), a copied context keys only. A segment whose
+    context starts a context-free one (its prompt) joins its row: while rows are `short`, several
+    (a mask then); else the first whose context is all of it (still causal)."""
     rows = []
     size = []
     host = {}
@@ -221,7 +217,9 @@ def _padded_rows(segments: list, short: bool) -> tuple[list, list, bool]:
         copied = [(cs, cl, i, False)] if cl else []
         rows.append(copied + [(qs, ql, i, True)])
         size.append(cl + ql)
-    return rows, size, masked
+    # copied contexts' rows first (their first piece is no query), each kind longest first
+    order = sorted(range(len(rows)), key=lambda r: (rows[r][0][3], -size[r]))
+    return [rows[r] for r in order], [size[r] for r in order], masked
 
 
 def _buckets(rows: list, size: list) -> list[Bucket]:
