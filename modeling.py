@@ -656,7 +656,7 @@ def plain_head(
     temperature: float,
     scale: float,
     softcap: float | None,
-    entropy_grad: bool = True,
+    entropy_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     """The head as written: x = softcap(scale (hW^T + b)) / T in fp32 at least for every row at
     once, log p = log_softmax(x), (log p(target), H = -sum_v p_v log p_v); autograd's backward.
