@@ -904,7 +904,7 @@ def check_model(model, vocab_size: int) -> str | None:
         ids += prompt[-1:] + t[:-1]
         pos += range(p - 1, p - 1 + len(t))
         targets += t
-    tensor = functools.partial(torch.tensor, device=next(model.parameters()).device)
+    tensor = functools.partial(torch.tensor, device=model.device)
     try:
         with torch.no_grad():
             ours, _ = policy_logprobs(
@@ -927,7 +927,7 @@ def check_model(model, vocab_size: int) -> str | None:
     finally:
         model.set_attn_implementation("packed")
     diff = float((ours.float() - torch.cat(theirs)).abs().max())
-    tol = 0.1 if next(model.parameters()).dtype in HALF else 1e-4  # bf16 (LoRA's base): ~0.03
+    tol = 0.1 if model.dtype in HALF else 1e-4  # bf16 (LoRA's base): ~0.03
     if diff <= tol:  # 1e-4 for fp64 too: eager softmaxes in fp32; NaN fails
         return None
     return (
