@@ -432,7 +432,7 @@ def parameter_count(path: str) -> int:
 
     with torch.device("meta"):
         module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    return sum(p.numel() for p in module.parameters())
+    return module.num_parameters()
 
 
 def shape_of(module: nn.Module, mixed: bool) -> Shape:
@@ -447,7 +447,7 @@ def shape_of(module: nn.Module, mixed: bool) -> Shape:
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     master = trained[0].element_size()
     return Shape(
-        sum(p.numel() for p in params.values()),
+        module.num_parameters(),
         sum(p.numel() for p in trained),
         text.num_hidden_layers,
         hidden,
