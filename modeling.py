@@ -313,9 +313,8 @@ def _shard(module: nn.Module, device, world: int, mixed: bool) -> None:
         return
     mp = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if mixed else {}
     mesh = init_device_mesh(device.type, (world,))
-    for block in decoder_layers(module):
+    for block in [*decoder_layers(module), module]:  # each decoder layer, then the root
         fully_shard(block, mesh=mesh, **mp)
-    fully_shard(module, mesh=mesh, **mp)
 
 
 def sum_gradients(module: nn.Module) -> None:
