@@ -195,10 +195,7 @@ def load_model(
     if model.compiled:
         compile_layers(module)
     if model.checkpointing:
-        selective = model.checkpointing == "selective"
-        # a CPU's own choice (selective) skips small micro-batches' reruns
-        auto = CHECKPOINT_LAYERS is None and selective
-        checkpoint_layers(module, selective, RERUN_FROM if auto else 0)
+        checkpoint_layers(module, model.checkpointing)
     module.to_empty(device=device).eval().tie_weights()  # to_empty unties a plain model
     state = {} if full is None else full.state_dict()
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -384,15 +381,19 @@ def compile_layers(module: nn.Module) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
-def checkpoint_layers(module: nn.Module, selective: bool, from_elements: int) -> None:
-    """Activation checkpointing: each decoder layer keeps only its inputs for backward and runs
-    its forward again there; `selective` also keeps what KEPT_OPS return, so the rerun is the
-    elementwise work alone (norms, RoPE, activation, products). Non-reentrant, inside FSDP2's
-    hooks (they gather the layer's weights for the rerun too); a CP all-to-all inside reruns on
-    every rank alike (equal chunks: row_inputs). A layer input under `from_elements` runs as is."""
+def checkpoint_layers(module: nn.Module, kind: str) -> None:
+    """Activation checkpointing, `kind` "full" or "selective": each decoder layer keeps only its
+    inputs for backward and runs its forward again there; "selective" also keeps what KEPT_OPS
+    return, so the rerun is the elementwise work alone (norms, RoPE, activation, products).
+    Non-reentrant, inside FSDP2's hooks (they gather the layer's weights for the rerun too); a CP
+    all-to-all inside reruns on every rank alike (equal chunks: Model.logprobs)."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts as keeping
 
+    selective = kind == "selective"
     kw = {"context_fn": functools.partial(keeping, KEPT_OPS)} if selective else {}
+    # a CPU's own choice (selective) skips small micro-batches' reruns: a layer input under
+    # RERUN_FROM elements runs as is
+    from_elements = RERUN_FROM if selective and CHECKPOINT_LAYERS is None else 0
     for layer in decoder_layers(module):
         layer.forward = functools.partial(_maybe_rerun, layer.forward, from_elements, kw)
 
