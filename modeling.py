@@ -634,15 +634,14 @@ def policy_logprobs(
     if scored is not None:
         hidden, targets = hidden[scored], targets[scored]
     head = model.get_output_embeddings()
-    bias = getattr(head, "bias", None)
-    transform = (temperature, *head_transform(model.config))
+    # both heads' inputs: (hidden, weight, bias, targets, temperature, scale, softcap)
+    args = (hidden, head.weight, getattr(head, "bias", None), targets, temperature)
+    args += head_transform(model.config)
     if FAST_HEAD:
         keep = HEAD_KEEP if torch.is_grad_enabled() else 0
-        out = HeadLogprobs.apply(
-            hidden, head.weight, bias, targets, *transform, chunk, entropy_grad, keep
-        )
+        out = HeadLogprobs.apply(*args, chunk, entropy_grad, keep)
     else:
-        out = plain_head(hidden, head.weight, bias, targets, *transform, entropy_grad)
+        out = plain_head(*args, entropy_grad)
     if scored is None:
         return out
     return tuple(x.new_zeros(input_ids.shape[-1]).index_copy(0, scored, x) for x in out)
