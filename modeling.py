@@ -181,9 +181,10 @@ def load_model(
     cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
     full = _on_rank0(_load_checked, cfg, dtype, cp_size, trainable, adapter)
     with torch.device("meta"):
-        config = AutoConfig.from_pretrained(cfg.model, use_cache=False)
         module = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation="packed"
+            AutoConfig.from_pretrained(cfg.model, use_cache=False),
+            dtype=dtype,
+            attn_implementation="packed",
         )
     peft_config, described = lora.apply(module, cfg.lora_rank, adapter)
     tokens = -(-cfg.micro_batch_tokens // cp_size)  # a micro-batch's, on this rank
