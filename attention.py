@@ -37,7 +37,7 @@ class Bucket:
     first: int
     rows: int
     width: int
-    lead: int = 0
+    lead: int
     mask: Tensor | None = None  # [rows, 1, width - lead, width] who sees whom; None: causal
 
 
