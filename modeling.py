@@ -693,7 +693,7 @@ class HeadLogprobs(torch.autograd.Function):
         ctx.kept = kept
         ctx.args = (temp, scale, softcap, chunk)
         lp_out = hidden.new_empty(len(hidden), dtype=up)
-        entropy = hidden.new_empty(len(hidden), dtype=up)
+        entropy = torch.empty_like(lp_out)
         for rows, x in _head_blocks(hidden, weight, bias, *ctx.args, kept=kept):
             lp = torch.log_softmax(x, -1)
             lp_out[rows] = lp.gather(-1, targets[rows, None])[:, 0]
@@ -714,7 +714,7 @@ class HeadLogprobs(torch.autograd.Function):
         # at every chunk); one chunk writes them in their own dtype
         up = at_least_fp32(hidden.dtype)
         inputs = (hidden, weight, bias)
-        grads = [None, None, None]
+        grads = [None] * 3
         for i, x in enumerate(inputs):
             summed = i > 0 and len(hidden) > chunk
             if ctx.needs_input_grad[i]:
