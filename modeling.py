@@ -438,18 +438,15 @@ def parameter_count(path: str) -> int:
 
 def shape_of(module: nn.Module, mixed: bool) -> Shape:
     text = module.config.get_text_config()
-    params = dict(module.named_parameters())
-    frozen = [p for n, p in params.items() if not lora.is_adapter(n)]
-    # LoRA trains its adapters alone, else every parameter is trained
-    trained = [p for n, p in params.items() if lora.is_adapter(n)] or frozen
     heads = text.num_attention_heads
     hidden = text.hidden_size
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    master = trained[0].element_size()
+    # LoRA trains its adapters alone (lora.apply froze the base), else every parameter
+    master = next(p for p in module.parameters() if p.requires_grad).element_size()
     return Shape(
         module.num_parameters(),
-        sum(p.numel() for p in trained),
+        module.num_parameters(only_trainable=True),
         text.num_hidden_layers,
         hidden,
         getattr(text, "intermediate_size", None) or 4 * hidden,
@@ -457,7 +454,7 @@ def shape_of(module: nn.Module, mixed: bool) -> Shape:
         text.vocab_size,
         bool(getattr(text, "tie_word_embeddings", False)),
         master,
-        frozen[0].element_size(),
+        module.dtype.itemsize,  # the first parameter's: the base's (an embedding)
         2 if mixed else master,
     )
 
