@@ -11,6 +11,7 @@ import functools
 import itertools
 import os
 import socket
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -882,6 +883,8 @@ def check_model_source(name: str) -> None:
 def check_model(model, vocab_size: int) -> str | None:
     """None if our packed forward of the (unsharded) model equals its own eager one on two samples
     sharing a prompt, past a small window (every attention keyword and head transform), else why."""
+    from packing import feed  # (packing imports rollout, which imports this module)
+
     if model.config._attn_implementation != "packed":
         return "its attention does not go through transformers' AttentionInterface"
     window = getattr(model.config.get_text_config(), "sliding_window", None) or 0
@@ -891,25 +894,20 @@ def check_model(model, vocab_size: int) -> str | None:
     prompt = torch.randint(vocab_size, (p,), generator=g).tolist()
     tails = torch.randint(vocab_size, (n,), generator=g).tolist()
     tails = [tails[:p], tails[p:][: n // 3]]
-    # one packed row: the prompt but its last token, then each tail after that token
-    ids = prompt[:-1]
-    pos = list(range(p - 1))
-    targets = prompt[1:]
-    segments = [[0, p - 1, 0, 0]]
+    # one packed row as packing feeds one: the prompt but its last token, then each tail from
+    # that token on, attending to the prompt's prefix
+    row = feed(defaultdict(list), prompt, 0, p - 1)
     for t in tails:
-        segments.append([len(ids), len(t), 0, p - 1])
-        ids += prompt[-1:] + t[:-1]
-        pos += range(p - 1, p - 1 + len(t))
-        targets += t
+        feed(row, prompt + t, p - 1, p - 1 + len(t), (0, p - 1))
     tensor = functools.partial(torch.tensor, device=model.device)
     try:
         with torch.no_grad():
             ours, _ = policy_logprobs(
                 model,
-                tensor([ids]),
-                tensor([pos]),
-                tensor(targets),
-                segments=torch.tensor(segments),
+                tensor([row["input_ids"]]),
+                tensor([row["position_ids"]]),
+                tensor(row["targets"]),
+                segments=torch.tensor(row["segments"]),
             )
             model.set_attn_implementation("eager")
             theirs = []
