@@ -206,8 +206,9 @@ def load_model(
         if full is not None:
             buffer.copy_(full.get_buffer(name))
         dist.broadcast(buffer, src=0)
-    for name, p in module.named_parameters():  # LoRA: the adapters alone
-        p.requires_grad_(trainable and (not cfg.lora_rank or lora.is_adapter(name)))
+    # LoRA trains its adapters alone (lora.apply froze the base); a frozen copy nothing
+    if not trainable:
+        module.requires_grad_(False)
     sum_gradients(module)  # the loss divides by the *global* normaliser: FSDP2 must sum ranks
     return model
 
