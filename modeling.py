@@ -577,9 +577,8 @@ def gpu_memory(device: torch.device, held: tuple[int, int] | None = None):
     used = total - free  # the engine's and anything else's, before the trainer loads
     training = used if held is None else used - (held[0] - held[1])
     vec = torch.tensor([free, total, -used, -training], dtype=torch.float64)
-    if dist.get_world_size() > 1:
-        vec = vec.to("cuda" if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(vec, op=dist.ReduceOp.MIN)
+    vec = vec.to("cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(vec, op=dist.ReduceOp.MIN)  # one rank: its own
     free, total, used, training = vec.tolist()
     return (int(free), int(total)), (-used, -training)
 
