@@ -8,8 +8,8 @@ themselves. Three paths compute the same attention:
 - varlen: a varlen kernel (flash-attn, or PyTorch's own) on bf16 on a GPU.
 
 Ulysses context parallel: each rank runs a contiguous 1/N of a row; all-to-alls trade tokens for
-heads around the kernel, so attention sees whole sequences (_Swap; modeling's Model.logprobs splits
-the row and gathers it back, GatherSequence)."""
+heads around the kernel, so attention sees whole sequences (Swap; modeling's Model.logprobs splits
+the row and gathers it back, by a Swap too)."""
 
 from __future__ import annotations
 
@@ -390,9 +390,9 @@ def packed_attention(
         copies = n // math.gcd(k.shape[1], n)
         k = k.repeat_interleave(copies, 1)
         v = v.repeat_interleave(copies, 1)
-    q, k, v = (_Swap.apply(x, group, 1, 2) for x in (q, k, v))
+    q, k, v = (Swap.apply(x, group, 1, 2) for x in (q, k, v))
     out = segment_attention(q[0], k[0], v[0], layout, *args)  # [S, H/N, D]
-    out = _Swap.apply(out.transpose(0, 1)[None], group, 2, 1)  # [1, H, S/N, D]
+    out = Swap.apply(out.transpose(0, 1)[None], group, 2, 1)  # [1, H, S/N, D]
     return out.transpose(1, 2), None
 
 
@@ -524,9 +524,11 @@ def _kernel_problems(device: torch.device, half: bool, softcap: bool) -> dict[st
 
 # -----------------------------------------------------------------------------
 # Ulysses context parallel
-class _Swap(torch.autograd.Function):
+class Swap(torch.autograd.Function):
     """Dim `split` in N blocks, block i to CP rank i, those received joined along `join`: heads for
-    tokens [B, H, S/N, D] -> [B, H/N, S, D] is (1, 2); the way back, (2, 1), is the backward."""
+    tokens [B, H, S/N, D] -> [B, H/N, S, D] is (1, 2); the way back, (2, 1), is the backward. N
+    copies of x along `split` (split = join) gather every rank's x on every rank; the backward
+    sums the gradients each rank's reader sends back."""
 
     @staticmethod
     def forward(ctx, x, group, split: int, join: int):
@@ -539,24 +541,4 @@ class _Swap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _Swap.apply(grad, *ctx.args), None, None, None
-
-
-class GatherSequence(torch.autograd.Function):
-    """[..., T/N] per CP rank -> [..., T] on every CP rank. Every rank's loss reads all T values:
-    the gradient of this rank's slice is the *sum* over the group of the incoming gradients."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x, group=group)
-        return torch.cat(parts, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        parts = grad.chunk(dist.get_world_size(ctx.group), -1)
-        return parts[dist.get_rank(ctx.group)], None
+        return Swap.apply(grad, *ctx.args), None, None, None

@@ -89,7 +89,8 @@ class Model:
         """(log pi(target), entropy) [T] of a packed micro-batch at `temperature`. Inputs and
         layout are made on the host. A CP group (Ulysses): this rank runs its contiguous 1/N of
         the row, padded to a multiple of N by a segment of its own, and every rank's values are
-        gathered (GatherSequence), the padding cut. A target of -1 is read by nothing: not
+        gathered (each rank sends its own to all, attention.Swap: backward sums the gradients
+        their readers send back), the padding cut. A target of -1 is read by nothing: not
         scored (a prompt's prefix), so the head skips it. entropy_grad: a graph for the entropy
         (a bonus), else none."""
         ids, pos, targets, segments = mb.input_ids, mb.position_ids, mb.targets, mb.segments
@@ -132,7 +133,9 @@ class Model:
             )
         if group is None:
             return out
-        return attention.GatherSequence.apply(torch.stack(out), group)[:, :T].unbind()
+        # each rank's values, n copies, one to every rank: their gradients come back summed
+        gathered = attention.Swap.apply(torch.stack(out).repeat(1, n), group, 1, 1)
+        return gathered[:, :T].unbind()
 
     def set_grad_sync(self, sync: bool) -> None:
         """FSDP2: reduce-scatter the gradients in this backward (else they stay unsharded)."""
