@@ -180,9 +180,9 @@ def to_microbatch(cols: dict[str, list]) -> MicroBatch:
     return MicroBatch(**t, denom_mask=t["loss_mask"].clone())
 
 
-def even_out(mbs: list[MicroBatch], group=None) -> list[MicroBatch]:
-    """The same number of micro-batches on every rank of `group` (FSDP2 all-gathers per forward):
-    a rank with fewer adds ones of a single masked token."""
-    most = loss.all_reduce_vector(torch.tensor([len(mbs)]), group, op=dist.ReduceOp.MAX)
+def even_out(mbs: list[MicroBatch]) -> list[MicroBatch]:
+    """The same number of micro-batches on every rank (FSDP2 all-gathers per forward): a rank
+    with fewer adds ones of a single masked token."""
+    most = loss.all_reduce_vector(torch.tensor([len(mbs)]), op=dist.ReduceOp.MAX)
     single = lambda: to_microbatch(feed(defaultdict(list), [0, 0], 0, 1))
     return mbs + [single() for _ in range(int(most) - len(mbs))]
