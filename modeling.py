@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 import attention
 import lora
+import loss
 from cli import UserError, why
 
 HALF = (torch.float16, torch.bfloat16)
@@ -273,8 +274,7 @@ def decide(
 ) -> Model:
     """Every decision about the model, from its meta-device shapes and what all ranks agree on:
     attention path, compiled layers, checkpointing and gradient sync (the memory plan)."""
-    text = module.config.get_text_config()
-    softcap = bool(getattr(text, "attn_logit_softcapping", None))
+    softcap = bool(getattr(module.config.get_text_config(), "attn_logit_softcapping", None))
     try:
         path, kernel, reason = attention.choose_attention(ATTENTION, device, mixed, softcap)
     except ValueError as e:
@@ -580,9 +580,7 @@ def gpu_memory(device: torch.device, held: tuple[int, int] | None = None):
     used = total - free  # the engine's and anything else's, before the trainer loads
     training = used if held is None else used - (held[0] - held[1])
     vec = torch.tensor([free, total, -used, -training], dtype=torch.float64)
-    vec = vec.to("cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(vec, op=dist.ReduceOp.MIN)  # one rank: its own
-    free, total, used, training = vec.tolist()
+    free, total, used, training = loss.all_reduce_vector(vec, op=dist.ReduceOp.MIN).tolist()
     return (int(free), int(total)), (-used, -training)
 
 
