@@ -198,10 +198,7 @@ def load_model(
     model.lora = peft_config
     model.summary = described + model.summary
     _shard(module, device, world, mixed)
-    if model.compiled:
-        compile_layers(module)
-    if model.checkpointing:
-        checkpoint_layers(module, model.checkpointing)
+    wrap_layers(module, model.compiled, model.checkpointing)
     module.to_empty(device=device).eval().tie_weights()  # to_empty unties a plain model
     state = {} if full is None else full.state_dict()
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -378,30 +375,29 @@ def compile_verdict(module: nn.Module, device: torch.device) -> str | None:
     return None
 
 
-def compile_layers(module: nn.Module) -> None:
-    """torch.compile each decoder layer (dynamic shapes: a new row length does not recompile; the
-    attention kernel eager): inductor fuses the elementwise work and reruns it in backward."""
-    # what fails to compile runs eager (a warning)
-    torch._dynamo.config.suppress_errors = True
-    for layer in decoder_layers(module):
-        layer.forward = torch.compile(layer.forward, dynamic=True)
-
-
-def checkpoint_layers(module: nn.Module, kind: str) -> None:
-    """Activation checkpointing, `kind` "full" or "selective": each decoder layer keeps only its
-    inputs for backward and runs its forward again there; "selective" also keeps what KEPT_OPS
-    return, so the rerun is the elementwise work alone (norms, RoPE, activation, products).
-    Non-reentrant, inside FSDP2's hooks (they gather the layer's weights for the rerun too); a CP
-    all-to-all inside reruns on every rank alike (equal chunks: Model.logprobs)."""
+def wrap_layers(module: nn.Module, compiled: bool, checkpointing: str) -> None:
+    """Each decoder layer's forward, `compiled`: torch.compile'd (dynamic shapes: a new row length
+    does not recompile; the attention kernel eager): inductor fuses the elementwise work and
+    reruns it in backward. Then activation checkpointing, `checkpointing` "full" or "selective"
+    ("": none): each layer keeps only its inputs for backward and runs its forward again there;
+    "selective" also keeps what KEPT_OPS return, so the rerun is the elementwise work alone
+    (norms, RoPE, activation, products). Non-reentrant, inside FSDP2's hooks (they gather the
+    layer's weights for the rerun too); a CP all-to-all inside reruns on every rank alike (equal
+    chunks: Model.logprobs)."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts as keeping
 
-    selective = kind == "selective"
+    selective = checkpointing == "selective"
     kw = {"context_fn": functools.partial(keeping, KEPT_OPS)} if selective else {}
     # a CPU's own choice (selective) skips small micro-batches' reruns: a layer input under
     # RERUN_FROM elements runs as is
     from_elements = RERUN_FROM if selective and CHECKPOINT_LAYERS is None else 0
+    if compiled:  # what fails to compile runs eager (a warning)
+        torch._dynamo.config.suppress_errors = True
     for layer in decoder_layers(module):
-        layer.forward = functools.partial(_maybe_rerun, layer.forward, from_elements, kw)
+        if compiled:
+            layer.forward = torch.compile(layer.forward, dynamic=True)
+        if checkpointing:
+            layer.forward = functools.partial(_maybe_rerun, layer.forward, from_elements, kw)
 
 
 def _maybe_rerun(forward, from_elements: int, kw: dict, *args, **kwargs):
