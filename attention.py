@@ -418,11 +418,6 @@ def _flash_attn_kernel(q, k, v, layout, scaling, dropout, window, softcap):
     )
 
 
-@functools.cache
-def _params(fn) -> frozenset[str]:
-    return frozenset(inspect.signature(fn).parameters)
-
-
 def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
     """PyTorch's bundled FA2 varlen_attn: flash-attn's window_size and bottom-right causal mask."""
     from torch.nn.attention.varlen import varlen_attn
@@ -462,7 +457,11 @@ def varlen_gqa(device: torch.device, dtype: torch.dtype) -> dict | None:
     q, k, v = (torch.randn(3, heads, 8, generator=g).to(device, dtype) for heads in (4, 2, 2))
     cu = torch.tensor([0, 3], dtype=torch.int32, device=device)
     causal = {"window_size": (-1, 0)}
-    gqa = {"enable_gqa": True} if "enable_gqa" in _params(varlen_attn) else {}
+    gqa = (
+        {"enable_gqa": True}
+        if "enable_gqa" in inspect.signature(varlen_attn).parameters
+        else {}
+    )
     try:
         kk, vv = (x.repeat_interleave(2, 1) for x in (k, v))
         want = varlen_attn(q, kk, vv, cu, cu, 3, 3, **causal)
@@ -510,7 +509,7 @@ def _kernel_problems(device: torch.device, half: bool, softcap: bool) -> dict[st
     try:  # torch 2.10's varlen_attn has neither scale nor window_size; 2.8-2.9 none at all
         from torch.nn.attention.varlen import varlen_attn
 
-        if not {"scale", "window_size"} <= _params(varlen_attn):
+        if not {"scale", "window_size"} <= inspect.signature(varlen_attn).parameters.keys():
             reasons["torch_varlen"] = (
                 f"torch {torch.__version__}'s varlen_attn has no "
                 "scale/window_size (torch >= 2.11)"
