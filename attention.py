@@ -29,7 +29,7 @@ from torch import Tensor
 GROUP_ROW_SLOTS = 64
 
 
-@dataclass(frozen=True)
+@dataclass
 class Bucket:
     """Rows of `width` slots that one kernel call runs, from slot `first` of the grid. A copied
     context fills the first `lead` slots of each row: keys alone, no query computed there."""
@@ -235,7 +235,8 @@ def _buckets(rows: list, size: list) -> list[Bucket]:
         if new:
             buckets.append(Bucket(slots, 0, width, lead))
         last = buckets[-1]
-        buckets[-1] = replace(last, rows=last.rows + 1, lead=min(last.lead, lead))
+        last.rows += 1
+        last.lead = min(last.lead, lead)
         slots += last.width
     return buckets
 
