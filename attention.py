@@ -8,7 +8,8 @@ themselves. Three paths compute the same attention:
 - varlen: a varlen kernel (flash-attn, or PyTorch's own) on bf16 on a GPU.
 
 Ulysses context parallel: each rank runs a contiguous 1/N of a row; all-to-alls trade tokens for
-heads around the kernel, so attention sees whole sequences (row_inputs, _Swap, gather_row)."""
+heads around the kernel, so attention sees whole sequences (Swap; modeling's Model.logprobs splits
+the row and gathers it back, by a Swap too)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from torch import Tensor
 GROUP_ROW_SLOTS = 64
 
 
-@dataclass(frozen=True)
+@dataclass
 class Bucket:
     """Rows of `width` slots that one kernel call runs, from slot `first` of the grid. A copied
     context fills the first `lead` slots of each row: keys alone, no query computed there."""
@@ -36,7 +37,7 @@ class Bucket:
     first: int
     rows: int
     width: int
-    lead: int = 0
+    lead: int
     mask: Tensor | None = None  # [rows, 1, width - lead, width] who sees whom; None: causal
 
 
@@ -88,8 +89,7 @@ def check_segments(segments: Tensor, num_tokens: int) -> None:
             f"segments must cover the {num_tokens} tokens of the row in order, got "
             f"{segments.tolist()}"
         )
-    ctx_end = ctx_start + ctx_len
-    later = (ctx_len > 0) & (ctx_end > q_start)
+    later = (ctx_len > 0) & (ctx_start + ctx_len > q_start)
     if ((ctx_start < 0) | later | (ctx_len < 0)).any():
         raise ValueError(
             f"a segment's context must be earlier tokens of the row, got {segments.tolist()}"
@@ -119,22 +119,25 @@ def varlen_layout(segments: Tensor, kernel, cp_group) -> Layout:
     cu_q and cu_k delimit each segment's queries and keys (bottom-right causal)."""
     q_start, q_len, ctx_start, ctx_len = segments.unbind(1)
     row_len = ctx_len + q_len
-    j = torch.arange(int(row_len.max()))[None]
-    in_ctx = j < ctx_len[:, None]
-    ctx_key = ctx_start[:, None] + j
-    own_key = q_start[:, None] + j - ctx_len[:, None]
-    src = torch.where(in_ctx, ctx_key, own_key)
     return Layout(
         segments.tolist(),
         "varlen",
         kernel,
         cp_group,
-        k_index=src[j < row_len[:, None]],
+        # runs (ctx_start, ctx_len), (q_start, q_len) of each segment in turn
+        k_index=_runs(segments[:, [2, 0]].flatten(), segments[:, [3, 1]].flatten()),
         cu_q=F.pad(q_len.cumsum(0), (1, 0)).int(),
         cu_k=F.pad(row_len.cumsum(0), (1, 0)).int(),
         max_q=int(q_len.max()),
-        max_k=j.shape[1],
+        max_k=int(row_len.max()),
     )
+
+
+def _runs(start: Tensor, length: Tensor) -> Tensor:
+    """Each run's indices, one run after another: start[0], ..., start[0] + length[0] - 1, then
+    start[1], ..."""
+    shift = torch.repeat_interleave(start - torch.cumsum(length, 0) + length, length)
+    return torch.arange(int(length.sum())) + shift
 
 
 def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
@@ -145,23 +148,15 @@ def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
     # rows that fit GROUP_ROW_SLOTS may hold several segments
     short = int((ctx_len + q_len).max()) <= GROUP_ROW_SLOTS
     rows, size, masked = _padded_rows(segments.tolist(), short)
-    # copied contexts' rows first (their first piece is no query), each kind longest first
-    order = sorted(range(len(rows)), key=lambda r: (rows[r][0][3], -size[r]))
-    rows = [rows[r] for r in order]
-    size = [size[r] for r in order]
     buckets = _buckets(rows, size)
     pieces = sum(rows, [])
     start, length, seg, query = (torch.tensor(x) for x in zip(*pieces))
     slots = sum(b.rows * b.width for b in buckets)
     # every piece's tokens, and the slot each goes to: its row's first slot + its offset
-    n = torch.arange(int(length.sum()))
-    piece_start = torch.cumsum(length, 0) - length
-    tok = n + torch.repeat_interleave(start - piece_start, length)
+    tok = _runs(start, length)
     seg, query = (torch.repeat_interleave(x, length) for x in (seg, query))
-    size = torch.tensor(size)
-    row_start = torch.cumsum(size, 0) - size
     first = torch.tensor([b.first + i * b.width for b in buckets for i in range(b.rows)])
-    flat = n + torch.repeat_interleave(first - row_start, size)
+    flat = _runs(first, torch.tensor(size))
     grid, pos = torch.zeros(2, slots, dtype=torch.long)
     grid[flat] = tok
     pos[flat] = torch.where(query, ctx_len[seg] + tok - q_start[seg], tok - ctx_start[seg])
@@ -178,7 +173,12 @@ def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
             for b in buckets
         ]
     else:  # one segment a row: causal, past a copied context bottom-right causal
-        buckets = [replace(b, mask=_tail_mask(b.width, b.lead)) for b in buckets]
+        buckets = [
+            replace(b, mask=torch.ones(b.width, b.width, dtype=torch.bool).tril()[b.lead :])
+            if b.lead
+            else b
+            for b in buckets
+        ]
     return Layout(
         segments.tolist(),
         "padded",
@@ -192,10 +192,10 @@ def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
 
 
 def _padded_rows(segments: list, short: bool) -> tuple[list, list, bool]:
-    """(rows, their sizes, whether any needs a mask) of the padded path: a row holds pieces (first
-    token, length, segment, is query), a copied context keys only. A segment whose context starts a
-    context-free one (its prompt) joins its row: while rows are `short`, several (a mask then);
-    else the first whose context is all of it (still causal)."""
+    """(rows, their sizes, whether any needs a mask) of the padded path, sorted: a row holds
+    pieces (first token, length, segment, is query), a copied context keys only. A segment whose
+    context starts a context-free one (its prompt) joins its row: while rows are `short`, several
+    (a mask then); else the first whose context is all of it (still causal)."""
     rows = []
     size = []
     host = {}
@@ -217,7 +217,9 @@ def _padded_rows(segments: list, short: bool) -> tuple[list, list, bool]:
         copied = [(cs, cl, i, False)] if cl else []
         rows.append(copied + [(qs, ql, i, True)])
         size.append(cl + ql)
-    return rows, size, masked
+    # copied contexts' rows first (their first piece is no query), each kind longest first
+    order = sorted(range(len(rows)), key=lambda r: (rows[r][0][3], -size[r]))
+    return [rows[r] for r in order], [size[r] for r in order], masked
 
 
 def _buckets(rows: list, size: list) -> list[Bucket]:
@@ -233,14 +235,10 @@ def _buckets(rows: list, size: list) -> list[Bucket]:
         if new:
             buckets.append(Bucket(slots, 0, width, lead))
         last = buckets[-1]
-        buckets[-1] = replace(last, rows=last.rows + 1, lead=min(last.lead, lead))
+        last.rows += 1
+        last.lead = min(last.lead, lead)
         slots += last.width
     return buckets
-
-
-def _tail_mask(width: int, lead: int) -> Tensor | None:
-    """A copied context's rows: queries past its `lead` slots, bottom-right causal."""
-    return torch.ones(width, width, dtype=torch.bool).tril()[lead:] if lead else None
 
 
 def _row_mask(b: Bucket, owner, grid, real, of_token, ctx_start, ctx_len) -> Tensor:
@@ -267,9 +265,9 @@ def plain_attention(
     v,
     segments: list,
     scaling: float,
-    dropout: float = 0.0,
-    window: int | None = None,
-    softcap: float | None = None,
+    dropout: float,
+    window: int | None,
+    softcap: float | None,
 ) -> Tensor:
     """The reference path: each segment's queries against its context's keys, then its own up to
     themselves, one segment at a time; a key at position j is seen from position i if j <= i
@@ -393,9 +391,9 @@ def packed_attention(
         copies = n // math.gcd(k.shape[1], n)
         k = k.repeat_interleave(copies, 1)
         v = v.repeat_interleave(copies, 1)
-    q, k, v = (_Swap.apply(x, group, 1, 2) for x in (q, k, v))
+    q, k, v = (Swap.apply(x, group, 1, 2) for x in (q, k, v))
     out = segment_attention(q[0], k[0], v[0], layout, *args)  # [S, H/N, D]
-    out = _Swap.apply(out.transpose(0, 1)[None], group, 2, 1)  # [1, H, S/N, D]
+    out = Swap.apply(out.transpose(0, 1)[None], group, 2, 1)  # [1, H, S/N, D]
     return out.transpose(1, 2), None
 
 
@@ -421,11 +419,6 @@ def _flash_attn_kernel(q, k, v, layout, scaling, dropout, window, softcap):
     )
 
 
-@functools.cache
-def _params(fn) -> frozenset[str]:
-    return frozenset(inspect.signature(fn).parameters)
-
-
 def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
     """PyTorch's bundled FA2 varlen_attn: flash-attn's window_size and bottom-right causal mask."""
     from torch.nn.attention.varlen import varlen_attn
@@ -440,7 +433,6 @@ def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
         k = k.repeat_interleave(copies, 1)
         v = v.repeat_interleave(copies, 1)
         gqa = {}
-    window_size = (window - 1 if window else -1, 0)
     return varlen_attn(
         q,
         k,
@@ -450,7 +442,7 @@ def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
         layout.max_q,
         layout.max_k,
         scale=scaling,
-        window_size=window_size,
+        window_size=(window - 1 if window else -1, 0),
         **gqa,
     )
 
@@ -466,7 +458,11 @@ def varlen_gqa(device: torch.device, dtype: torch.dtype) -> dict | None:
     q, k, v = (torch.randn(3, heads, 8, generator=g).to(device, dtype) for heads in (4, 2, 2))
     cu = torch.tensor([0, 3], dtype=torch.int32, device=device)
     causal = {"window_size": (-1, 0)}
-    gqa = {"enable_gqa": True} if "enable_gqa" in _params(varlen_attn) else {}
+    gqa = (
+        {"enable_gqa": True}
+        if "enable_gqa" in inspect.signature(varlen_attn).parameters
+        else {}
+    )
     try:
         kk, vv = (x.repeat_interleave(2, 1) for x in (k, v))
         want = varlen_attn(q, kk, vv, cu, cu, 3, 3, **causal)
@@ -514,7 +510,7 @@ def _kernel_problems(device: torch.device, half: bool, softcap: bool) -> dict[st
     try:  # torch 2.10's varlen_attn has neither scale nor window_size; 2.8-2.9 none at all
         from torch.nn.attention.varlen import varlen_attn
 
-        if not {"scale", "window_size"} <= _params(varlen_attn):
+        if not {"scale", "window_size"} <= inspect.signature(varlen_attn).parameters.keys():
             reasons["torch_varlen"] = (
                 f"torch {torch.__version__}'s varlen_attn has no "
                 "scale/window_size (torch >= 2.11)"
@@ -528,9 +524,11 @@ def _kernel_problems(device: torch.device, half: bool, softcap: bool) -> dict[st
 
 # -----------------------------------------------------------------------------
 # Ulysses context parallel
-class _Swap(torch.autograd.Function):
+class Swap(torch.autograd.Function):
     """Dim `split` in N blocks, block i to CP rank i, those received joined along `join`: heads for
-    tokens [B, H, S/N, D] -> [B, H/N, S, D] is (1, 2); the way back, (2, 1), is the backward."""
+    tokens [B, H, S/N, D] -> [B, H/N, S, D] is (1, 2); the way back, (2, 1), is the backward. N
+    copies of x along `split` (split = join) gather every rank's x on every rank; the backward
+    sums the gradients each rank's reader sends back."""
 
     @staticmethod
     def forward(ctx, x, group, split: int, join: int):
@@ -543,61 +541,4 @@ class _Swap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _Swap.apply(grad, *ctx.args), None, None, None
-
-
-class GatherSequence(torch.autograd.Function):
-    """[..., T/N] per CP rank -> [..., T] on every CP rank. Every rank's loss reads all T values:
-    the gradient of this rank's slice is the *sum* over the group of the incoming gradients."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x, group=group)
-        return torch.cat(parts, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        parts = grad.chunk(dist.get_world_size(ctx.group), -1)
-        return parts[dist.get_rank(ctx.group)], None
-
-
-def row_inputs(
-    ids, pos, targets, segments, device, kernel=None, group=None, plain=False
-) -> dict:
-    """A packed row -> policy_logprobs' keywords: ids, positions [1, T], targets [T] and scored
-    index on `device`, and the row's layout, built on the host. A CP `group` (Ulysses): this
-    rank's contiguous 1/N of the row, padded to a multiple of N by a segment of its own
-    (gather_row cuts). A target of -1 is read by nothing: not scored (a prompt's prefix), so the
-    head skips it."""
-    T = len(ids)
-    n = 1 if group is None else dist.get_world_size(group)
-    r = 0 if group is None else dist.get_rank(group)
-    pad = -T % n
-    size = T + pad
-    if pad:  # a sequence of its own, scored nowhere
-        ids = F.pad(ids, (0, pad))
-        pos = torch.cat([pos, torch.arange(pad)])
-        targets = F.pad(targets, (0, pad), value=-1)
-        segments = torch.cat([segments, segments.new_tensor([[T, pad, 0, 0]])])
-    mine = slice(r * size // n, (r + 1) * size // n)
-    targets = targets[mine]
-    chunk = {
-        "input_ids": ids[None, mine],
-        "position_ids": pos[None, mine],
-        "targets": targets,
-        "scored": (targets >= 0).nonzero()[:, 0],
-    }
-    inputs = {k: v.to(device) for k, v in chunk.items()}
-    inputs["layout"] = attention_layout(segments, size, device, kernel, group, plain)
-    return inputs
-
-
-def gather_row(logprobs, entropy, group, num_tokens: int) -> tuple:
-    """Every CP rank's chunk of log-probs and entropies -> the whole row's, on every CP rank."""
-    row = GatherSequence.apply(torch.stack([logprobs, entropy]), group)
-    return row[:, :num_tokens].unbind()
+        return Swap.apply(grad, *ctx.args), None, None, None

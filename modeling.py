@@ -11,6 +11,7 @@ import functools
 import itertools
 import os
 import socket
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 
 import attention
 import lora
+import loss
 from cli import UserError, why
 
 HALF = (torch.float16, torch.bfloat16)
@@ -86,35 +88,55 @@ class Model:
         self, mb, temperature: float, grad: bool = False, entropy_grad: bool = False
     ):
         """(log pi(target), entropy) [T] of a packed micro-batch at `temperature`. Inputs and
-        layout are made on the host; under CP this rank runs its 1/N of the row and the whole
-        row's values are gathered. entropy_grad: a graph for the entropy (a bonus), else none."""
-        targets = mb.targets
+        layout are made on the host. A CP group (Ulysses): this rank runs its contiguous 1/N of
+        the row, padded to a multiple of N by a segment of its own, and every rank's values are
+        gathered (each rank sends its own to all, attention.Swap: backward sums the gradients
+        their readers send back), the padding cut. A target of -1 is read by nothing: not
+        scored (a prompt's prefix), so the head skips it. entropy_grad: a graph for the entropy
+        (a bonus), else none."""
+        ids, pos, targets, segments = mb.input_ids, mb.position_ids, mb.targets, mb.segments
         if mb.seq_ids is not None:  # a prompt's positions predict nothing read: not scored
             targets = targets.masked_fill(mb.seq_ids < 0, -1)
+        T = len(ids)
+        group = self.cp_group
+        n = 1 if group is None else dist.get_world_size(group)
+        r = 0 if group is None else dist.get_rank(group)
+        pad = -T % n
+        size = T + pad
+        if pad:  # a sequence of its own, scored nowhere
+            ids = F.pad(ids, (0, pad))
+            pos = torch.cat([pos, torch.arange(pad)])
+            targets = F.pad(targets, (0, pad), value=-1)
+            segments = torch.cat([segments, segments.new_tensor([[T, pad, 0, 0]])])
+        mine = slice(r * size // n, (r + 1) * size // n)
+        targets = targets[mine]
+        inputs = {
+            "input_ids": ids[None, mine],
+            "position_ids": pos[None, mine],
+            "targets": targets,
+            "scored": (targets >= 0).nonzero()[:, 0],
+        }
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        layout = attention.attention_layout(
+            segments, size, self.device, self.kernel, group, self.attention == "plain"
+        )
         # the KL reference (base_only): LoRA's frozen base alone
         adapters = lora.disabled(self.module) if self.base_only else contextlib.nullcontext()
         with torch.set_grad_enabled(grad), adapters:
-            inputs = attention.row_inputs(
-                mb.input_ids,
-                mb.position_ids,
-                targets,
-                mb.segments,
-                self.device,
-                self.kernel,
-                self.cp_group,
-                self.attention == "plain",
-            )
             out = as_root_forward(
                 self.module,
                 policy_logprobs,
                 self.module,
                 **inputs,
+                layout=layout,
                 temperature=temperature,
                 entropy_grad=entropy_grad,
             )
-        if self.cp_group is None:
+        if group is None:
             return out
-        return attention.gather_row(*out, self.cp_group, len(targets))
+        # each rank's values, n copies, one to every rank: their gradients come back summed
+        gathered = attention.Swap.apply(torch.stack(out).repeat(1, n), group, 1, 1)
+        return gathered[:, :T].unbind()
 
     def set_grad_sync(self, sync: bool) -> None:
         """FSDP2: reduce-scatter the gradients in this backward (else they stay unsharded)."""
@@ -164,9 +186,10 @@ def load_model(
     cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
     full = _on_rank0(_load_checked, cfg, dtype, cp_size, trainable, adapter)
     with torch.device("meta"):
-        config = AutoConfig.from_pretrained(cfg.model, use_cache=False)
         module = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation="packed"
+            AutoConfig.from_pretrained(cfg.model, use_cache=False),
+            dtype=dtype,
+            attn_implementation="packed",
         )
     peft_config, described = lora.apply(module, cfg.lora_rank, adapter)
     tokens = -(-cfg.micro_batch_tokens // cp_size)  # a micro-batch's, on this rank
@@ -175,24 +198,18 @@ def load_model(
     model.lora = peft_config
     model.summary = described + model.summary
     _shard(module, device, world, mixed)
-    if model.compiled:
-        compile_layers(module)
-    if model.checkpointing:
-        selective = model.checkpointing == "selective"
-        # a CPU's own choice (selective) skips small micro-batches' reruns
-        auto = CHECKPOINT_LAYERS is None and selective
-        checkpoint_layers(module, selective, RERUN_FROM if auto else 0)
+    wrap_layers(module, model.compiled, model.checkpointing)
     module.to_empty(device=device).eval().tie_weights()  # to_empty unties a plain model
     state = {} if full is None else full.state_dict()
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(module, state, options=options)
-    mine = {} if full is None else dict(full.named_buffers())
     for name, buffer in module.named_buffers():  # some are in no state dict (RoPE's inv_freq)
-        if mine:
-            buffer.copy_(mine[name])
+        if full is not None:
+            buffer.copy_(full.get_buffer(name))
         dist.broadcast(buffer, src=0)
-    for name, p in module.named_parameters():  # LoRA: the adapters alone
-        p.requires_grad_(trainable and (not cfg.lora_rank or lora.is_adapter(name)))
+    # LoRA trains its adapters alone (lora.apply froze the base); a frozen copy nothing
+    if not trainable:
+        module.requires_grad_(False)
     sum_gradients(module)  # the loss divides by the *global* normaliser: FSDP2 must sum ranks
     return model
 
@@ -254,15 +271,12 @@ def decide(
 ) -> Model:
     """Every decision about the model, from its meta-device shapes and what all ranks agree on:
     attention path, compiled layers, checkpointing and gradient sync (the memory plan)."""
-    text = module.config.get_text_config()
-    softcap = bool(getattr(text, "attn_logit_softcapping", None))
+    softcap = bool(getattr(module.config.get_text_config(), "attn_logit_softcapping", None))
     try:
         path, kernel, reason = attention.choose_attention(ATTENTION, device, mixed, softcap)
     except ValueError as e:
         raise UserError(f"config error: {e}") from None
-    eager = "eager (--no-compile)"
-    if cfg.compile:
-        eager = compile_verdict(module, device)
+    eager = compile_verdict(module, device) if cfg.compile else "eager (--no-compile)"
     compute = (
         "bf16 (fp32 master weights)" if mixed else str(module.dtype).removeprefix("torch.")
     )
@@ -299,9 +313,8 @@ def _shard(module: nn.Module, device, world: int, mixed: bool) -> None:
         return
     mp = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if mixed else {}
     mesh = init_device_mesh(device.type, (world,))
-    for block in decoder_layers(module):
+    for block in [*decoder_layers(module), module]:  # each decoder layer, then the root
         fully_shard(block, mesh=mesh, **mp)
-    fully_shard(module, mesh=mesh, **mp)
 
 
 def sum_gradients(module: nn.Module) -> None:
@@ -362,26 +375,29 @@ def compile_verdict(module: nn.Module, device: torch.device) -> str | None:
     return None
 
 
-def compile_layers(module: nn.Module) -> None:
-    """torch.compile each decoder layer (dynamic shapes: a new row length does not recompile; the
-    attention kernel eager): inductor fuses the elementwise work and reruns it in backward."""
-    # what fails to compile runs eager (a warning)
-    torch._dynamo.config.suppress_errors = True
-    for layer in decoder_layers(module):
-        layer.forward = torch.compile(layer.forward, dynamic=True)
-
-
-def checkpoint_layers(module: nn.Module, selective: bool = False, from_elements: int = 0):
-    """Activation checkpointing: each decoder layer keeps only its inputs for backward and runs
-    its forward again there; `selective` also keeps what KEPT_OPS return, so the rerun is the
-    elementwise work alone (norms, RoPE, activation, products). Non-reentrant, inside FSDP2's
-    hooks (they gather the layer's weights for the rerun too); a CP all-to-all inside reruns on
-    every rank alike (equal chunks: row_inputs). A layer input under `from_elements` runs as is."""
+def wrap_layers(module: nn.Module, compiled: bool, checkpointing: str) -> None:
+    """Each decoder layer's forward, `compiled`: torch.compile'd (dynamic shapes: a new row length
+    does not recompile; the attention kernel eager): inductor fuses the elementwise work and
+    reruns it in backward. Then activation checkpointing, `checkpointing` "full" or "selective"
+    ("": none): each layer keeps only its inputs for backward and runs its forward again there;
+    "selective" also keeps what KEPT_OPS return, so the rerun is the elementwise work alone
+    (norms, RoPE, activation, products). Non-reentrant, inside FSDP2's hooks (they gather the
+    layer's weights for the rerun too); a CP all-to-all inside reruns on every rank alike (equal
+    chunks: Model.logprobs)."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts as keeping
 
+    selective = checkpointing == "selective"
     kw = {"context_fn": functools.partial(keeping, KEPT_OPS)} if selective else {}
+    # a CPU's own choice (selective) skips small micro-batches' reruns: a layer input under
+    # RERUN_FROM elements runs as is
+    from_elements = RERUN_FROM if selective and CHECKPOINT_LAYERS is None else 0
+    if compiled:  # what fails to compile runs eager (a warning)
+        torch._dynamo.config.suppress_errors = True
     for layer in decoder_layers(module):
-        layer.forward = functools.partial(_maybe_rerun, layer.forward, from_elements, kw)
+        if compiled:
+            layer.forward = torch.compile(layer.forward, dynamic=True)
+        if checkpointing:
+            layer.forward = functools.partial(_maybe_rerun, layer.forward, from_elements, kw)
 
 
 def _maybe_rerun(forward, from_elements: int, kw: dict, *args, **kwargs):
@@ -418,23 +434,20 @@ def parameter_count(path: str) -> int:
 
     with torch.device("meta"):
         module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    return sum(p.numel() for p in module.parameters())
+    return module.num_parameters()
 
 
 def shape_of(module: nn.Module, mixed: bool) -> Shape:
     text = module.config.get_text_config()
-    params = dict(module.named_parameters())
-    frozen = [p for n, p in params.items() if not lora.is_adapter(n)]
-    # LoRA trains its adapters alone, else every parameter is trained
-    trained = [p for n, p in params.items() if lora.is_adapter(n)] or frozen
     heads = text.num_attention_heads
     hidden = text.hidden_size
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    master = trained[0].element_size()
+    # LoRA trains its adapters alone (lora.apply froze the base), else every parameter
+    master = next(p for p in module.parameters() if p.requires_grad).element_size()
     return Shape(
-        sum(p.numel() for p in params.values()),
-        sum(p.numel() for p in trained),
+        module.num_parameters(),
+        module.num_parameters(only_trainable=True),
         text.num_hidden_layers,
         hidden,
         getattr(text, "intermediate_size", None) or 4 * hidden,
@@ -442,7 +455,7 @@ def shape_of(module: nn.Module, mixed: bool) -> Shape:
         text.vocab_size,
         bool(getattr(text, "tie_word_embeddings", False)),
         master,
-        frozen[0].element_size(),
+        module.dtype.itemsize,  # the first parameter's: the base's (an embedding)
         2 if mixed else master,
     )
 
@@ -481,27 +494,23 @@ def memory_plan(
     else:
         saved = s.layers * layer
     frozen = (s.params - s.trainable) * s.frozen_bytes + others * s.master_bytes
+    # HeadLogprobs' peak: fp32 logits of the rows kept or of one chunk (a half head: also their
+    # half copy), and summed over chunks, a half head's d weight in fp32
+    logit_bytes = max(4, c)
+    rows = min(tokens, max(HEAD_CHUNK, HEAD_KEEP // (logit_bytes * s.vocab)))
+    accumulator = 4 * s.vocab * s.hidden if c < 4 and tokens > rows else 0
     plan = {
         "weights": (s.trainable * s.master_bytes + frozen) / world,
         "grads": s.trainable * s.master_bytes * (1 / world + (grads_unsharded and fsdp)),
         "adamw": 2 * s.trainable * s.master_bytes / world,
         "activations": saved + layer * (2 if checkpointing else 1),
-        "head": head_bytes(s.vocab, s.hidden, tokens, c),
+        "head": (logit_bytes + c % 4) * s.vocab * rows + accumulator,
         "gathered": fsdp * 2 * c * (2 * (s.params - root) / s.layers + root),
         "engine": max(engine),
     }
     training = sum(plan.values()) - plan["engine"] + engine[1]
     plan["total"] = max(plan["weights"] + plan["adamw"] + engine[0], training)
     return plan
-
-
-def head_bytes(vocab: int, hidden: int, tokens: int, compute_bytes: int) -> int:
-    """HeadLogprobs' peak: fp32 logits of the rows kept or of one chunk (a half head: also their
-    half copy), and summed over chunks, a half head's d weight in fp32."""
-    logit_bytes = max(4, compute_bytes)
-    rows = min(tokens, max(HEAD_CHUNK, HEAD_KEEP // (logit_bytes * vocab)))
-    accumulator = 4 * vocab * hidden if compute_bytes < 4 and tokens > rows else 0
-    return (logit_bytes + compute_bytes % 4) * vocab * rows + accumulator
 
 
 def memory_decisions(
@@ -520,8 +529,10 @@ def memory_decisions(
     # inductor keeps what selective checkpointing keeps
     plain = "selective" if compiled else ""
     capacity = None if gpu is None else gpu[1]
-    kw = {"engine": engine, "others": others}
-    raw = memory_plan(shape, world, tokens, plain, grads_unsharded=True, **kw)
+    plan_for = functools.partial(
+        memory_plan, shape, world, tokens, engine=engine, others=others
+    )
+    raw = plan_for(plain, grads_unsharded=True)
     checkpointing = CHECKPOINT_LAYERS
     # decided: on a CPU, selective where a layer input is big; on a GPU, full only where the
     # plan without it does not fit well
@@ -531,11 +542,20 @@ def memory_decisions(
     elif checkpointing is None:
         checkpointing = "full" if raw["total"] > NO_RERUN_UP_TO * capacity else ""
     planned = checkpointing or plain
-    plan = memory_plan(shape, world, tokens, planned, grads_unsharded=True, **kw)
+    plan = plan_for(planned, grads_unsharded=True)
     defer = capacity is None or plan["total"] <= capacity
     if not defer:
-        plan = memory_plan(shape, world, tokens, planned, **kw)
-    line = _plan_line(plan, raw if checkpointing else None, capacity)
+        plan = plan_for(planned)
+    # the plan in one line, in GiB (MiB when small)
+    unit, scale = ("GiB", 2**30) if plan["total"] >= 2**30 or capacity else ("MiB", 2**20)
+    f = lambda b: f"{b / scale:.1f}"
+    line = " + ".join(f"{k} {f(v)}" for k, v in plan.items() if k != "total" and v)
+    if checkpointing:
+        line += f" ({f(raw['activations'])} without checkpointing)"
+    line += f" = {f(plan['total'])}"
+    if capacity:
+        line += f" of {f(capacity)}"
+    line += f" {unit}"
     if capacity is not None and plan["total"] > capacity:
         raise UserError(
             f"config error: this will not fit: {line}; lower --micro-batch-tokens "
@@ -543,20 +563,6 @@ def memory_decisions(
             "AdamW are sharded over ranks)"
         )
     return checkpointing, defer, f"memory per rank (plan): {line}"
-
-
-def _plan_line(plan: dict, without: dict | None, capacity: int | None) -> str:
-    """The plan in one line, in GiB (MiB when small)."""
-    big = plan["total"] >= 2**30 or capacity
-    unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
-    f = lambda b: f"{b / scale:.1f}"
-    parts = " + ".join(f"{k} {f(v)}" for k, v in plan.items() if k != "total" and v)
-    if without is not None:
-        parts += f" ({f(without['activations'])} without checkpointing)"
-    total = f" = {f(plan['total'])}"
-    if capacity:
-        total += f" of {f(capacity)}"
-    return f"{parts}{total} {unit}"
 
 
 def gpu_memory(device: torch.device, held: tuple[int, int] | None = None):
@@ -570,11 +576,7 @@ def gpu_memory(device: torch.device, held: tuple[int, int] | None = None):
     used = total - free  # the engine's and anything else's, before the trainer loads
     training = used if held is None else used - (held[0] - held[1])
     vec = torch.tensor([free, total, -used, -training], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        vec = vec.to(backend_device)
-        dist.all_reduce(vec, op=dist.ReduceOp.MIN)
-    free, total, used, training = vec.tolist()
+    free, total, used, training = loss.all_reduce_vector(vec, op=dist.ReduceOp.MIN).tolist()
     return (int(free), int(total)), (-used, -training)
 
 
@@ -628,15 +630,14 @@ def policy_logprobs(
     if scored is not None:
         hidden, targets = hidden[scored], targets[scored]
     head = model.get_output_embeddings()
-    bias = getattr(head, "bias", None)
-    transform = (temperature, *head_transform(model.config))
+    # both heads' inputs: (hidden, weight, bias, targets, temperature, scale, softcap)
+    args = (hidden, head.weight, getattr(head, "bias", None), targets, temperature)
+    args += head_transform(model.config)
     if FAST_HEAD:
         keep = HEAD_KEEP if torch.is_grad_enabled() else 0
-        out = HeadLogprobs.apply(
-            hidden, head.weight, bias, targets, *transform, chunk, entropy_grad, keep
-        )
+        out = HeadLogprobs.apply(*args, chunk, entropy_grad, keep)
     else:
-        out = plain_head(hidden, head.weight, bias, targets, *transform, entropy_grad)
+        out = plain_head(*args, entropy_grad)
     if scored is None:
         return out
     return tuple(x.new_zeros(input_ids.shape[-1]).index_copy(0, scored, x) for x in out)
@@ -650,7 +651,7 @@ def plain_head(
     temperature: float,
     scale: float,
     softcap: float | None,
-    entropy_grad: bool = True,
+    entropy_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     """The head as written: x = softcap(scale (hW^T + b)) / T in fp32 at least for every row at
     once, log p = log_softmax(x), (log p(target), H = -sum_v p_v log p_v); autograd's backward.
@@ -687,7 +688,7 @@ class HeadLogprobs(torch.autograd.Function):
         ctx.kept = kept
         ctx.args = (temp, scale, softcap, chunk)
         lp_out = hidden.new_empty(len(hidden), dtype=up)
-        entropy = hidden.new_empty(len(hidden), dtype=up)
+        entropy = torch.empty_like(lp_out)
         for rows, x in _head_blocks(hidden, weight, bias, *ctx.args, kept=kept):
             lp = torch.log_softmax(x, -1)
             lp_out[rows] = lp.gather(-1, targets[rows, None])[:, 0]
@@ -708,7 +709,7 @@ class HeadLogprobs(torch.autograd.Function):
         # at every chunk); one chunk writes them in their own dtype
         up = at_least_fp32(hidden.dtype)
         inputs = (hidden, weight, bias)
-        grads = [None, None, None]
+        grads = [None] * 3
         for i, x in enumerate(inputs):
             summed = i > 0 and len(hidden) > chunk
             if ctx.needs_input_grad[i]:
@@ -764,21 +765,16 @@ def _head_blocks(
             yield slice(i + j, i + j + len(x)), x
         if kept is not None and grads is None:
             kept.append(z)  # forward's (one chunk): backward's x
-        if grads:
-            _head_grads(grads, z, h, weight, up, i)
-
-
-def _head_grads(grads: list, dz: Tensor, h: Tensor, weight: Tensor, up, i: int) -> None:
-    """A chunk's share of d hidden (its rows), d weight and d bias (summed), from d/dz."""
-    g = dz.to(h.dtype)
-    if grads[0] is not None:
-        grads[0][i : i + len(h)] = _mm(g, weight, up)
-    if grads[1] is not None and g.dtype == up:
-        grads[1].addmm_(g.t(), h)
-    elif grads[1] is not None:
-        grads[1].add_(_mm(g.t(), h, grads[1].dtype))
-    if grads[2] is not None:
-        grads[2].add_(dz.sum(0))
+        if grads:  # the chunk's share of d hidden (its rows), d weight and d bias (summed)
+            g = z.to(h.dtype)
+            if grads[0] is not None:
+                grads[0][i : i + len(h)] = _mm(g, weight, up)
+            if grads[1] is not None and g.dtype == up:
+                grads[1].addmm_(g.t(), h)
+            elif grads[1] is not None:
+                grads[1].add_(_mm(g.t(), h, grads[1].dtype))
+            if grads[2] is not None:
+                grads[2].add_(z.sum(0))
 
 
 @functools.cache
@@ -812,18 +808,17 @@ def pack_weights(weights: list[Tensor], rows: int) -> dict[int, Tensor]:
     shape, 16 rows, 2 threads: 2x the decode's matmuls. {} where oneDNN is absent: F.linear."""
     if not torch.backends.mkldnn.is_available():
         return {}
-    big = [
-        w
+    return {
+        id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
         for w in weights
         if w.device.type == "cpu"
         and w.dtype == torch.float32
         and w.dim() == 2
         and w.numel() >= BIG_WEIGHT
-    ]
-    return {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows) for w in big}
+    }
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: dict | None = None):
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: dict | None) -> Tensor:
     """F.linear(x, W, b), on W's packed copy where `packed` holds one (the same rows to ~1e-6)."""
     w = (packed or {}).get(id(weight))
     if w is None or x.dtype != weight.dtype:
@@ -885,6 +880,8 @@ def check_model_source(name: str) -> None:
 def check_model(model, vocab_size: int) -> str | None:
     """None if our packed forward of the (unsharded) model equals its own eager one on two samples
     sharing a prompt, past a small window (every attention keyword and head transform), else why."""
+    from packing import feed  # (packing imports rollout, which imports this module)
+
     if model.config._attn_implementation != "packed":
         return "its attention does not go through transformers' AttentionInterface"
     window = getattr(model.config.get_text_config(), "sliding_window", None) or 0
@@ -894,27 +891,27 @@ def check_model(model, vocab_size: int) -> str | None:
     prompt = torch.randint(vocab_size, (p,), generator=g).tolist()
     tails = torch.randint(vocab_size, (n,), generator=g).tolist()
     tails = [tails[:p], tails[p:][: n // 3]]
-    # one packed row: the prompt but its last token, then each tail after that token
-    ids = prompt[:-1]
-    pos = list(range(p - 1))
-    targets = prompt[1:]
-    segments = [[0, p - 1, 0, 0]]
+    # one packed row as packing feeds one: the prompt but its last token, then each tail from
+    # that token on, attending to the prompt's prefix
+    row = feed(defaultdict(list), prompt, 0, p - 1)
     for t in tails:
-        segments.append([len(ids), len(t), 0, p - 1])
-        ids += prompt[-1:] + t[:-1]
-        pos += range(p - 1, p - 1 + len(t))
-        targets += t
-    tensor = functools.partial(torch.tensor, device=next(model.parameters()).device)
+        feed(row, prompt + t, p - 1, p - 1 + len(t), (0, p - 1))
+    tensor = functools.partial(torch.tensor, device=model.device)
     try:
         with torch.no_grad():
-            row = (tensor([ids]), tensor([pos]), tensor(targets))
-            ours, _ = policy_logprobs(model, *row, segments=torch.tensor(segments))
+            ours, _ = policy_logprobs(
+                model,
+                tensor([row["input_ids"]]),
+                tensor([row["position_ids"]]),
+                tensor(row["targets"]),
+                segments=torch.tensor(row["segments"]),
+            )
             model.set_attn_implementation("eager")
             theirs = []
             for k, t in enumerate(tails):
                 s = tensor(prompt + t)
                 logits = model(input_ids=s[None], use_cache=False).logits[0].float()
-                lp = logits.log_softmax(-1)[:-1].gather(-1, s[1:, None])[:, 0]
+                lp = -F.cross_entropy(logits[:-1], s[1:], reduction="none")
                 # the row holds the prompt once: the first sample's positions only
                 theirs.append(lp[0 if k == 0 else p - 1 :])
     except Exception as e:  # e.g. an attention keyword packed_attention does not implement
@@ -922,7 +919,7 @@ def check_model(model, vocab_size: int) -> str | None:
     finally:
         model.set_attn_implementation("packed")
     diff = float((ours.float() - torch.cat(theirs)).abs().max())
-    tol = 0.1 if next(model.parameters()).dtype in HALF else 1e-4  # bf16 (LoRA's base): ~0.03
+    tol = 0.1 if model.dtype in HALF else 1e-4  # bf16 (LoRA's base): ~0.03
     if diff <= tol:  # 1e-4 for fp64 too: eager softmaxes in fp32; NaN fails
         return None
     return (

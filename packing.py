@@ -36,15 +36,17 @@ def pack_microbatches(
     any split is exact (loss.py's rule 2); mask_truncated: a cut response counts nowhere. A
     sample's seq_id is its index in `samples`."""
     masks = [loss_mask(s, mask_truncated) for s in samples]
-    w, nw = mode_weights([sum(m) for m in masks], samples, mode, divisor)
-    weights, norm_weights = w.tolist(), nw.tolist()
+    weights, norm_weights = (
+        x.tolist() for x in mode_weights([sum(m) for m in masks], samples, mode, divisor)
+    )
     # a prompt's samples share a key (their prompt prefix), or each has its own
-    if share_prompts:
-        keys = [tuple(s.prompt_ids[:-1]) for s in samples]
-    else:
-        keys = list(range(len(samples)))
     spans = [
-        (k, len(s.prompt_ids), len(s.completion.output_ids)) for k, s in zip(keys, samples)
+        (
+            tuple(s.prompt_ids[:-1]) if share_prompts else i,
+            len(s.prompt_ids),
+            len(s.completion.output_ids),
+        )
+        for i, s in enumerate(samples)
     ]
     starts = set(cuts(spans, budget)[1:])
     mbs, cols = [], defaultdict(list)
@@ -111,10 +113,11 @@ def reweigh(
     for mb in mbs:
         mine = mb.seq_ids >= 0
         counts.index_add_(0, mb.seq_ids[mine], mb.denom_mask[mine].double())
-    w, nw = mode_weights(counts, samples, mode, divisor)
     # seq_id -1 (a prompt's positions) reads the appended 0
-    w = torch.cat([w, w.new_zeros(1)]).float()
-    nw = torch.cat([nw, nw.new_zeros(1)]).float()
+    w, nw = (
+        torch.cat([x, x.new_zeros(1)]).float()
+        for x in mode_weights(counts, samples, mode, divisor)
+    )
     return [replace(mb, loss_weight=w[mb.seq_ids], norm_weight=nw[mb.seq_ids]) for mb in mbs]
 
 
@@ -169,20 +172,17 @@ def feed(
 
 
 def to_microbatch(cols: dict[str, list]) -> MicroBatch:
-    t = {}
-    for k in INT_COLUMNS + FLOAT_COLUMNS:
-        t[k] = torch.tensor(
-            cols[k], dtype=torch.float32 if k in FLOAT_COLUMNS else torch.long
-        )
+    t = {
+        k: torch.tensor(cols[k], dtype=torch.float32 if k in FLOAT_COLUMNS else torch.long)
+        for k in INT_COLUMNS + FLOAT_COLUMNS
+    }
     t["segments"] = t["segments"].view(-1, 4)  # [R, 4], also when empty
     return MicroBatch(**t, denom_mask=t["loss_mask"].clone())
 
 
-def even_out(mbs: list[MicroBatch], group=None) -> list[MicroBatch]:
-    """The same number of micro-batches on every rank of `group` (FSDP2 all-gathers per forward):
-    a rank with fewer adds ones of a single masked token."""
-    count = torch.tensor([len(mbs)])
-    most = loss.all_reduce_vector(count, group, op=dist.ReduceOp.MAX)
+def even_out(mbs: list[MicroBatch]) -> list[MicroBatch]:
+    """The same number of micro-batches on every rank (FSDP2 all-gathers per forward): a rank
+    with fewer adds ones of a single masked token."""
+    most = loss.all_reduce_vector(torch.tensor([len(mbs)]), op=dist.ReduceOp.MAX)
     single = lambda: to_microbatch(feed(defaultdict(list), [0, 0], 0, 1))
-    missing = int(most) - len(mbs)
-    return mbs + [single() for _ in range(missing)]
+    return mbs + [single() for _ in range(int(most) - len(mbs))]

@@ -1,4 +1,4 @@
-"""Issue 28, compiled decoder layers (--compile, modeling.compile_layers): the trainer's own path
+"""Issue 28, compiled decoder layers (--compile, modeling.wrap_layers): the trainer's own path
 (load_models, pack_microbatches, train_minibatch) gives eager's gradients to float rounding, with
 and without every layer checkpointed around the compiled forward, for packed rows of changing
 length without recompiling; a CPU adds no selective checkpointing to compiled layers (inductor

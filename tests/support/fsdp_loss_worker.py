@@ -398,7 +398,7 @@ def run_episode_case(model, seqs: list[dict], mode: str, budget: int = 22) -> di
         torch.tensor(s["m"]) > 0, s["behave"], -7.0).tolist(), "stop", [int(x) for x in s["m"]]),
         advantage=s["advantage"]) for s in (seqs[:cut] if rank == 0 else seqs[cut:])]
     mbs = packing.even_out(packing.pack_microbatches(samples, mode, DIVISOR, budget,
-                                                     share_prompts=False), dist.group.WORLD)
+                                                     share_prompts=False))
     cfg = SURROGATE_OF_MODE[mode]
     objective = build(mode, DIVISOR, dist.group.WORLD, entropy_coef=ENTROPY_COEF,
                       kl_coef=KL_COEF, **{k: v for k, v in cfg.items() if k != "params"})
