@@ -392,18 +392,3 @@ def export_hf(model, adapters: dict | None, tokenizer, src: str, out_dir: Path) 
         shutil.copy(generation, tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
-
-
-def on_rank0(fn, *args):
-    """fn(*args) on rank 0 alone (shared files), its result, or its UserError, on every rank."""
-    box = [None]
-    if dist.get_rank() == 0:
-        try:
-            box = [fn(*args)]
-        except UserError as e:  # sent as it is (it pickles)
-            box = [e]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], UserError):
-        raise box[0]
-    return box[0]

@@ -123,6 +123,24 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
+def on_rank0(fn, *args, share: bool = True):
+    """fn(*args) on rank 0 alone (shared files, a whole model on the host); its UserError raised
+    on every rank; its result on every rank, or with share=False on rank 0 alone (None
+    elsewhere: a model is not sent)."""
+    out = None
+    if rank() == 0:
+        try:
+            out = fn(*args)
+        except UserError as e:  # sent as it is (it pickles)
+            out = e
+    box = [out if share or isinstance(out, UserError) else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], UserError):
+        raise box[0]
+    return out if rank() == 0 else box[0]
+
+
 def run(main, argv: list[str] | None) -> int:
     """main(argv) -> the exit status: 0; 2 after a UserError (one line); a Stopped's own code."""
     faulthandler.enable()  # a rank that aborts in C++ (gloo, NCCL) still prints Python stacks

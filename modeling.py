@@ -24,7 +24,7 @@ from torch import Tensor, nn
 import attention
 import lora
 import loss
-from cli import UserError, why
+from cli import UserError, on_rank0, why
 
 HALF = (torch.float16, torch.bfloat16)
 # selective checkpointing keeps these ops' outputs (a layer's matmuls and attention kernel)
@@ -184,7 +184,8 @@ def load_model(
         dtype = torch.bfloat16
     adapter = lora.read_config(cfg.lora_adapter)
     cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
-    full = _on_rank0(_load_checked, cfg, dtype, cp_size, trainable, adapter)
+    # the whole model on rank 0 alone
+    full = on_rank0(_load_checked, cfg, dtype, cp_size, trainable, adapter, share=False)
     with torch.device("meta"):
         module = AutoModelForCausalLM.from_config(
             AutoConfig.from_pretrained(cfg.model, use_cache=False),
@@ -212,23 +213,6 @@ def load_model(
         module.requires_grad_(False)
     sum_gradients(module)  # the loss divides by the *global* normaliser: FSDP2 must sum ranks
     return model
-
-
-def _on_rank0(load, *args):
-    """Rank 0's load(*args) (the whole model, on the host), None elsewhere; a UserError on every
-    rank if it raises one. (checkpoint.on_rank0 sends its result to every rank.)"""
-    full = None
-    error = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            full = load(*args)
-        except UserError as e:
-            error = [str(e)]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise UserError(error[0])
-    return full
 
 
 def _load_checked(cfg, dtype: torch.dtype, heads_divisor: int, check: bool, adapter):

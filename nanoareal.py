@@ -42,8 +42,7 @@ import modeling
 import packing
 import rollout
 import tasks
-from checkpoint import on_rank0
-from cli import UserError
+from cli import UserError, on_rank0
 from logs import Logger, merge, print0, reduce_metrics, step_metrics
 from rollout import Sample, SamplingParams, mix_seed
 
