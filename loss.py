@@ -140,7 +140,7 @@ def group_mean(rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 
 def group_advantages(
-    rewards: Tensor, group_ids: Tensor, estimator: str = "grpo", copies: int = 1
+    rewards: Tensor, group_ids: Tensor, estimator: str, copies: int
 ) -> Tensor:
     """Per-sample advantages of ADVANTAGES[estimator]; a group of one gets 0."""
     fn = _choice("adv-estimator", estimator, ADVANTAGES)
@@ -195,7 +195,7 @@ MODES = {fn.__name__: fn for fn in (token_mean, seq_mean, prompt_mean, constant)
 
 
 def response_weights(
-    mode: str, denom_counts: Tensor, group_ids: Tensor, divisor: float | None = None
+    mode: str, denom_counts: Tensor, group_ids: Tensor, divisor: float | None
 ) -> Pair:
     """Per-response (w_i, nw_i) of `mode`; denom_counts (M_i) cover the WHOLE mini-batch: sums of
     the responses' 0/1 d masks, [R] like group_ids (packing.mode_weights makes both from one list
@@ -353,10 +353,9 @@ def m2po_mask(
     loss_mask: Tensor,
     *,
     threshold: float,
-    group=None,
 ) -> Tensor:
     """M2PO (Zheng et al. 2025): the keep mask (0/1, within m) that drops the tokens of largest x =
-    (log pi_prox/pi_behave)^2, ties together, until mean x <= threshold over `group`'s kept tokens.
+    (log pi_prox/pi_behave)^2, ties together, until mean x <= threshold over all ranks' kept tokens.
     Exact across ranks: mean(x | x <= v) is non-decreasing in v, so bisect the largest admissible
     cut over float64's bit patterns (monotone for x >= 0): ~64 all_reduces of (sum, count)."""
     x = sanitize_log_ratio(prox_logprobs.detach() - behave_logprobs.detach()).double() ** 2
@@ -366,13 +365,13 @@ def m2po_mask(
         keep = valid & (x <= cut)
         kept_sum = torch.where(keep, x, 0.0).sum()
         kept = torch.stack([kept_sum, keep.sum().double()])
-        total, count = all_reduce_vector(kept, group)
+        total, count = all_reduce_vector(kept)
         return bool(total <= threshold * count)
 
     # x >= 0: a rank without valid tokens has max 0
     valid_x = torch.where(valid, x, 0.0)
     local_max = torch.cat([valid_x, x.new_zeros(1)]).max()[None]
-    x_max = all_reduce_vector(local_max, group, op=dist.ReduceOp.MAX).item()
+    x_max = all_reduce_vector(local_max, op=dist.ReduceOp.MAX).item()
     if kept_mean_ok(x_max):
         return loss_mask.clone()
     # the float64 of bit pattern b
@@ -477,7 +476,7 @@ KL_ESTIMATORS = {
 }
 
 
-def kl_penalty(logp: Tensor, ref: Tensor, estimator: str = "k3") -> Tensor:
+def kl_penalty(logp: Tensor, ref: Tensor, estimator: str) -> Tensor:
     """Per-token KL penalty of log-probs against the reference's, by KL_ESTIMATORS[estimator]."""
     return _choice("kl-estimator", estimator, KL_ESTIMATORS)(log_ratio(logp, ref))
 
@@ -690,7 +689,7 @@ def token_count(mb: MicroBatch) -> Tensor:
     return mb.denom_mask.double().sum()
 
 
-def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
+def build_loss(cfg, cp_factor: int = 1) -> LossReduction:
     """The trainer's reduction from resolved flags: "policy" (over the mode's normaliser), and,
     where their coefficients are not 0, "entropy" (-entropy_coef) and "kl" (token means)."""
     terms = [
@@ -698,7 +697,7 @@ def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
         LossTerm("entropy", token_count, -cfg.entropy_coef),
         LossTerm("kl", token_count, cfg.kl_coef),
     ]
-    return LossReduction([t for t in terms if t.coef != 0.0], group, cp_factor)
+    return LossReduction([t for t in terms if t.coef != 0.0], cp_factor=cp_factor)
 
 
 # -----------------------------------------------------------------------------
