@@ -207,6 +207,7 @@ def response_weights(
 # -----------------------------------------------------------------------------
 # policy surrogates (--policy-loss): fn(logp, prox, A, seq_ids, mask, **params) -> TokenLoss on
 # [T] (log pi, log pi_prox, advantages, response ids or -1, m); stats: policy/<name>, means over m.
+# Their params' defaults are SURROGATES' (surrogate_params passes every one)
 # A token-local surrogate takes seq_ids and mask as *_ (unused)
 def _clipped(ratio: Tensor, A: Tensor, eps_low: float, eps_high: float, dtype) -> TokenLoss:
     """PPO's l = max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), and where the clip binds."""
@@ -221,9 +222,9 @@ def ppo_surrogate(
     prox: Tensor,
     A: Tensor,
     *_,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: float | None = None,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None,
 ) -> TokenLoss:
     """l = max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), r = pi / pi_prox (Schulman et al. 2017;
     eps_high > eps_low: DAPO's clip-higher); dual clip c (Ye et al. 2020): min(l, -c A) if A < 0."""
@@ -243,8 +244,8 @@ def gspo_surrogate(
     seq_ids: Tensor,
     mask: Tensor,
     *,
-    eps_low: float = 3e-4,
-    eps_high: float = 4e-4,
+    eps_low: float,
+    eps_high: float,
 ) -> TokenLoss:
     """GSPO (Zheng et al. 2025), per token (GSPO-token): l = max(-A r_t, -A clip(r_t, 1-eps_low,
     1+eps_high)), r_t = sg(s_i) pi_t / sg(pi_t) (value s_i, gradient s_i grad logp_t), s_i =
@@ -263,7 +264,7 @@ def cispo_surrogate(
     prox: Tensor,
     A: Tensor,
     *_,
-    eps_high: float = 0.2,
+    eps_high: float,
 ) -> TokenLoss:
     """CISPO (MiniMax-M1, 2025): l = -sg(clip(r, 0, 1+eps_high)) A logp: the clipped weight
     scales a REINFORCE gradient, so clipped tokens still get gradient."""
@@ -277,8 +278,8 @@ def sapo_surrogate(
     prox: Tensor,
     A: Tensor,
     *_,
-    tau_pos: float = 1.0,
-    tau_neg: float = 1.05,
+    tau_pos: float,
+    tau_neg: float,
 ) -> TokenLoss:
     """SAPO (Qwen, 2025): l = -(4/tau) sigmoid(tau (r - 1)) A, tau = tau_pos if A > 0 else
     tau_neg: a soft trust region; at r = 1 its gradient is PPO's."""

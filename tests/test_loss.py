@@ -374,7 +374,8 @@ def test_multi_term_policy_entropy_kl_on_linear_model_split_invariant(kl_estimat
     pad = lambda x: to_padded(mb, "", x)
     kl_token = {"k1": lambda lr: lr, "k2": lambda lr: 0.5 * lr**2,
                 "k3": lambda lr: torch.exp(-lr) - 1 + lr}
-    policy = aggregate(pad(L.ppo_surrogate(logp, mb["prox_logprobs"], mb["advantages"])[0]),
+    policy = aggregate(pad(L.ppo_surrogate(logp, mb["prox_logprobs"], mb["advantages"], eps_low=0.2,
+                                          eps_high=0.2, dual_clip=None)[0]),
                          pad(mb["loss_mask"]), mode=mode, group_ids=groups,
                          denom_mask=pad(mb["denom_mask"]))
     ent = aggregate(pad(entropy), pad(mb["loss_mask"]), mode="token_mean", group_ids=groups,
