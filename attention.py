@@ -11,8 +11,6 @@ Ulysses context parallel: each rank runs a contiguous 1/N of a row; all-to-alls 
 heads around the kernel, so attention sees whole sequences (Swap; modeling's Model.logprobs splits
 the row and gathers it back, by a Swap too)."""
 
-from __future__ import annotations
-
 import functools
 import inspect
 import math
@@ -62,7 +60,7 @@ class Layout:
     pos: Tensor | None = None  # slot -> its position in its sequence (windows)
     buckets: list[Bucket] = field(default_factory=list)
 
-    def to(self, device) -> Layout:
+    def to(self, device) -> "Layout":
         """The index tensors (the buckets' masks too) on `device`."""
         move = lambda x: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x
         moved = {f.name: move(getattr(self, f.name)) for f in fields(self)}
@@ -282,9 +280,9 @@ def plain_attention(
         if window:
             sees = sees & (i - j < window)
         queries = q[:, q_start : q_start + q_len]
-        kk = k[:, keys]
-        vv = v[:, keys]
-        heads = _masked_attention(queries, kk, vv, sees, scaling, dropout, softcap)
+        heads = _masked_attention(
+            queries, k[:, keys], v[:, keys], sees, scaling, dropout, softcap
+        )
         out.append(heads.transpose(0, 1))
     return torch.cat(out)
 
@@ -425,9 +423,7 @@ def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
 
     if softcap or dropout:
         raise NotImplementedError("torch varlen_attn has no softcap or dropout")
-    gqa = {}
-    if k.shape[1] != q.shape[1]:
-        gqa = varlen_gqa(q.device, q.dtype)
+    gqa = varlen_gqa(q.device, q.dtype) if k.shape[1] != q.shape[1] else {}
     if gqa is None:  # this torch's kernel takes equal head counts alone: repeat the KV heads
         copies = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(copies, 1)
