@@ -161,13 +161,12 @@ def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
     out = torch.empty(num_tokens, dtype=torch.long)
     out[tok[query]] = flat[query]
     if masked:  # rows of several segments: a query sees its context and its own past
+        # a slot's owner: its query's segment, -2 a copied context's key, -1 padding
         owner = torch.full((slots,), -1)
-        owner[flat[query]] = seg[query]
+        owner[flat] = torch.where(query, seg, -2)
         of_token = torch.repeat_interleave(torch.arange(len(segments)), q_len)
-        real = torch.zeros(slots, dtype=torch.bool)
-        real[flat] = True
         buckets = [
-            replace(b, mask=_row_mask(b, owner, grid, real, of_token, ctx_start, ctx_len))
+            replace(b, mask=_row_mask(b, owner, grid, of_token, ctx_start, ctx_len))
             for b in buckets
         ]
     else:  # one segment a row: causal, past a copied context bottom-right causal
@@ -239,9 +238,9 @@ def _buckets(rows: list, size: list) -> list[Bucket]:
     return buckets
 
 
-def _row_mask(b: Bucket, owner, grid, real, of_token, ctx_start, ctx_len) -> Tensor:
-    """[rows, 1, slots, slots]: a query slot (of segment `owner`) sees its context and its own
-    past; padding and a copied context's slots see themselves alone."""
+def _row_mask(b: Bucket, owner, grid, of_token, ctx_start, ctx_len) -> Tensor:
+    """[rows, 1, slots, slots]: a query slot (of segment `owner` >= 0) sees its context and its own
+    past; padding (owner -1) and a copied context's slots (-2) see themselves alone."""
     part = slice(b.first, b.first + b.rows * b.width)
     own = owner[part].view(b.rows, b.width, 1)
     key = grid[part].view(b.rows, 1, b.width)
@@ -249,7 +248,7 @@ def _row_mask(b: Bucket, owner, grid, real, of_token, ctx_start, ctx_len) -> Ten
     own_past = (of_token[key] == own) & (key <= key.transpose(1, 2))
     in_ctx = (key >= ctx_start[o]) & (key < ctx_start[o] + ctx_len[o])
     # padding is no key; a slot holding no query (padding, a copied context) sees no key
-    key_real = real[part].view(b.rows, 1, b.width)
+    key_real = own.transpose(1, 2) != -1
     sees = (own_past | in_ctx) & key_real & (own >= 0)
     return (sees | torch.eye(b.width, dtype=torch.bool))[:, None, b.lead :]
 
