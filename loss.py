@@ -370,8 +370,7 @@ def m2po_mask(
         return bool(total <= threshold * count)
 
     # x >= 0: a rank without valid tokens has max 0
-    valid_x = torch.where(valid, x, 0.0)
-    local_max = torch.cat([valid_x, x.new_zeros(1)]).max()[None]
+    local_max = torch.cat([torch.where(valid, x, 0.0), x.new_zeros(1)]).max()[None]
     x_max = all_reduce_vector(local_max, op=dist.ReduceOp.MAX).item()
     if kept_mean_ok(x_max):
         return loss_mask.clone()
@@ -566,10 +565,11 @@ class MicroBatch:
 
     def to(self, device) -> "MicroBatch":
         """The tensors on `device`; segments stay on the host (attention.check_segments)."""
-        moved = {}
-        for k, v in vars(self).items():
-            if v is not None and k != "segments":
-                moved[k] = v.to(device)
+        moved = {
+            k: v.to(device)
+            for k, v in vars(self).items()
+            if v is not None and k != "segments"
+        }
         return replace(self, **moved)
 
 
