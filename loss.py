@@ -714,9 +714,8 @@ def resolve_loss_flags(cfg) -> dict:
     correction = cfg.correction
     if correction == "auto" and cfg.max_staleness == 0:
         correction = "none"
-    elif correction == "auto":
-        several = cfg.num_minibatches * cfg.ppo_epochs > 1  # updates per batch
-        correction = "truncate" if several else "behave"
+    elif correction == "auto":  # truncate under several updates per batch
+        correction = "truncate" if cfg.num_minibatches * cfg.ppo_epochs > 1 else "behave"
     pick = lambda given, default: default if given is None else given
     divisor = cfg.loss_aggregation_divisor
     if mode == "constant":
