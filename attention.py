@@ -11,8 +11,6 @@ Ulysses context parallel: each rank runs a contiguous 1/N of a row; all-to-alls 
 heads around the kernel, so attention sees whole sequences (Swap; modeling's Model.logprobs splits
 the row and gathers it back, by a Swap too)."""
 
-from __future__ import annotations
-
 import functools
 import inspect
 import math
@@ -62,7 +60,7 @@ class Layout:
     pos: Tensor | None = None  # slot -> its position in its sequence (windows)
     buckets: list[Bucket] = field(default_factory=list)
 
-    def to(self, device) -> Layout:
+    def to(self, device) -> "Layout":
         """The index tensors (the buckets' masks too) on `device`."""
         move = lambda x: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x
         moved = {f.name: move(getattr(self, f.name)) for f in fields(self)}
@@ -163,13 +161,12 @@ def padded_layout(segments: Tensor, num_tokens: int, cp_group) -> Layout:
     out = torch.empty(num_tokens, dtype=torch.long)
     out[tok[query]] = flat[query]
     if masked:  # rows of several segments: a query sees its context and its own past
+        # a slot's owner: its query's segment, -2 a copied context's key, -1 padding
         owner = torch.full((slots,), -1)
-        owner[flat[query]] = seg[query]
+        owner[flat] = torch.where(query, seg, -2)
         of_token = torch.repeat_interleave(torch.arange(len(segments)), q_len)
-        real = torch.zeros(slots, dtype=torch.bool)
-        real[flat] = True
         buckets = [
-            replace(b, mask=_row_mask(b, owner, grid, real, of_token, ctx_start, ctx_len))
+            replace(b, mask=_row_mask(b, owner, grid, of_token, ctx_start, ctx_len))
             for b in buckets
         ]
     else:  # one segment a row: causal, past a copied context bottom-right causal
@@ -241,9 +238,9 @@ def _buckets(rows: list, size: list) -> list[Bucket]:
     return buckets
 
 
-def _row_mask(b: Bucket, owner, grid, real, of_token, ctx_start, ctx_len) -> Tensor:
-    """[rows, 1, slots, slots]: a query slot (of segment `owner`) sees its context and its own
-    past; padding and a copied context's slots see themselves alone."""
+def _row_mask(b: Bucket, owner, grid, of_token, ctx_start, ctx_len) -> Tensor:
+    """[rows, 1, slots, slots]: a query slot (of segment `owner` >= 0) sees its context and its own
+    past; padding (owner -1) and a copied context's slots (-2) see themselves alone."""
     part = slice(b.first, b.first + b.rows * b.width)
     own = owner[part].view(b.rows, b.width, 1)
     key = grid[part].view(b.rows, 1, b.width)
@@ -251,7 +248,7 @@ def _row_mask(b: Bucket, owner, grid, real, of_token, ctx_start, ctx_len) -> Ten
     own_past = (of_token[key] == own) & (key <= key.transpose(1, 2))
     in_ctx = (key >= ctx_start[o]) & (key < ctx_start[o] + ctx_len[o])
     # padding is no key; a slot holding no query (padding, a copied context) sees no key
-    key_real = real[part].view(b.rows, 1, b.width)
+    key_real = own.transpose(1, 2) != -1
     sees = (own_past | in_ctx) & key_real & (own >= 0)
     return (sees | torch.eye(b.width, dtype=torch.bool))[:, None, b.lead :]
 
@@ -282,9 +279,9 @@ def plain_attention(
         if window:
             sees = sees & (i - j < window)
         queries = q[:, q_start : q_start + q_len]
-        kk = k[:, keys]
-        vv = v[:, keys]
-        heads = _masked_attention(queries, kk, vv, sees, scaling, dropout, softcap)
+        heads = _masked_attention(
+            queries, k[:, keys], v[:, keys], sees, scaling, dropout, softcap
+        )
         out.append(heads.transpose(0, 1))
     return torch.cat(out)
 
@@ -425,9 +422,7 @@ def _torch_varlen_kernel(q, k, v, layout, scaling, dropout, window, softcap):
 
     if softcap or dropout:
         raise NotImplementedError("torch varlen_attn has no softcap or dropout")
-    gqa = {}
-    if k.shape[1] != q.shape[1]:
-        gqa = varlen_gqa(q.device, q.dtype)
+    gqa = varlen_gqa(q.device, q.dtype) if k.shape[1] != q.shape[1] else {}
     if gqa is None:  # this torch's kernel takes equal head counts alone: repeat the KV heads
         copies = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(copies, 1)

@@ -106,8 +106,7 @@ def apply(model: nn.Module, r: int, config: dict | None) -> tuple[dict | None, s
     if not names:
         raise UserError(f"LoRA: no layer of this model matches target_modules {spec!r}")
     base = list(model.parameters())
-    for p in base:
-        p.requires_grad_(False)
+    model.requires_grad_(False)
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent)

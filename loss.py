@@ -140,7 +140,7 @@ def group_mean(rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 
 def group_advantages(
-    rewards: Tensor, group_ids: Tensor, estimator: str = "grpo", copies: int = 1
+    rewards: Tensor, group_ids: Tensor, estimator: str, copies: int
 ) -> Tensor:
     """Per-sample advantages of ADVANTAGES[estimator]; a group of one gets 0."""
     fn = _choice("adv-estimator", estimator, ADVANTAGES)
@@ -195,7 +195,7 @@ MODES = {fn.__name__: fn for fn in (token_mean, seq_mean, prompt_mean, constant)
 
 
 def response_weights(
-    mode: str, denom_counts: Tensor, group_ids: Tensor, divisor: float | None = None
+    mode: str, denom_counts: Tensor, group_ids: Tensor, divisor: float | None
 ) -> Pair:
     """Per-response (w_i, nw_i) of `mode`; denom_counts (M_i) cover the WHOLE mini-batch: sums of
     the responses' 0/1 d masks, [R] like group_ids (packing.mode_weights makes both from one list
@@ -207,6 +207,7 @@ def response_weights(
 # -----------------------------------------------------------------------------
 # policy surrogates (--policy-loss): fn(logp, prox, A, seq_ids, mask, **params) -> TokenLoss on
 # [T] (log pi, log pi_prox, advantages, response ids or -1, m); stats: policy/<name>, means over m.
+# Their params' defaults are SURROGATES' (surrogate_params passes every one)
 # A token-local surrogate takes seq_ids and mask as *_ (unused)
 def _clipped(ratio: Tensor, A: Tensor, eps_low: float, eps_high: float, dtype) -> TokenLoss:
     """PPO's l = max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), and where the clip binds."""
@@ -221,9 +222,9 @@ def ppo_surrogate(
     prox: Tensor,
     A: Tensor,
     *_,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: float | None = None,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None,
 ) -> TokenLoss:
     """l = max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), r = pi / pi_prox (Schulman et al. 2017;
     eps_high > eps_low: DAPO's clip-higher); dual clip c (Ye et al. 2020): min(l, -c A) if A < 0."""
@@ -243,8 +244,8 @@ def gspo_surrogate(
     seq_ids: Tensor,
     mask: Tensor,
     *,
-    eps_low: float = 3e-4,
-    eps_high: float = 4e-4,
+    eps_low: float,
+    eps_high: float,
 ) -> TokenLoss:
     """GSPO (Zheng et al. 2025), per token (GSPO-token): l = max(-A r_t, -A clip(r_t, 1-eps_low,
     1+eps_high)), r_t = sg(s_i) pi_t / sg(pi_t) (value s_i, gradient s_i grad logp_t), s_i =
@@ -263,7 +264,7 @@ def cispo_surrogate(
     prox: Tensor,
     A: Tensor,
     *_,
-    eps_high: float = 0.2,
+    eps_high: float,
 ) -> TokenLoss:
     """CISPO (MiniMax-M1, 2025): l = -sg(clip(r, 0, 1+eps_high)) A logp: the clipped weight
     scales a REINFORCE gradient, so clipped tokens still get gradient."""
@@ -277,8 +278,8 @@ def sapo_surrogate(
     prox: Tensor,
     A: Tensor,
     *_,
-    tau_pos: float = 1.0,
-    tau_neg: float = 1.05,
+    tau_pos: float,
+    tau_neg: float,
 ) -> TokenLoss:
     """SAPO (Qwen, 2025): l = -(4/tau) sigmoid(tau (r - 1)) A, tau = tau_pos if A > 0 else
     tau_neg: a soft trust region; at r = 1 its gradient is PPO's."""
@@ -353,10 +354,9 @@ def m2po_mask(
     loss_mask: Tensor,
     *,
     threshold: float,
-    group=None,
 ) -> Tensor:
     """M2PO (Zheng et al. 2025): the keep mask (0/1, within m) that drops the tokens of largest x =
-    (log pi_prox/pi_behave)^2, ties together, until mean x <= threshold over `group`'s kept tokens.
+    (log pi_prox/pi_behave)^2, ties together, until mean x <= threshold over all ranks' kept tokens.
     Exact across ranks: mean(x | x <= v) is non-decreasing in v, so bisect the largest admissible
     cut over float64's bit patterns (monotone for x >= 0): ~64 all_reduces of (sum, count)."""
     x = sanitize_log_ratio(prox_logprobs.detach() - behave_logprobs.detach()).double() ** 2
@@ -366,13 +366,12 @@ def m2po_mask(
         keep = valid & (x <= cut)
         kept_sum = torch.where(keep, x, 0.0).sum()
         kept = torch.stack([kept_sum, keep.sum().double()])
-        total, count = all_reduce_vector(kept, group)
+        total, count = all_reduce_vector(kept)
         return bool(total <= threshold * count)
 
     # x >= 0: a rank without valid tokens has max 0
-    valid_x = torch.where(valid, x, 0.0)
-    local_max = torch.cat([valid_x, x.new_zeros(1)]).max()[None]
-    x_max = all_reduce_vector(local_max, group, op=dist.ReduceOp.MAX).item()
+    local_max = torch.cat([torch.where(valid, x, 0.0), x.new_zeros(1)]).max()[None]
+    x_max = all_reduce_vector(local_max, op=dist.ReduceOp.MAX).item()
     if kept_mean_ok(x_max):
         return loss_mask.clone()
     # the float64 of bit pattern b
@@ -477,7 +476,7 @@ KL_ESTIMATORS = {
 }
 
 
-def kl_penalty(logp: Tensor, ref: Tensor, estimator: str = "k3") -> Tensor:
+def kl_penalty(logp: Tensor, ref: Tensor, estimator: str) -> Tensor:
     """Per-token KL penalty of log-probs against the reference's, by KL_ESTIMATORS[estimator]."""
     return _choice("kl-estimator", estimator, KL_ESTIMATORS)(log_ratio(logp, ref))
 
@@ -566,10 +565,11 @@ class MicroBatch:
 
     def to(self, device) -> "MicroBatch":
         """The tensors on `device`; segments stay on the host (attention.check_segments)."""
-        moved = {}
-        for k, v in vars(self).items():
-            if v is not None and k != "segments":
-                moved[k] = v.to(device)
+        moved = {
+            k: v.to(device)
+            for k, v in vars(self).items()
+            if v is not None and k != "segments"
+        }
         return replace(self, **moved)
 
 
@@ -690,7 +690,7 @@ def token_count(mb: MicroBatch) -> Tensor:
     return mb.denom_mask.double().sum()
 
 
-def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
+def build_loss(cfg, cp_factor: int = 1) -> LossReduction:
     """The trainer's reduction from resolved flags: "policy" (over the mode's normaliser), and,
     where their coefficients are not 0, "entropy" (-entropy_coef) and "kl" (token means)."""
     terms = [
@@ -698,7 +698,7 @@ def build_loss(cfg, group=None, cp_factor: int = 1) -> LossReduction:
         LossTerm("entropy", token_count, -cfg.entropy_coef),
         LossTerm("kl", token_count, cfg.kl_coef),
     ]
-    return LossReduction([t for t in terms if t.coef != 0.0], group, cp_factor)
+    return LossReduction([t for t in terms if t.coef != 0.0], cp_factor=cp_factor)
 
 
 # -----------------------------------------------------------------------------
@@ -714,9 +714,8 @@ def resolve_loss_flags(cfg) -> dict:
     correction = cfg.correction
     if correction == "auto" and cfg.max_staleness == 0:
         correction = "none"
-    elif correction == "auto":
-        several = cfg.num_minibatches * cfg.ppo_epochs > 1  # updates per batch
-        correction = "truncate" if several else "behave"
+    elif correction == "auto":  # truncate under several updates per batch
+        correction = "truncate" if cfg.num_minibatches * cfg.ppo_epochs > 1 else "behave"
     pick = lambda given, default: default if given is None else given
     divisor = cfg.loss_aggregation_divisor
     if mode == "constant":

@@ -7,8 +7,6 @@ each sample only its tail, at positions p-1.., attending to that copy. Exact: un
 the prefix's hidden states depend on the prefix alone, and backward sums every sample's gradient
 into the one copy. Only the policy's tokens train (an episode's env tokens are context)."""
 
-from __future__ import annotations
-
 from collections import defaultdict
 from dataclasses import replace
 

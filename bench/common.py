@@ -79,7 +79,7 @@ class NanoRun:
         # an engine that started released lacks (version -1)
         if cfg.lora_adapter or self.engine.share or self.engine.version < 0:
             self.engine.update_weights(self.model.module, 0)
-        self.reduction = L.build_loss(cfg, dist.group.WORLD, cp_factor=self.ranks.cp_size)
+        self.reduction = L.build_loss(cfg, cp_factor=self.ranks.cp_size)
         self.rollouts = rollout.Rollouts(
             lambda s: N.rollout_batch(self.engine, self.data, self.reward_fn, s, cfg, self.ranks),
             cfg.max_staleness, self.engine.overlaps, {})

@@ -269,7 +269,7 @@ def test_inactive_responses_get_zero_weights_without_nan():
         w, nw = L.response_weights(mode, M, groups, divisor=5.0)
         assert torch.isfinite(w).all() and torch.isfinite(nw).all()
         assert w[[0, 2, 3]].abs().sum() == 0 and nw[[0, 2, 3]].abs().sum() == 0
-    w, nw = L.response_weights("prompt_mean", M, groups)
+    w, nw = L.response_weights("prompt_mean", M, groups, None)
     assert w.tolist() == pytest.approx([0.0, 1 / 3, 0.0, 0.0, 1 / 2])
     # the per-micro-batch normalizer sum_t d nw counts active groups: here 2 (group 1 is inactive)
     assert float((M * nw).sum()) == pytest.approx(2.0)
@@ -374,7 +374,8 @@ def test_multi_term_policy_entropy_kl_on_linear_model_split_invariant(kl_estimat
     pad = lambda x: to_padded(mb, "", x)
     kl_token = {"k1": lambda lr: lr, "k2": lambda lr: 0.5 * lr**2,
                 "k3": lambda lr: torch.exp(-lr) - 1 + lr}
-    policy = aggregate(pad(L.ppo_surrogate(logp, mb["prox_logprobs"], mb["advantages"])[0]),
+    policy = aggregate(pad(L.ppo_surrogate(logp, mb["prox_logprobs"], mb["advantages"], eps_low=0.2,
+                                          eps_high=0.2, dual_clip=None)[0]),
                          pad(mb["loss_mask"]), mode=mode, group_ids=groups,
                          denom_mask=pad(mb["denom_mask"]))
     ent = aggregate(pad(entropy), pad(mb["loss_mask"]), mode="token_mean", group_ids=groups,
@@ -430,7 +431,7 @@ def test_zero_global_normalizer_gives_zero_loss_and_finite_zero_grads(mode, surr
     for part in parts:
         numerators = {"policy": L.masked_sum(part["logprobs"] * 1e30, part["loss_mask"]),
                       "entropy": L.masked_sum(part["entropy"], part["loss_mask"]),
-                      "kl": L.masked_sum(L.kl_penalty(part["logprobs"], part["ref_logprobs"]),
+                      "kl": L.masked_sum(L.kl_penalty(part["logprobs"], part["ref_logprobs"], "k3"),
                                          part["loss_mask"])}
         loss = red(numerators)
         assert loss.item() == 0.0
@@ -577,7 +578,7 @@ def test_unknown_mode_or_surrogate_raises_naming_the_flag():
     with pytest.raises(ValueError, match="--loss-aggregation"):
         build(mode="sequence_mean", policy_loss="ppo", eps_low=0.2, eps_high=0.2)
     with pytest.raises(ValueError, match="--loss-aggregation"):
-        L.response_weights("seq-mean-token-mean", torch.ones(2), torch.tensor([0, 0]))
+        L.response_weights("seq-mean-token-mean", torch.ones(2), torch.tensor([0, 0]), None)
     with pytest.raises(ValueError, match="--policy-loss"):
         build(mode="token_mean", policy_loss="grpo", eps_low=0.2, eps_high=0.2)
     with pytest.raises(ValueError, match="--kl-estimator"):

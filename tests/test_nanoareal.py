@@ -248,7 +248,7 @@ def test_group_advantages_match_a_naive_loop_for_ragged_interleaved_groups(name)
     groups = [3, 3, 7, 1, 3, 7, 9, 1, 1, 7, 7]  # sizes 3, 4, 3 and a group of one, interleaved
     rewards = torch.rand(len(groups), generator=g).round(decimals=1).tolist()
     assert loss.ADV_EPS == 1e-6
-    got = loss.group_advantages(torch.tensor(rewards), torch.tensor(groups), name)
+    got = loss.group_advantages(torch.tensor(rewards), torch.tensor(groups), name, 1)
     want = naive_advantages(rewards, groups, estimator, std, 1e-6)
     assert got.tolist() == pytest.approx(want, rel=1e-5, abs=1e-6)
 
@@ -257,11 +257,11 @@ def test_group_advantage_edge_cases():
     # a group of one gets 0, an all-equal group gets 0 (not NaN); rewards (1, 0): mean 0.5, unbiased
     # std sqrt(0.5)
     adv = loss.group_advantages(torch.tensor([1.0, 0.5, 0.5, 1.0, 0.0]),
-                                torch.tensor([0, 1, 1, 2, 2]))
+                                torch.tensor([0, 1, 1, 2, 2]), "grpo", 1)
     assert adv[0] == 0 and adv[1] == 0 and adv[2] == 0
     assert adv[3] == pytest.approx(0.5 / math.sqrt(0.5),
                                    rel=1e-5) and adv[4] == pytest.approx(-adv[3])
-    empty = loss.group_advantages(torch.tensor([]), torch.tensor([], dtype=torch.long))
+    empty = loss.group_advantages(torch.tensor([]), torch.tensor([], dtype=torch.long), "grpo", 1)
     assert torch.isfinite(empty).all()
 
 

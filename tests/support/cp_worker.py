@@ -49,7 +49,7 @@ def make_samples(vocab: int, episodes: bool = False) -> list:
     for g, size in enumerate([3, 2, 3, 1, 3, 2]):
         prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(2, 5))]
         rewards = [float(rng.random() < 0.5) for _ in range(size)] if g != 4 else [1.0] * size
-        adv = L.group_advantages(torch.tensor(rewards), torch.full((size,), g)).tolist()
+        adv = L.group_advantages(torch.tensor(rewards), torch.full((size,), g), "grpo", 1).tolist()
         for k in range(size):
             mask = [m for turn in range(rng.randint(1, 2)) for m in [1] * rng.randint(1, 3)
                     + [0] * rng.randint(1 - turn, 2)] if episodes else None
@@ -137,8 +137,7 @@ def run(cfg0, device, ranks, model_dir: str, dtype, modes: list[str], episodes: 
             mbs = na.minibatch(model, None, mine, cfg)
             result.setdefault("rejected", {})[mode] = sum(float(mb.rejected.sum()) for mb in mbs
                                                           if mb.rejected is not None)
-        reduction = L.build_loss(cfg, group=dist.group.WORLD if ranks.world > 1 else None,
-                                 cp_factor=ranks.cp_size)
+        reduction = L.build_loss(cfg, cp_factor=ranks.cp_size)
         capture = GradCapture(model)
         with CountReduceScatters() as rs:
             na.train_minibatch(model, capture, reduction, mbs, cfg, ranks)

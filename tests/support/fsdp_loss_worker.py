@@ -336,7 +336,7 @@ def run_case(models: dict, seqs, rank0_count: int, mode: str, layout: str, scali
     mbs += [empty_microbatch() for _ in range(int(n) - len(mbs))]
 
     flags = {k: v for k, v in cfg.items() if k != "params"}
-    objective = build(mode, DIVISOR, dist.group.WORLD, cp_factor, entropy_coef=ENTROPY_COEF,
+    objective = build(mode, DIVISOR, cp_factor, entropy_coef=ENTROPY_COEF,
                       kl_coef=KL_COEF, **flags)
     if layout == "cp_full_sequence":
         # the trainer's rule 5: the CP group's first rank counts every token of the step once
@@ -400,7 +400,7 @@ def run_episode_case(model, seqs: list[dict], mode: str, budget: int = 22) -> di
     mbs = packing.even_out(packing.pack_microbatches(samples, mode, DIVISOR, budget,
                                                      share_prompts=False))
     cfg = SURROGATE_OF_MODE[mode]
-    objective = build(mode, DIVISOR, dist.group.WORLD, entropy_coef=ENTROPY_COEF,
+    objective = build(mode, DIVISOR, entropy_coef=ENTROPY_COEF,
                       kl_coef=KL_COEF, **{k: v for k, v in cfg.items() if k != "params"})
     batches = []
     for mb in mbs:
@@ -427,7 +427,7 @@ def m2po_case() -> dict:
     prox = -torch.rand(T, generator=gen, dtype=torch.float64)
     behave = prox + 0.3 * torch.randn(T, generator=gen, dtype=torch.float64)
     loss_mask = (torch.rand(T, generator=gen) > 0.2).double()
-    new = L.m2po_mask(prox, behave, loss_mask, threshold=0.03, group=dist.group.WORLD)
+    new = L.m2po_mask(prox, behave, loss_mask, threshold=0.03)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"prox": prox, "behave": behave, "loss_mask": loss_mask,
                                       "new": new})

@@ -12,7 +12,7 @@ import torch
 import loss as L
 
 
-def build(mode: str = "token_mean", divisor: float | None = None, group=None, cp_factor: int = 1,
+def build(mode: str = "token_mean", divisor: float | None = None, cp_factor: int = 1,
           policy_loss: str = "ppo", eps_low=None, eps_high=None, correction: str = "none",
           correction_threshold=None, entropy_coef=0.0, kl_coef=0.0,
           kl_estimator: str = "k3") -> Objective:
@@ -29,7 +29,7 @@ def build(mode: str = "token_mean", divisor: float | None = None, group=None, cp
                                 grad_clip=0.0, adv_estimator="grpo", num_minibatches=1,
                                 ppo_epochs=1, **flags)
     L.check_loss_flags(cfg)
-    return Objective(cfg, L.build_loss(cfg, group=group, cp_factor=cp_factor))
+    return Objective(cfg, L.build_loss(cfg, cp_factor=cp_factor))
 
 
 class Given:
