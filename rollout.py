@@ -482,7 +482,7 @@ def run_episodes(
         # a group on one server
         groups = [tuple(prompts[i]) for i in live]
         inputs = [prompts[i] + eps[i].output_ids for i in live]
-        outs = engine.generate(inputs, calls, turn_seeds, groups, max_new_tokens=room)
+        outs = engine.generate(inputs, calls, turn_seeds, groups, room)
         going, live = live, []
         for i, out in zip(going, outs):
             e, ids = eps[i], out.output_ids
@@ -720,7 +720,7 @@ class SGLangEngine(Engine):
         self._resume(*self.tags)  # never without a KV cache
         limits = _limits(prompt_ids, sampling, seeds, max_new_tokens)
         outs = self.engine.generate(
-            input_ids=[list(p) for p in prompt_ids],
+            input_ids=prompt_ids,
             sampling_params=[_sampling_dict(sampling, n, s) for n, s in zip(limits, seeds)],
             return_logprob=True,
         )
@@ -783,21 +783,20 @@ def http_request(
     url: str,
     path: str,
     payload: dict | None = None,
-    retries: int | None = None,
-    timeout: float | None = None,
+    retries: int = HTTP_RETRIES,
+    timeout: float = HTTP_TIMEOUT_S,
     failed: int = 0,
 ):
     """POST `payload` (None: GET) to url + path; the JSON (or text) reply. A timeout, connection
     error or 5xx is retried with back-off; another refusal raises HTTPError. `failed`: the caller's
     own failed tries before this call (counted in the error)."""
-    retries = HTTP_RETRIES if retries is None else retries
     data = None if payload is None else json.dumps(payload).encode()  # POST, else GET
     req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
     for attempt in range(retries + 1):
         if attempt:
             time.sleep(HTTP_BACKOFF_S * 2 ** (attempt - 1))
         try:
-            with urllib.request.urlopen(req, timeout=timeout or HTTP_TIMEOUT_S) as r:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
                 code, body = None, r.read().decode()
         except urllib.error.HTTPError as e:
             code, body = e.code, e.read().decode(errors="replace")
@@ -982,7 +981,7 @@ class RemoteSGLangEngine(Engine):
                 "--enable-fp32-lm-head)"
             )
 
-    def _call(self, url: str, route: str, payload: dict, retries: int | None = None) -> None:
+    def _call(self, url: str, route: str, payload: dict, retries: int = HTTP_RETRIES) -> None:
         """POST a control route: a refusal (400, success false) raises naming call, step, server."""
         try:
             out = http_request(url, f"/{route}", payload, retries)

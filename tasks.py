@@ -594,12 +594,9 @@ def env_misfit(make: Callable, name: str) -> str | None:
     read from the signatures only: episodes build their own envs. A factory that is not a class
     is checked itself; the step of what it returns cannot be seen before an episode makes one."""
     sig = refusing_signature(make, {})
-    if sig is not None and make.__init__ is object.__init__:
-        return (
-            f"{name}(row) must take the dataset row as its one argument: it has no __init__"
-        )
     if sig is not None:
-        return f"{name}(row) must take the dataset row as its one argument, not {sig}"
+        fault = ": it has no __init__" if make.__init__ is object.__init__ else f", not {sig}"
+        return f"{name}(row) must take the dataset row as its one argument{fault}"
     raw = inspect.getattr_static(make, "step", None)
     if not isinstance(make, type) or isinstance(raw, property):  # the instance's to say
         return None
@@ -711,7 +708,7 @@ def evaluate(
             c = sum(answers)
             pass_at = {f"pass@{j}": 1 - math.comb(k - c, j) / math.comb(k, j) for j in js}
             sums.update({"k_judged": 1, f"mean@{k}": c / k} | pass_at)
-    sums = reduce_metrics(dict(sums))
+    sums = reduce_metrics(sums)
     k_judged = max(sums.get("k_judged", 0), 1)
     at_k = {f"eval/{m}": v / k_judged for m, v in sums.items() if "@" in m}
     return {"eval/accuracy": sums["correct"] / max(sums["judged"], 1)} | at_k
