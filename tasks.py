@@ -155,8 +155,17 @@ HELDOUT_SIZE = 256
 def make_arithmetic_task(seed: int = 0) -> tuple[list, list]:
     """All sums a+b with 0 <= a, b < 50 as {"prompt": "12+34=", "answer": "46"}, split by `seed`
     alone into (train, heldout): the SFT warm start, every run and test share a held-out."""
+    return make_operations_task("+", range(50), seed)
+
+
+def make_operations_task(ops: str, numbers: range, seed: int) -> tuple[list, list]:
+    """Every "a<op>b=" with its value, for op in `ops` and a, b in `numbers` (in that order),
+    shuffled by `seed`: (train, the first HELDOUT_SIZE held out)."""
     rows = [
-        {"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(50) for b in range(50)
+        {"prompt": f"{a}{op}{b}=", "answer": str(a + b if op == "+" else a * b)}
+        for op in ops
+        for a in numbers
+        for b in numbers
     ]
     random.Random(seed).shuffle(rows)
     return rows[HELDOUT_SIZE:], rows[:HELDOUT_SIZE]
@@ -218,14 +227,7 @@ def make_calc_task(seed: int = 0) -> tuple[list, list]:
     """Every a+b and a*b with 10 <= a, b < 100 as {"prompt": "37*48=", "answer": "1776"}, split by
     `seed` into (train, heldout). Products are beyond a 1M model's head; with --env
     assets/tiny-calc/calculator.py:Calculator it may write "[37*48]" and read the value."""
-    rows = [
-        {"prompt": f"{a}{op}{b}=", "answer": str(a + b if op == "+" else a * b)}
-        for op in "+*"
-        for a in range(10, 100)
-        for b in range(10, 100)
-    ]
-    random.Random(seed).shuffle(rows)
-    return rows[HELDOUT_SIZE:], rows[:HELDOUT_SIZE]
+    return make_operations_task("+*", range(10, 100), seed)
 
 
 @dataclass(frozen=True)
@@ -696,8 +698,11 @@ def evaluate(
         judged=sum(v is not None for v in verdicts), correct=sum(map(bool, verdicts))
     )
     if k:
-        indices = range(rank, len(data.evalset), world)
-        seeds = [mix_seed(cfg.seed, EVAL_SEED, i, j) for i in indices for j in range(k)]
+        seeds = [
+            mix_seed(cfg.seed, EVAL_SEED, i, j)
+            for i in range(rank, len(data.evalset), world)  # the dataset rows of `mine`
+            for j in range(k)
+        ]
         verdicts = judge([pair for pair in mine for _ in range(k)], cfg.temperature, seeds)
         # j = 2, 4, 8, ... below k, and k itself
         js = [j for j in range(2, k + 1) if j == k or j.bit_count() == 1]
