@@ -61,7 +61,7 @@ TORCHRUN_VARS = (
 )
 GRAPH_ENV = "SGLANG_MEMORY_SAVER_CUDA_GRAPH"  # set for the in-process engine's start
 _MASK32 = 0xFFFFFFFF
-_SAID = set()  # what was said once per process (an env's first failure)
+_ENV_FAILED = False  # an env's first failure was said (once per process)
 # a batch requested from the forked child, not yet received
 IN_CHILD = "in the rollout process"
 
@@ -516,6 +516,7 @@ def env_step(
 ) -> tuple[object, list | None]:
     """(env, the reply's ids or None: the episode is over) of env.step(text) on a daemon thread (a
     hung call keeps it), the env made by tools.make(row) first; a failure is counted, said once."""
+    global _ENV_FAILED
     out, start = [], time.perf_counter()
 
     def call() -> None:
@@ -534,8 +535,8 @@ def env_step(
     counts["env/seconds"] += time.perf_counter() - start
     counts["env/tool_calls"] += 1
     counts["env/errors"] += error is not None
-    if error and "env" not in _SAID:
-        _SAID.add("env")
+    if error and not _ENV_FAILED:
+        _ENV_FAILED = True
         print(
             f"warning: an --env step failed ({error}); its episode ends there, scored as it "
             "stands (counted in env/errors; said once)",

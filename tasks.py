@@ -596,7 +596,7 @@ def env_misfit(make: Callable, name: str) -> str | None:
     read from the signatures only: episodes build their own envs. A factory that is not a class
     is checked itself; the step of what it returns cannot be seen before an episode makes one."""
     sig = refusing_signature(make, {})
-    if sig is not None:
+    if sig:  # a signature reads "(...)"
         fault = ": it has no __init__" if make.__init__ is object.__init__ else f", not {sig}"
         return f"{name}(row) must take the dataset row as its one argument{fault}"
     raw = inspect.getattr_static(make, "step", None)
@@ -610,7 +610,7 @@ def env_misfit(make: Callable, name: str) -> str | None:
     # a method binds the instance first
     args = (None, "") if inspect.isfunction(raw) else ("",)
     sig = refusing_signature(step, *args)
-    if sig is not None:
+    if sig:  # a signature reads "(...)"
         return (
             f"{name}(row).step(text) must take the turn's text as its one argument, not {sig}"
         )
