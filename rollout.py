@@ -328,15 +328,15 @@ class HFEngine(Engine):
         rows = sorted(
             zip(prompt_ids, seeds, limits, itertools.count()), key=lambda r: len(r[0])
         )
-        out, n = {}, self.batch_size
+        out, n = [], self.batch_size
         try:  # this call's weights, packed once for its batches' rows; freed when it returns
             self.packed = modeling.pack_weights(self.weights, min(len(rows), n))
             for i in range(0, len(rows), n):
                 *batch, idx = zip(*rows[i : i + n])  # prompts, seeds, limits; indices
-                out |= zip(idx, self._generate_batch(sampling, *batch))
+                out += zip(idx, self._generate_batch(sampling, *batch))
         finally:
             self.packed = {}
-        return [c for _, c in sorted(out.items())]  # in the prompts' order
+        return [c for _, c in sorted(out)]  # in the prompts' order (indices are distinct)
 
     @torch.inference_mode()  # no autograd bookkeeping (version counters) on the decode's tensors
     def _generate_batch(
@@ -347,7 +347,7 @@ class HFEngine(Engine):
         # a distinct prompt (a group's) is prefilled once
         unique = {}
         rows = torch.tensor([unique.setdefault(tuple(p), len(unique)) for p in prompts])
-        B, L, T = len(prompts), max(len(p) for p in prompts), max(limits)
+        B, L, T = len(prompts), max(map(len, prompts)), max(limits)
         # left: every row's next token in one column
         pad = lambda p: [0] * (L - len(p)) + list(p)
         input_ids = torch.tensor([pad(p) for p in unique], device=self.device)
