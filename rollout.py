@@ -675,7 +675,7 @@ class SGLangEngine(Engine):
         # both held while the OS picks: distinct
         with socket.socket() as a, socket.socket() as b:
             a.bind(("", 0)), b.bind(("", 0))
-            port, nccl_port = a.getsockname()[1], b.getsockname()[1]
+            ports = {"port": a.getsockname()[1], "nccl_port": b.getsockname()[1]}
         kw = {
             "model_path": model_path,
             "mem_fraction_static": SGLANG_MEM_FRACTION,
@@ -685,8 +685,6 @@ class SGLangEngine(Engine):
             "tp_size": 1,
             "random_seed": seed,
             "dtype": str(self.dtype).removeprefix("torch."),
-            "port": port,
-            "nccl_port": nccl_port,
             # an fp32 lm_head: bf16 logits would make pi/pi_behave != 1 at equal weights
             "enable_fp32_lm_head": True,
         }
@@ -695,7 +693,7 @@ class SGLangEngine(Engine):
         measure = self.device.type == "cuda"
         free = lambda: torch.cuda.mem_get_info(self.device)[0] if measure else 0
         before = free()
-        self.engine = _start_shielded(lambda: sglang.Engine(**kw | engine_kwargs))
+        self.engine = _start_shielded(lambda: sglang.Engine(**kw | ports | engine_kwargs))
         running = free()
         # its state while the trainer trains; released weights come back uninitialised (without
         # --enable-weights-cpu-backup): version -1 until update_weights pushes them
