@@ -61,7 +61,7 @@ TORCHRUN_VARS = (
 )
 GRAPH_ENV = "SGLANG_MEMORY_SAVER_CUDA_GRAPH"  # set for the in-process engine's start
 _MASK32 = 0xFFFFFFFF
-_SAID = set()  # what was said once per process (an env's first failure)
+_ENV_FAILED = False  # an env's first failure was said (once per process)
 # a batch requested from the forked child, not yet received
 IN_CHILD = "in the rollout process"
 
@@ -328,15 +328,15 @@ class HFEngine(Engine):
         rows = sorted(
             zip(prompt_ids, seeds, limits, itertools.count()), key=lambda r: len(r[0])
         )
-        out, n = {}, self.batch_size
+        out, n = [], self.batch_size
         try:  # this call's weights, packed once for its batches' rows; freed when it returns
             self.packed = modeling.pack_weights(self.weights, min(len(rows), n))
             for i in range(0, len(rows), n):
                 *batch, idx = zip(*rows[i : i + n])  # prompts, seeds, limits; indices
-                out |= zip(idx, self._generate_batch(sampling, *batch))
+                out += zip(idx, self._generate_batch(sampling, *batch))
         finally:
             self.packed = {}
-        return [c for _, c in sorted(out.items())]  # in the prompts' order
+        return [c for _, c in sorted(out)]  # in the prompts' order (indices are distinct)
 
     @torch.inference_mode()  # no autograd bookkeeping (version counters) on the decode's tensors
     def _generate_batch(
@@ -347,7 +347,7 @@ class HFEngine(Engine):
         # a distinct prompt (a group's) is prefilled once
         unique = {}
         rows = torch.tensor([unique.setdefault(tuple(p), len(unique)) for p in prompts])
-        B, L, T = len(prompts), max(len(p) for p in prompts), max(limits)
+        B, L, T = len(prompts), max(map(len, prompts)), max(limits)
         # left: every row's next token in one column
         pad = lambda p: [0] * (L - len(p)) + list(p)
         input_ids = torch.tensor([pad(p) for p in unique], device=self.device)
@@ -482,7 +482,7 @@ def run_episodes(
         # a group on one server
         groups = [tuple(prompts[i]) for i in live]
         inputs = [prompts[i] + eps[i].output_ids for i in live]
-        outs = engine.generate(inputs, calls, turn_seeds, groups, max_new_tokens=room)
+        outs = engine.generate(inputs, calls, turn_seeds, groups, room)
         going, live = live, []
         for i, out in zip(going, outs):
             e, ids = eps[i], out.output_ids
@@ -516,6 +516,7 @@ def env_step(
 ) -> tuple[object, list | None]:
     """(env, the reply's ids or None: the episode is over) of env.step(text) on a daemon thread (a
     hung call keeps it), the env made by tools.make(row) first; a failure is counted, said once."""
+    global _ENV_FAILED
     out, start = [], time.perf_counter()
 
     def call() -> None:
@@ -534,8 +535,8 @@ def env_step(
     counts["env/seconds"] += time.perf_counter() - start
     counts["env/tool_calls"] += 1
     counts["env/errors"] += error is not None
-    if error and "env" not in _SAID:
-        _SAID.add("env")
+    if error and not _ENV_FAILED:
+        _ENV_FAILED = True
         print(
             f"warning: an --env step failed ({error}); its episode ends there, scored as it "
             "stands (counted in env/errors; said once)",
@@ -674,7 +675,7 @@ class SGLangEngine(Engine):
         # both held while the OS picks: distinct
         with socket.socket() as a, socket.socket() as b:
             a.bind(("", 0)), b.bind(("", 0))
-            port, nccl_port = a.getsockname()[1], b.getsockname()[1]
+            ports = {"port": a.getsockname()[1], "nccl_port": b.getsockname()[1]}
         kw = {
             "model_path": model_path,
             "mem_fraction_static": SGLANG_MEM_FRACTION,
@@ -684,8 +685,6 @@ class SGLangEngine(Engine):
             "tp_size": 1,
             "random_seed": seed,
             "dtype": str(self.dtype).removeprefix("torch."),
-            "port": port,
-            "nccl_port": nccl_port,
             # an fp32 lm_head: bf16 logits would make pi/pi_behave != 1 at equal weights
             "enable_fp32_lm_head": True,
         }
@@ -694,7 +693,7 @@ class SGLangEngine(Engine):
         measure = self.device.type == "cuda"
         free = lambda: torch.cuda.mem_get_info(self.device)[0] if measure else 0
         before = free()
-        self.engine = _start_shielded(lambda: sglang.Engine(**kw | engine_kwargs))
+        self.engine = _start_shielded(lambda: sglang.Engine(**kw | ports | engine_kwargs))
         running = free()
         # its state while the trainer trains; released weights come back uninitialised (without
         # --enable-weights-cpu-backup): version -1 until update_weights pushes them
@@ -720,7 +719,7 @@ class SGLangEngine(Engine):
         self._resume(*self.tags)  # never without a KV cache
         limits = _limits(prompt_ids, sampling, seeds, max_new_tokens)
         outs = self.engine.generate(
-            input_ids=[list(p) for p in prompt_ids],
+            input_ids=prompt_ids,
             sampling_params=[_sampling_dict(sampling, n, s) for n, s in zip(limits, seeds)],
             return_logprob=True,
         )
@@ -783,21 +782,20 @@ def http_request(
     url: str,
     path: str,
     payload: dict | None = None,
-    retries: int | None = None,
-    timeout: float | None = None,
+    retries: int = HTTP_RETRIES,
+    timeout: float = HTTP_TIMEOUT_S,
     failed: int = 0,
 ):
     """POST `payload` (None: GET) to url + path; the JSON (or text) reply. A timeout, connection
     error or 5xx is retried with back-off; another refusal raises HTTPError. `failed`: the caller's
     own failed tries before this call (counted in the error)."""
-    retries = HTTP_RETRIES if retries is None else retries
     data = None if payload is None else json.dumps(payload).encode()  # POST, else GET
     req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
     for attempt in range(retries + 1):
         if attempt:
             time.sleep(HTTP_BACKOFF_S * 2 ** (attempt - 1))
         try:
-            with urllib.request.urlopen(req, timeout=timeout or HTTP_TIMEOUT_S) as r:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
                 code, body = None, r.read().decode()
         except urllib.error.HTTPError as e:
             code, body = e.code, e.read().decode(errors="replace")
@@ -982,7 +980,7 @@ class RemoteSGLangEngine(Engine):
                 "--enable-fp32-lm-head)"
             )
 
-    def _call(self, url: str, route: str, payload: dict, retries: int | None = None) -> None:
+    def _call(self, url: str, route: str, payload: dict, retries: int = HTTP_RETRIES) -> None:
         """POST a control route: a refusal (400, success false) raises naming call, step, server."""
         try:
             out = http_request(url, f"/{route}", payload, retries)

@@ -155,8 +155,17 @@ HELDOUT_SIZE = 256
 def make_arithmetic_task(seed: int = 0) -> tuple[list, list]:
     """All sums a+b with 0 <= a, b < 50 as {"prompt": "12+34=", "answer": "46"}, split by `seed`
     alone into (train, heldout): the SFT warm start, every run and test share a held-out."""
+    return make_operations_task("+", range(50), seed)
+
+
+def make_operations_task(ops: str, numbers: range, seed: int) -> tuple[list, list]:
+    """Every "a<op>b=" with its value, for op in `ops` and a, b in `numbers` (in that order),
+    shuffled by `seed`: (train, the first HELDOUT_SIZE held out)."""
     rows = [
-        {"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(50) for b in range(50)
+        {"prompt": f"{a}{op}{b}=", "answer": str(a + b if op == "+" else a * b)}
+        for op in ops
+        for a in numbers
+        for b in numbers
     ]
     random.Random(seed).shuffle(rows)
     return rows[HELDOUT_SIZE:], rows[:HELDOUT_SIZE]
@@ -218,14 +227,7 @@ def make_calc_task(seed: int = 0) -> tuple[list, list]:
     """Every a+b and a*b with 10 <= a, b < 100 as {"prompt": "37*48=", "answer": "1776"}, split by
     `seed` into (train, heldout). Products are beyond a 1M model's head; with --env
     assets/tiny-calc/calculator.py:Calculator it may write "[37*48]" and read the value."""
-    rows = [
-        {"prompt": f"{a}{op}{b}=", "answer": str(a + b if op == "+" else a * b)}
-        for op in "+*"
-        for a in range(10, 100)
-        for b in range(10, 100)
-    ]
-    random.Random(seed).shuffle(rows)
-    return rows[HELDOUT_SIZE:], rows[:HELDOUT_SIZE]
+    return make_operations_task("+*", range(10, 100), seed)
 
 
 @dataclass(frozen=True)
@@ -594,12 +596,9 @@ def env_misfit(make: Callable, name: str) -> str | None:
     read from the signatures only: episodes build their own envs. A factory that is not a class
     is checked itself; the step of what it returns cannot be seen before an episode makes one."""
     sig = refusing_signature(make, {})
-    if sig is not None and make.__init__ is object.__init__:
-        return (
-            f"{name}(row) must take the dataset row as its one argument: it has no __init__"
-        )
-    if sig is not None:
-        return f"{name}(row) must take the dataset row as its one argument, not {sig}"
+    if sig:  # a signature reads "(...)"
+        fault = ": it has no __init__" if make.__init__ is object.__init__ else f", not {sig}"
+        return f"{name}(row) must take the dataset row as its one argument{fault}"
     raw = inspect.getattr_static(make, "step", None)
     if not isinstance(make, type) or isinstance(raw, property):  # the instance's to say
         return None
@@ -611,7 +610,7 @@ def env_misfit(make: Callable, name: str) -> str | None:
     # a method binds the instance first
     args = (None, "") if inspect.isfunction(raw) else ("",)
     sig = refusing_signature(step, *args)
-    if sig is not None:
+    if sig:  # a signature reads "(...)"
         return (
             f"{name}(row).step(text) must take the turn's text as its one argument, not {sig}"
         )
@@ -699,8 +698,11 @@ def evaluate(
         judged=sum(v is not None for v in verdicts), correct=sum(map(bool, verdicts))
     )
     if k:
-        indices = range(rank, len(data.evalset), world)
-        seeds = [mix_seed(cfg.seed, EVAL_SEED, i, j) for i in indices for j in range(k)]
+        seeds = [
+            mix_seed(cfg.seed, EVAL_SEED, i, j)
+            for i in range(rank, len(data.evalset), world)  # the dataset rows of `mine`
+            for j in range(k)
+        ]
         verdicts = judge([pair for pair in mine for _ in range(k)], cfg.temperature, seeds)
         # j = 2, 4, 8, ... below k, and k itself
         js = [j for j in range(2, k + 1) if j == k or j.bit_count() == 1]
@@ -711,7 +713,7 @@ def evaluate(
             c = sum(answers)
             pass_at = {f"pass@{j}": 1 - math.comb(k - c, j) / math.comb(k, j) for j in js}
             sums.update({"k_judged": 1, f"mean@{k}": c / k} | pass_at)
-    sums = reduce_metrics(dict(sums))
+    sums = reduce_metrics(sums)
     k_judged = max(sums.get("k_judged", 0), 1)
     at_k = {f"eval/{m}": v / k_judged for m, v in sums.items() if "@" in m}
     return {"eval/accuracy": sums["correct"] / max(sums["judged"], 1)} | at_k

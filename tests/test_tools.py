@@ -182,7 +182,7 @@ class BadInit(Echo):
 def test_an_env_that_raises_hangs_or_replies_junk_ends_its_episode_counted_and_said_once(
         tokenizer, monkeypatch, capsys, make, error):
     monkeypatch.setattr(rollout, "ENV_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(rollout, "_SAID", set())
+    monkeypatch.setattr(rollout, "_ENV_FAILED", False)
     episodes = rollout.run_episodes(Script([5, EQ]), [[3, 13]] * 3, SAMPLING, [1, 2, 3],
                                     tools_for(tokenizer, make), [{}] * 3)
     for e in episodes:  # ended as they stand: scored by the reward on the text so far
