@@ -694,10 +694,7 @@ def score(samples: list[Sample], data: tasks.Data, reward_fn, cfg: Config) -> No
         cfg.max_new_tokens,
     )
     for s, sc in zip(samples, scores):
-        s.reward = sc.reward
-        s.correct = sc.correct
-        s.metrics = sc.metrics
-        s.reward_error = sc.error
+        vars(s).update(vars(sc))  # reward, correct, metrics, reward_error
 
 
 def rollout_sums(samples: list[Sample], ranks: Ranks) -> dict:

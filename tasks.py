@@ -720,12 +720,12 @@ def evaluate(
 
 
 @dataclass
-class Score:
+class Score:  # its fields are a Sample's (nanoareal.score copies them over)
     reward: float
     # None: no verdict (nothing said and no "answer", or the call failed)
     correct: bool | None
     metrics: dict[str, float]
-    error: str | None = None  # why the call failed (it then scores 0)
+    reward_error: str | None = None  # why the call failed (it then scores 0)
 
 
 def score_one(reward_fn: Callable, completion: str, row: dict) -> Score:

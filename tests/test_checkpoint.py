@@ -366,8 +366,8 @@ def test_a_reward_call_that_raises_hangs_or_is_not_finite_scores_zero_and_the_re
     assert [s.reward for s in scores] == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
     # a failed call has no verdict, and says why
     assert [s.correct for s in scores] == [True, None, None, True, None, False]
-    assert [s.error is not None for s in scores] == [False, True, True, False, True, False]
-    assert scores[1].error == "ValueError: bad input" and "0.3s" in scores[2].error
+    assert [s.reward_error is not None for s in scores] == [False, True, True, False, True, False]
+    assert scores[1].reward_error == "ValueError: bad input" and "0.3s" in scores[2].reward_error
     assert time.monotonic() - t0 < 2
 
 

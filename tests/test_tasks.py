@@ -105,7 +105,7 @@ def test_math_reward_runs_on_the_reward_worker_thread():
     rows = [{"answer": "0.75"}, {"answer": "#### 18"}, {"answer": "5"}]
     texts = ["$\\boxed{\\frac{3}{4}}$", "#### 18", "\\boxed{6}"]
     scores = tasks.compute_rewards(tasks.load_reward("math"), texts, rows, 60, [0, 1, 2])
-    assert [(s.reward, s.correct, s.error) for s in scores] == [
+    assert [(s.reward, s.correct, s.reward_error) for s in scores] == [
         (1.0, True, None), (1.0, True, None), (0.0, False, None)]
 
 

@@ -72,7 +72,7 @@ def test_torchrun_ranks_push_fsdp2_weights_in_bf16_over_a_weight_group_to_server
             proc.stdin.close()
             proc.wait(30)
     assert code == 0, f"STDOUT\n{out[-3000:]}\nSTDERR\n{err[-6000:]}"
-    ranks = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for r in ranks:
         assert r["sync"] == "nccl" and r["gathered"] == ["torch.bfloat16"], r

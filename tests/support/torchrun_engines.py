@@ -58,8 +58,10 @@ def remote(model_dir: str, run_dir: str, urls: list[str]) -> None:
     c = engine.generate([PROMPTS[0]], rollout.SamplingParams(8, 0.7), [dist.get_rank()])[0]
     gap = float((trainer_logprobs(reference, PROMPTS[0], c, 0.7)
                  - torch.tensor(c.logprobs)).abs().max())
-    print(json.dumps({"rank": dist.get_rank(), "sync": engine.weight_sync, "gap": gap,
-                      "gathered": sorted(str(d) for d in gathered)}), flush=True)
+    # a file per rank: two ranks' lines on one stdout may interleave
+    with open(os.path.join(run_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump({"rank": dist.get_rank(), "sync": engine.weight_sync, "gap": gap,
+                   "gathered": sorted(str(d) for d in gathered)}, f)
     engine.shutdown()
     dist.destroy_process_group()
 
