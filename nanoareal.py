@@ -784,8 +784,8 @@ def train_on_samples(
     n = cfg.num_minibatches
     groups = sorted({s.group for s in samples})
     packed = [
-        minibatch(model, reference, [s for s in samples if s.group in groups[i::n]], cfg)
-        for i in range(n)
+        minibatch(model, reference, [s for s in samples if s.group in share], cfg)
+        for share in (set(groups[i::n]) for i in range(n))  # a set: one lookup per sample
     ]
     # positions: what the model was fed (fewer than trained_tokens: shared prompts, no last tokens)
     tokens = sum(len(s.prompt_ids) + len(s.completion.output_ids) for s in samples)
